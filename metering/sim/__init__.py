@@ -1,0 +1,1 @@
+"""A simulated upstream: a real HTTP server speaking each provider's dialect."""
