@@ -27,8 +27,9 @@ def message_text(content: object) -> str:
         return content
     if isinstance(content, list):
         return "".join(
-            part.get("text", "") for part in content if isinstance(part, dict)
-            and isinstance(part.get("text", ""), str)
+            part.get("text", "")
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text", ""), str)
         )
     return ""
 

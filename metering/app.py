@@ -1,0 +1,103 @@
+"""create_app(): routers, error handlers, and the lifespan (database, upstream clients, jobs)."""
+
+import logging
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import text
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from metering import jobs
+from metering.auth.passwords import Passwords
+from metering.db import Database
+from metering.errors import error_response, install_error_handlers
+from metering.identity.endpoints import router as identity_router
+from metering.proxy.endpoints import router as proxy_router
+from metering.proxy.upstreams import Upstreams
+from metering.reports.usage import router as usage_router
+from metering.settings import Catalog, Settings, load_catalog
+
+log = logging.getLogger("metering")
+
+
+class RequestId:
+    """Gives every request an id (the ledger event's id for the proxy) and every response x-request-id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = f"req_{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _ledger_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.error("database unreachable: %s", exc)
+    return error_response(
+        503, "ledger_unavailable", "the ledger database cannot be reached; retry later"
+    )
+
+
+def create_app(
+    settings: Settings | None = None, catalog: Catalog | None = None, *, run_jobs: bool = True
+) -> FastAPI:
+    settings = settings or Settings()
+    catalog = catalog if catalog is not None else load_catalog(settings.config_path())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state = app.state
+        state.settings, state.catalog = settings, catalog
+        state.db = Database(settings.database_url, settings.db_pool_size)
+        state.upstreams = Upstreams(catalog, settings.upstream_max_connections)
+        state.passwords = Passwords()
+        scheduler = jobs.start_scheduler(state.db, settings.hold_ttl_s) if run_jobs else None
+        try:
+            yield
+        finally:
+            if scheduler is not None:
+                scheduler.shutdown(wait=False)
+            await state.upstreams.close()
+            await state.db.dispose()
+
+    app = FastAPI(
+        title="metering", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None
+    )
+    install_error_handlers(app)
+    for error in (
+        sa_exc.OperationalError,
+        sa_exc.InterfaceError,
+        sa_exc.TimeoutError,
+        ConnectionError,
+    ):
+        app.add_exception_handler(error, _ledger_unavailable)
+    app.include_router(proxy_router)
+    app.include_router(identity_router)
+    app.include_router(usage_router)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz(request: Request) -> dict:
+        async with request.app.state.db.engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+        return {"status": "ready"}
+
+    app.add_middleware(RequestId)
+    return app

@@ -1,0 +1,317 @@
+"""Holds and settles: the only code that writes budget counters.
+
+reserve(): one short transaction. Each budget (token, user, team, in that order,
+so concurrent transactions lock rows in one order and never deadlock) is moved
+into its current window if it has rolled, then gets `reserved += hold` by a
+conditional UPDATE that only matches while `spent + reserved + hold <= limit`.
+The database decides, so replicas sharing one PostgreSQL cannot together pass a
+limit. settle(): one short transaction that deletes the hold (a retried settle
+finds nothing and does nothing), moves `hold` from reserved and `cost` to spent,
+and appends the ledger event.
+
+A window rolls when the first request after its end touches it (no job needed):
+its total is kept in budget_windows, then spent restarts at 0. Outstanding holds
+stay reserved across the roll, and a request is charged to the window it settles in.
+"""
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from metering.budgets.windows import parse_interval, window_for
+from metering.db import Database, UTCDateTime, utcnow
+from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
+
+SCOPES = ("token", "user", "team")
+RESERVE_ATTEMPTS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetView:
+    """A budget as it stands now, its window rolled forward if it has ended."""
+
+    scope: str
+    subject_id: str
+    credit_limit: int | None
+    reset_interval: str
+    window_start: datetime
+    resets_at: datetime | None
+    spent: int
+    reserved: int
+
+    @property
+    def remaining(self) -> int | None:
+        if self.credit_limit is None:
+            return None
+        return max(self.credit_limit - self.spent - self.reserved, 0)
+
+
+def current_window(budget: Budget, now: datetime) -> tuple[datetime, datetime | None]:
+    return window_for(parse_interval(budget.reset_interval), budget.anchor_at, now)
+
+
+def view(budget: Budget, now: datetime) -> BudgetView:
+    start, end = current_window(budget, now)
+    rolled = budget.window_start < start
+    return BudgetView(
+        scope=budget.scope,
+        subject_id=budget.subject_id,
+        credit_limit=budget.credit_limit,
+        reset_interval=budget.reset_interval,
+        window_start=max(start, budget.window_start),
+        resets_at=end,
+        spent=0 if rolled else budget.spent,
+        reserved=budget.reserved,
+    )
+
+
+def new_budget(
+    subject_id: str, scope: str, credit_limit: int | None, reset_interval: str, now: datetime
+) -> Budget:
+    interval = parse_interval(reset_interval)
+    start, _ = window_for(interval, now, now)
+    return Budget(
+        subject_id=subject_id,
+        scope=scope,
+        credit_limit=credit_limit,
+        reset_interval=interval.text,
+        anchor_at=now,
+        window_start=start,
+        spent=0,
+        reserved=0,
+    )
+
+
+def _upsert_ignore(session: AsyncSession):
+    return pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+
+
+async def roll(session: AsyncSession, budget: Budget, now: datetime) -> None:
+    """Close the budget's window if it has ended: keep its total, restart spent at 0."""
+    start, _ = current_window(budget, now)
+    old_start = budget.window_start
+    if old_start >= start:
+        return
+    _, old_end = current_window(budget, old_start)
+    closed = (
+        _upsert_ignore(session)(BudgetWindow)
+        .from_select(
+            [
+                "subject_id",
+                "window_start",
+                "window_end",
+                "scope",
+                "credit_limit",
+                "spent",
+                "recorded_at",
+            ],
+            select(
+                Budget.subject_id,
+                Budget.window_start,
+                _literal(old_end),
+                Budget.scope,
+                Budget.credit_limit,
+                Budget.spent,
+                _literal(now),
+            ).where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start),
+        )
+        .on_conflict_do_nothing()
+    )
+    await session.execute(closed)
+    await session.execute(
+        update(Budget)
+        .where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start)
+        .values(spent=0, window_start=start)
+    )
+
+
+def _literal(value: datetime | None):
+    return bindparam(None, value, type_=UTCDateTime)
+
+
+async def load(session: AsyncSession, subject_ids: list[str]) -> dict[str, Budget]:
+    """Budget rows as plain rows (not tracked objects): the UPDATEs below are the writes."""
+    table = Budget.__table__
+    rows = await session.execute(select(table).where(table.c.subject_id.in_(subject_ids)))
+    return {row.subject_id: row for row in rows}
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """The budget that could not cover a request, as it stood."""
+
+    budget: BudgetView
+
+
+class BudgetShortfall(Exception):
+    def __init__(self, shortfall: Shortfall) -> None:
+        super().__init__(shortfall.budget.scope)
+        self.shortfall = shortfall
+
+
+@dataclass(frozen=True, slots=True)
+class HoldSpec:
+    """What reserve() needs to know about a request."""
+
+    hold_id: str
+    token_id: str | None
+    user_id: str
+    team_id: str
+    model: str
+    provider: str
+    upstream_model: str
+    stream: bool
+    input_price: int
+    cached_price: int
+    output_price: int
+    prompt_bound: int
+    max_tokens: int | None  # the client's own, or None
+    model_max_output: int
+
+    @property
+    def subjects(self) -> list[str]:
+        return [s for s in (self.token_id, self.user_id, self.team_id) if s]
+
+    def amount(self, output_tokens: int) -> int:
+        prompt = self.prompt_bound * max(self.input_price, self.cached_price)
+        return prompt + output_tokens * self.output_price
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    hold_id: str
+    amount: int
+    max_tokens: int  # what goes upstream
+    clamped: bool
+
+
+def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
+    """The output allowance to hold for, and whether it was lowered to fit the credit left."""
+    limited = [v for v in views if v.credit_limit is not None]
+    wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
+    tightest = min(limited, key=lambda v: v.remaining, default=None)
+    if tightest is None or spec.amount(wanted) <= tightest.remaining:
+        return wanted, False
+    if spec.max_tokens is not None:
+        raise BudgetShortfall(Shortfall(tightest))
+    left = tightest.remaining - spec.amount(0)
+    affordable = left // spec.output_price if spec.output_price else wanted
+    if affordable < 1:
+        raise BudgetShortfall(Shortfall(tightest))
+    return min(affordable, wanted), True
+
+
+async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl_s: int):
+    budgets = await load(session, spec.subjects)
+    ordered = [budgets[s] for s in spec.subjects if s in budgets]
+    views = [view(b, now) for b in ordered]
+    output_tokens, clamped = _plan(spec, views)
+    amount = spec.amount(output_tokens)
+    for budget in ordered:
+        await roll(session, budget, now)
+        start, _ = current_window(budget, now)
+        result = await session.execute(
+            update(Budget)
+            .where(
+                Budget.subject_id == budget.subject_id,
+                Budget.window_start >= start,
+                (Budget.credit_limit.is_(None))
+                | (Budget.spent + Budget.reserved + amount <= Budget.credit_limit),
+            )
+            .values(reserved=Budget.reserved + amount)
+        )
+        if result.rowcount != 1:
+            return None
+    session.add(
+        Hold(
+            id=spec.hold_id,
+            token_id=spec.token_id,
+            user_id=spec.user_id,
+            team_id=spec.team_id,
+            amount=amount,
+            model=spec.model,
+            provider=spec.provider,
+            upstream_model=spec.upstream_model,
+            stream=spec.stream,
+            input_price=spec.input_price,
+            cached_price=spec.cached_price,
+            output_price=spec.output_price,
+            created_at=now,
+            expires_at=now + timedelta(seconds=ttl_s),
+        )
+    )
+    await session.flush()
+    return Reservation(spec.hold_id, amount, output_tokens, clamped)
+
+
+async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
+    """Reserve the request's worst case against every budget at once, or raise BudgetShortfall."""
+    for _ in range(RESERVE_ATTEMPTS):
+        now = utcnow()
+        session = db.sessions()
+        try:
+            async with session.begin():
+                reservation = await _try_reserve(session, spec, now, ttl_s)
+                if reservation is None:
+                    await session.rollback()
+                    continue
+            return reservation
+        finally:
+            await session.close()
+    # Lost every race to concurrent requests: what is left is genuinely too little.
+    async with db.transaction() as session:
+        budgets = await load(session, spec.subjects)
+        views = [view(budgets[s], utcnow()) for s in spec.subjects if s in budgets]
+    limited = [v for v in views if v.credit_limit is not None]
+    raise BudgetShortfall(Shortfall(min(limited, key=lambda v: v.remaining)))
+
+
+async def settle(db: Database, hold_id: str, event: dict) -> bool:
+    """Turn a hold into its ledger event; False when it was already settled (or expired)."""
+    async with db.transaction() as session:
+        return await settle_in(session, hold_id, event)
+
+
+async def settle_in(session: AsyncSession, hold_id: str, event: dict) -> bool:
+    hold = (
+        await session.execute(delete(Hold).where(Hold.id == hold_id).returning(Hold))
+    ).scalar_one_or_none()
+    if hold is None:
+        return False
+    now = event["created_at"]
+    cost = event["cost"]
+    subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
+    budgets = await load(session, subjects)
+    for subject in subjects:
+        budget = budgets.get(subject)
+        if budget is None:
+            continue
+        await roll(session, budget, now)
+        await session.execute(
+            update(Budget)
+            .where(Budget.subject_id == subject)
+            .values(spent=Budget.spent + cost, reserved=Budget.reserved - hold.amount)
+        )
+    await session.execute(insert(LedgerEvent).values(**event))
+    return True
+
+
+async def release(db: Database, hold_id: str) -> None:
+    """Give a hold back untouched: the request never reached an upstream."""
+    async with db.transaction() as session:
+        hold = (
+            await session.execute(delete(Hold).where(Hold.id == hold_id).returning(Hold))
+        ).scalar_one_or_none()
+        if hold is None:
+            return
+        for subject in (hold.token_id, hold.user_id, hold.team_id):
+            if subject:
+                await session.execute(
+                    update(Budget)
+                    .where(Budget.subject_id == subject)
+                    .values(reserved=Budget.reserved - hold.amount)
+                )

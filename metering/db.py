@@ -1,0 +1,118 @@
+"""Engines, sessions and the declarative Base (one naming convention for every constraint)."""
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+from sqlalchemy import DateTime, MetaData, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class UTCDateTime(TypeDecorator):
+    """Aware UTC datetimes in Python; naive UTC on SQLite so its text ordering is time ordering."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def async_url(url: str) -> str:
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return str(parsed.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False))
+    if backend == "postgresql":
+        return parsed.set(drivername="postgresql+asyncpg").render_as_string(hide_password=False)
+    raise ValueError(f"unsupported database {backend!r}: use sqlite:///PATH or postgresql://...")
+
+
+def sync_url(url: str) -> str:
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        return parsed.set(drivername="sqlite").render_as_string(hide_password=False)
+    if backend == "postgresql":
+        return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    raise ValueError(f"unsupported database {backend!r}: use sqlite:///PATH or postgresql://...")
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def create_engine(url: str, pool_size: int = 20) -> AsyncEngine:
+    if is_sqlite(url):
+        # SQLite has one writer: one pooled connection serializes this process's
+        # transactions in order instead of letting them fail with "database is locked".
+        engine = create_async_engine(async_url(url), pool_size=1, max_overflow=0, pool_timeout=60)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(
+        async_url(url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_timeout=30,
+        pool_recycle=1800,
+    )
+
+
+class Database:
+    def __init__(self, url: str, pool_size: int = 20) -> None:
+        self.url = url
+        self.engine = create_engine(url, pool_size)
+        self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        self.dialect = "sqlite" if is_sqlite(url) else "postgresql"
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncSession]:
+        """One unit of work: commits on success, rolls back on error."""
+        async with self.sessions() as session, session.begin():
+            yield session
+
+    async def dispose(self) -> None:
+        await self.engine.dispose()

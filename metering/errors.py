@@ -1,0 +1,113 @@
+"""One error type and one handler: every error leaves as OpenAI-shaped JSON."""
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "insufficient_quota",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "api_error",
+    504: "api_error",
+}
+
+
+class MeteringError(Exception):
+    status = 400
+    code = "invalid_request"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+class InvalidRequest(MeteringError):
+    status, code = 400, "invalid_request"
+
+
+class Unauthorized(MeteringError):
+    status, code = 401, "invalid_api_key"
+
+
+class Forbidden(MeteringError):
+    status, code = 403, "forbidden"
+
+
+class NotFound(MeteringError):
+    status, code = 404, "not_found"
+
+
+class ModelNotFound(MeteringError):
+    status, code = 404, "model_not_found"
+
+
+class TooLarge(MeteringError):
+    status, code = 413, "request_too_large"
+
+
+class LedgerUnavailable(MeteringError):
+    status, code = 503, "ledger_unavailable"
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
+
+
+def error_response(
+    status: int, code: str, message: str, param: str | None = None, headers=None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, code, message, param), status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    return (f"{param}: {message}" if param else message), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MeteringError)
+    async def _metering(_: Request, exc: MeteringError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, "invalid_request", message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return error_response(exc.status_code, code, str(exc.detail), None, exc.headers)

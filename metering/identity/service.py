@@ -1,0 +1,189 @@
+"""Teams, users and API tokens. Services flush; the endpoint's unit of work commits."""
+
+import uuid
+from datetime import datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from metering.auth.principal import hash_token, new_api_token
+from metering.budgets.service import load, new_budget, roll
+from metering.budgets.windows import parse_interval, window_for
+from metering.db import utcnow
+from metering.errors import InvalidRequest, MeteringError, NotFound
+from metering.models import ApiToken, Budget, Team, User
+from metering.money import usd_to_pico
+
+MAX_ACTIVE_TOKENS = 10
+
+
+class TokenCapReached(MeteringError):
+    status, code = 409, "token_limit_reached"
+
+
+class EmailTaken(MeteringError):
+    status, code = 409, "email_taken"
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def _pico(limit):
+    return None if limit is None else usd_to_pico(limit)
+
+
+async def get_team(session: AsyncSession, team_id: str) -> Team:
+    team = await session.get(Team, team_id)
+    if team is None or team.deleted_at is not None:
+        raise NotFound(f"team {team_id} not found")
+    return team
+
+
+async def get_user(session: AsyncSession, user_id: str) -> User:
+    user = await session.get(User, user_id)
+    if user is None or user.deleted_at is not None:
+        raise NotFound(f"user {user_id} not found")
+    return user
+
+
+async def get_token(session: AsyncSession, token_id: str) -> ApiToken:
+    token = await session.get(ApiToken, token_id)
+    if token is None:
+        raise NotFound(f"token {token_id} not found")
+    return token
+
+
+async def get_budget(session: AsyncSession, subject_id: str) -> Budget:
+    return await session.get(Budget, subject_id)
+
+
+async def create_team(session: AsyncSession, name: str, limit, interval: str) -> Team:
+    now = utcnow()
+    team = Team(id=new_id("team"), name=name, created_at=now)
+    session.add(team)
+    session.add(new_budget(team.id, "team", _pico(limit), interval, now))
+    await session.flush()
+    return team
+
+
+async def _email_free(session: AsyncSession, email: str, except_id: str | None = None) -> None:
+    query = select(User.id).where(
+        func.lower(User.email) == email.lower(), User.deleted_at.is_(None)
+    )
+    existing = await session.scalar(query)
+    if existing is not None and existing != except_id:
+        raise EmailTaken(f"a user with email {email} already exists")
+
+
+async def create_user(
+    session: AsyncSession, *, email, name, team_id, password_hash, limit, interval
+) -> User:
+    try:
+        await get_team(session, team_id)
+    except NotFound:
+        raise InvalidRequest(f"team {team_id} not found", param="team_id") from None
+    await _email_free(session, email)
+    now = utcnow()
+    user = User(
+        id=new_id("user"),
+        email=email,
+        name=name,
+        team_id=team_id,
+        password_hash=password_hash,
+        created_at=now,
+    )
+    session.add(user)
+    session.add(new_budget(user.id, "user", _pico(limit), interval, now))
+    await session.flush()
+    return user
+
+
+async def create_token(
+    session: AsyncSession, user_id: str, *, name, limit, interval, expires_at: datetime | None
+) -> tuple[ApiToken, str]:
+    """A new API token; its secret is returned this once. At most 10 active per user."""
+    now = utcnow()
+    # Lock the user row: concurrent creations for one user queue here, so the count is exact.
+    user = (
+        await session.execute(select(User).where(User.id == user_id).with_for_update())
+    ).scalar_one_or_none()
+    if user is None or user.deleted_at is not None:
+        raise NotFound(f"user {user_id} not found")
+    if expires_at is not None and expires_at <= now:
+        raise InvalidRequest("expires_at must be in the future", param="expires_at")
+    active = await session.scalar(
+        select(func.count())
+        .select_from(ApiToken)
+        .where(
+            ApiToken.user_id == user_id,
+            ApiToken.revoked_at.is_(None),
+            (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > now),
+        )
+    )
+    if active >= MAX_ACTIVE_TOKENS:
+        raise TokenCapReached(
+            f"user {user_id} already has {MAX_ACTIVE_TOKENS} active tokens: revoke one first"
+        )
+    secret = new_api_token()
+    token = ApiToken(
+        id=new_id("tok"),
+        user_id=user_id,
+        name=name,
+        prefix=secret[:12],
+        token_hash=hash_token(secret),
+        expires_at=expires_at,
+        created_at=now,
+    )
+    session.add(token)
+    session.add(new_budget(token.id, "token", _pico(limit), interval, now))
+    await session.flush()
+    return token, secret
+
+
+async def revoke_token(session: AsyncSession, token_id: str) -> None:
+    await get_token(session, token_id)
+    await session.execute(
+        update(ApiToken)
+        .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=utcnow())
+    )
+
+
+async def delete_user(session: AsyncSession, user_id: str) -> None:
+    await get_user(session, user_id)
+    now = utcnow()
+    await session.execute(update(User).where(User.id == user_id).values(deleted_at=now))
+    await session.execute(
+        update(ApiToken)
+        .where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=now)
+    )
+
+
+async def delete_team(session: AsyncSession, team_id: str) -> None:
+    await get_team(session, team_id)
+    await session.execute(update(Team).where(Team.id == team_id).values(deleted_at=utcnow()))
+
+
+async def change_budget(session: AsyncSession, subject_id: str, fields: dict) -> None:
+    """A new limit applies to the current window at once; a new interval re-anchors the window
+    at the time of the change, keeping what was spent so far counted in it."""
+    values: dict = {}
+    if "credit_limit" in fields:
+        values["credit_limit"] = _pico(fields["credit_limit"])
+    if fields.get("reset_interval") is not None:
+        now = utcnow()
+        current = (await load(session, [subject_id])).get(subject_id)
+        if current is not None:
+            await roll(session, current, now)
+        interval = parse_interval(fields["reset_interval"])
+        values.update(
+            reset_interval=interval.text,
+            anchor_at=now,
+            window_start=window_for(interval, now, now)[0],
+        )
+    if values:
+        await session.execute(
+            update(Budget).where(Budget.subject_id == subject_id).values(**values)
+        )

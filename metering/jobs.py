@@ -1,0 +1,129 @@
+"""Background jobs (APScheduler). Every replica runs them: each one is idempotent SQL."""
+
+import logging
+from datetime import timedelta
+
+from apscheduler.schedulers.asyncio import AsyncIOScheduler
+from sqlalchemy import select
+
+from metering.budgets import service as budgets
+from metering.db import Database, utcnow
+from metering.models import Budget, Hold
+
+log = logging.getLogger("metering.jobs")
+
+
+def unsettled_event(hold: Hold, now) -> dict:
+    """A hold whose request never settled (its replica died) is charged in full."""
+    return {
+        "id": hold.id,
+        "created_at": now,
+        "started_at": hold.created_at,
+        "token_id": hold.token_id,
+        "user_id": hold.user_id,
+        "team_id": hold.team_id,
+        "model": hold.model,
+        "provider": hold.provider,
+        "upstream_model": hold.upstream_model,
+        "upstream_id": None,
+        "stream": hold.stream,
+        "status": "unsettled",
+        "http_status": None,
+        "finish_reason": None,
+        "prompt_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+        "cached_tokens": 0,
+        "text_tokens": None,
+        "reasoning_tokens": None,
+        "audio_tokens": None,
+        "image_tokens": None,
+        "video_tokens": None,
+        "accepted_prediction_tokens": None,
+        "rejected_prediction_tokens": None,
+        "usage_source": "unsettled",
+        "input_price": hold.input_price,
+        "cached_price": hold.cached_price,
+        "output_price": hold.output_price,
+        "cost": hold.amount,
+        "ttft_ms": None,
+        "latency_ms": None,
+        "error": "the request never settled: its hold was charged in full",
+    }
+
+
+async def expire_holds(db: Database, batch: int = 500) -> int:
+    """Charge every expired hold as an `unsettled` event; a hold settled meanwhile is skipped."""
+    now = utcnow()
+    async with db.sessions() as session:
+        expired = list(
+            await session.scalars(
+                select(Hold).where(Hold.expires_at <= now).order_by(Hold.expires_at).limit(batch)
+            )
+        )
+    charged = 0
+    for hold in expired:
+        async with db.transaction() as session:
+            if await budgets.settle_in(session, hold.id, unsettled_event(hold, utcnow())):
+                charged += 1
+    if charged:
+        log.warning("charged %d expired holds as unsettled", charged)
+    return charged
+
+
+async def close_windows(db: Database) -> int:
+    """Roll every budget whose window has ended, keeping the closed window's total."""
+    now = utcnow()
+    closed = 0
+    async with db.sessions() as session:
+        rows = list(
+            await session.execute(select(Budget.__table__).where(Budget.reset_interval != "never"))
+        )
+    for row in rows:
+        start, _ = budgets.current_window(row, now)
+        if row.window_start < start:
+            async with db.transaction() as session:
+                await budgets.roll(session, row, now)
+            closed += 1
+    return closed
+
+
+def sweep_interval_s(hold_ttl_s: int) -> float:
+    return max(1.0, min(60.0, hold_ttl_s / 4))
+
+
+def start_scheduler(db: Database, hold_ttl_s: int) -> AsyncIOScheduler:
+    scheduler = AsyncIOScheduler(timezone="UTC")
+    every = sweep_interval_s(hold_ttl_s)
+    first = utcnow() + timedelta(seconds=1)
+    scheduler.add_job(
+        _guard(expire_holds, db),
+        "interval",
+        seconds=every,
+        next_run_time=first,
+        id="expire_holds",
+        max_instances=1,
+        coalesce=True,
+    )
+    scheduler.add_job(
+        _guard(close_windows, db),
+        "interval",
+        seconds=60,
+        next_run_time=first,
+        id="close_windows",
+        max_instances=1,
+        coalesce=True,
+    )
+    scheduler.start()
+    return scheduler
+
+
+def _guard(job, db: Database):
+    async def run() -> None:
+        try:
+            await job(db)
+        except Exception:
+            log.exception("job %s failed; it runs again at its next interval", job.__name__)
+
+    run.__name__ = job.__name__
+    return run

@@ -1,0 +1,158 @@
+"""All tables. Money columns are integer picodollars; prices are integer micro-USD per 1M tokens."""
+
+from datetime import datetime
+
+from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy.orm import Mapped, mapped_column
+
+from metering.db import Base, UTCDateTime
+
+Pico = BigInteger  # 1e-12 USD
+
+
+class Team(Base):
+    __tablename__ = "teams"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class User(Base):
+    __tablename__ = "users"
+    __table_args__ = (
+        Index(
+            "uq_users_email_live",
+            "email",
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    email: Mapped[str] = mapped_column(String(320))
+    name: Mapped[str] = mapped_column(String(200))
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"), index=True)
+    password_hash: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class ApiToken(Base):
+    __tablename__ = "api_tokens"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Budget(Base):
+    """The running counters of one token's, user's or team's credit limit in its current window."""
+
+    __tablename__ = "budgets"
+
+    subject_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    scope: Mapped[str] = mapped_column(String(8))  # token | user | team
+    credit_limit: Mapped[int | None] = mapped_column(Pico)
+    reset_interval: Mapped[str] = mapped_column(String(20))
+    anchor_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    window_start: Mapped[datetime] = mapped_column(UTCDateTime)
+    spent: Mapped[int] = mapped_column(Pico, default=0)
+    reserved: Mapped[int] = mapped_column(Pico, default=0)
+
+
+class BudgetWindow(Base):
+    """A closed window's total, kept when the window rolls over."""
+
+    __tablename__ = "budget_windows"
+
+    subject_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    window_start: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)
+    window_end: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    scope: Mapped[str] = mapped_column(String(8))
+    credit_limit: Mapped[int | None] = mapped_column(Pico)
+    spent: Mapped[int] = mapped_column(Pico)
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Hold(Base):
+    """Credit reserved for a request in flight; deleted when it settles."""
+
+    __tablename__ = "holds"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    token_id: Mapped[str | None] = mapped_column(String(40))
+    user_id: Mapped[str] = mapped_column(String(40))
+    team_id: Mapped[str] = mapped_column(String(40))
+    amount: Mapped[int] = mapped_column(Pico)
+    model: Mapped[str] = mapped_column(String(200))
+    provider: Mapped[str] = mapped_column(String(100))
+    upstream_model: Mapped[str] = mapped_column(String(200))
+    stream: Mapped[bool] = mapped_column(Boolean)
+    input_price: Mapped[int] = mapped_column(BigInteger)
+    cached_price: Mapped[int] = mapped_column(BigInteger)
+    output_price: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
+class LedgerEvent(Base):
+    """One request that reached an upstream. Append-only: never updated, never deleted."""
+
+    __tablename__ = "ledger_events"
+    __table_args__ = (
+        Index("ix_ledger_events_created", "created_at", "id"),
+        Index("ix_ledger_events_token_created", "token_id", "created_at"),
+        Index("ix_ledger_events_user_created", "user_id", "created_at"),
+        Index("ix_ledger_events_team_created", "team_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    token_id: Mapped[str | None] = mapped_column(String(40))
+    user_id: Mapped[str] = mapped_column(String(40))
+    team_id: Mapped[str] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(200))
+    provider: Mapped[str] = mapped_column(String(100))
+    upstream_model: Mapped[str] = mapped_column(String(200))
+    upstream_id: Mapped[str | None] = mapped_column(String(200))
+    stream: Mapped[bool] = mapped_column(Boolean)
+    status: Mapped[str] = mapped_column(String(32))
+    http_status: Mapped[int | None] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(64))
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    total_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    text_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    reasoning_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    audio_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    image_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    video_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    accepted_prediction_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    rejected_prediction_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    usage_source: Mapped[str] = mapped_column(String(16))
+    input_price: Mapped[int] = mapped_column(BigInteger)
+    cached_price: Mapped[int] = mapped_column(BigInteger)
+    output_price: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[int] = mapped_column(Pico)
+    ttft_ms: Mapped[int | None] = mapped_column(Integer)
+    latency_ms: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class KeyValue(Base):
+    """Small process-wide values shared by every replica (e.g. a generated signing secret)."""
+
+    __tablename__ = "key_values"
+
+    key: Mapped[str] = mapped_column(String(100), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

@@ -1,0 +1,77 @@
+"""Exact money. Amounts are integer picodollars (1e-12 USD) in the database.
+
+Prices carry at most 6 decimals per 1M tokens, so a price is a whole number of
+micro-dollars per 1M tokens, and tokens x that number is the cost in
+picodollars: every cost is an exact integer, no rounding anywhere.
+"""
+
+from decimal import Decimal, InvalidOperation
+
+PICO = Decimal(10) ** 12
+MICRO = Decimal(10) ** 6
+# Largest amount a budget or price may hold: keeps every counter in a signed 64-bit column.
+MAX_USD = Decimal("1000000")
+
+
+class MoneyError(ValueError):
+    pass
+
+
+def parse_usd(value: object, *, places: int = 12, field: str = "amount") -> Decimal:
+    """A USD amount from a decimal string (or int); floats are refused, they are not exact."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, Decimal)):
+        raise MoneyError(f'{field} must be a decimal string such as "10.00"')
+    try:
+        amount = Decimal(value) if not isinstance(value, str) else Decimal(value.strip())
+    except InvalidOperation:
+        raise MoneyError(f'{field} must be a decimal string such as "10.00"') from None
+    if not amount.is_finite() or amount < 0:
+        raise MoneyError(f"{field} must be a finite amount >= 0")
+    if amount > MAX_USD:
+        raise MoneyError(f"{field} must be at most {MAX_USD}")
+    if amount != amount.quantize(Decimal(1).scaleb(-places)):
+        raise MoneyError(f"{field} has more than {places} decimals")
+    return amount
+
+
+def usd_to_pico(amount: Decimal) -> int:
+    return int(amount * PICO)
+
+
+def pico_to_usd(pico: int) -> Decimal:
+    return Decimal(pico) / PICO
+
+
+def price_to_micro(price_per_mtok: Decimal) -> int:
+    """USD per 1M tokens -> whole micro-dollars per 1M tokens (exact: at most 6 decimals)."""
+    return int(price_per_mtok * MICRO)
+
+
+def format_usd(pico: int | None) -> str | None:
+    """Plain decimal notation, never an exponent: 360000000 -> "0.000360"."""
+    if pico is None:
+        return None
+    sign = "-" if pico < 0 else ""
+    whole, frac = divmod(abs(pico), 10**12)
+    text = f"{frac:012d}".rstrip("0")
+    text = text.ljust(6, "0")
+    return f"{sign}{whole}.{text}"
+
+
+def format_price(micro: int) -> str:
+    whole, frac = divmod(micro, 10**6)
+    return f"{whole}.{frac:06d}".rstrip("0").rstrip(".") if frac else f"{whole}"
+
+
+def cost_pico(
+    prompt_tokens: int,
+    cached_tokens: int,
+    completion_tokens: int,
+    input_micro: int,
+    cached_micro: int,
+    output_micro: int,
+) -> int:
+    """Prompt tokens not cached x input + cached x cached price + completion x output."""
+    cached = min(max(cached_tokens, 0), max(prompt_tokens, 0))
+    uncached = max(prompt_tokens, 0) - cached
+    return uncached * input_micro + cached * cached_micro + max(completion_tokens, 0) * output_micro

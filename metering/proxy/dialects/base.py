@@ -1,0 +1,63 @@
+"""A dialect says how to talk to one kind of upstream: URL, headers, request shape, errors."""
+
+import json
+
+from metering.settings import ModelRoute, Provider
+
+
+class Dialect:
+    name = "openai"
+    # Whether the upstream honours stream_options.include_usage (then the proxy always asks).
+    include_usage = True
+    # Whether streams report usage even when not asked.
+    usage_always_in_stream = False
+
+    def url(self, provider: Provider) -> str:
+        return f"{provider.base_url}/chat/completions"
+
+    def headers(self, provider: Provider) -> dict[str, str]:
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        if provider.api_key:
+            headers["authorization"] = f"Bearer {provider.api_key}"
+        return headers
+
+    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
+        """The body sent upstream: the client's, with the upstream's model name and our limits."""
+        upstream = dict(body)
+        upstream["model"] = route.upstream_model
+        if max_tokens is not None:
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            upstream[key] = max_tokens
+        if body.get("stream") and self.include_usage:
+            options = (
+                body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            )
+            upstream["stream_options"] = {**options, "include_usage": True}
+        return upstream
+
+    def error_message(self, status: int, raw: bytes) -> tuple[str, str | None]:
+        """(message, upstream code) from an upstream error body, whatever its shape."""
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            text = raw.decode("utf-8", "replace").strip()
+            return (text[:500] or f"upstream answered HTTP {status}"), None
+        if isinstance(payload, dict):
+            error = payload.get("error")
+            if isinstance(error, dict):
+                return str(error.get("message") or f"upstream answered HTTP {status}"), error.get(
+                    "code"
+                )
+            if isinstance(error, str):
+                return error, None
+            for key in ("detail", "message", "title"):
+                if isinstance(payload.get(key), str):
+                    return payload[key], None
+        return f"upstream answered HTTP {status}", None
+
+    def is_openai_error(self, raw: bytes) -> bool:
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            return False
+        return isinstance(payload, dict) and isinstance(payload.get("error"), dict)

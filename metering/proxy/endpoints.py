@@ -1,0 +1,118 @@
+"""POST /v1/chat/completions and GET /v1/models."""
+
+import json
+import time
+from dataclasses import replace
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from metering.auth.principal import Principal, any_principal, user_principal
+from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
+from metering.db import utcnow
+from metering.errors import InvalidRequest, MeteringError, ModelNotFound
+from metering.money import format_usd
+from metering.proxy import forward
+from metering.proxy.dialects import dialect_for
+from metering.proxy.estimate import prompt_tokens_upper_bound
+from metering.proxy.request import parse_json, read_body, validate
+from metering.timefmt import rfc3339
+
+router = APIRouter(prefix="/v1")
+
+
+class BudgetExceeded(MeteringError):
+    status, code = 402, "budget_exceeded"
+
+
+def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
+    budget = exc.shortfall.budget
+    resets = rfc3339(budget.resets_at)
+    when = f"resets at {resets}" if resets else "never resets"
+    message = (
+        f"{budget.scope} budget {budget.subject_id} cannot cover this request: limit "
+        f"{format_usd(budget.credit_limit)} USD, spent {format_usd(budget.spent)}, reserved "
+        f"{format_usd(budget.reserved)}, remaining {format_usd(budget.remaining)}; {when}"
+    )
+    headers = {"x-budget-scope": budget.scope}
+    if resets:
+        headers["x-budget-resets-at"] = resets
+    return BudgetExceeded(message, headers=headers)
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    request: Request, principal: Principal = Depends(user_principal)
+) -> Response:
+    state = request.app.state
+    t0 = time.perf_counter()
+    raw = await read_body(request, state.settings.max_body_bytes)
+    chat = validate(parse_json(raw), len(raw))
+    routes = state.catalog.routes(chat.model)
+    if not routes:
+        raise ModelNotFound(f"model {chat.model!r} is not served here", param="model")
+    route = routes[0]
+    if chat.max_tokens is not None and chat.max_tokens > route.max_output_tokens:
+        raise InvalidRequest(
+            f"max_tokens {chat.max_tokens} is above the model's maximum of {route.max_output_tokens}",
+            param="max_tokens",
+        )
+    provider = state.catalog.providers[route.provider]
+    dialect = dialect_for(provider.dialect)
+    request_id = request.scope["state"]["request_id"]
+    spec = HoldSpec(
+        hold_id=request_id,
+        token_id=principal.token_id,
+        user_id=principal.user_id,
+        team_id=principal.team_id,
+        model=route.name,
+        provider=route.provider,
+        upstream_model=route.upstream_model,
+        stream=chat.stream,
+        input_price=route.input_micro,
+        cached_price=route.cached_micro,
+        output_price=route.output_micro * chat.choices,
+        prompt_bound=prompt_tokens_upper_bound(chat.size, chat.body),
+        max_tokens=chat.max_tokens,
+        model_max_output=route.max_output_tokens,
+    )
+    try:
+        reservation = await reserve(state.db, spec, state.settings.hold_ttl_s)
+    except BudgetShortfall as exc:
+        raise budget_exceeded(exc) from None
+    headers = {}
+    if reservation.clamped:
+        headers["x-max-tokens-clamped"] = str(reservation.max_tokens)
+    # The hold is per choice-token; the ledger charges the real output price.
+    spec = replace(spec, output_price=route.output_micro)
+    upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
+    attempt = forward.Attempt(
+        spec=spec,
+        chat=chat,
+        provider=provider,
+        dialect=dialect,
+        upstream_body=json.dumps(upstream_body, ensure_ascii=False).encode(),
+        started_at=utcnow(),
+        t0=t0,
+        headers=headers,
+    )
+    try:
+        if chat.stream:
+            return await forward.stream(state, attempt)
+        return await forward.complete(state, attempt)
+    except BaseException:
+        # Whatever went wrong, the hold is never left behind by this request.
+        await forward.release(state, attempt)
+        raise
+
+
+@router.get("/models")
+async def list_models(request: Request, _: Principal = Depends(any_principal)) -> dict:
+    catalog = request.app.state.catalog
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": routes[0].provider}
+            for name, routes in sorted(catalog.models.items())
+        ],
+    }

@@ -1,0 +1,333 @@
+"""Forward one attempt to its upstream and meter it: reserve happened before, settle happens here.
+
+No database transaction or pooled connection is held while waiting on the upstream.
+"""
+
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from metering.budgets import service as budgets
+from metering.budgets.service import HoldSpec
+from metering.errors import MeteringError, error_body
+from metering.proxy.dialects import Dialect
+from metering.proxy.ledger import Outcome, event_for
+from metering.proxy.request import ChatRequest
+from metering.proxy.sse import SSEParser
+from metering.proxy.upstreams import failure_kind
+from metering.proxy.usage import (
+    StreamObserver,
+    is_usage_only_chunk,
+    parse_json_object,
+    summarize_completion,
+)
+from metering.settings import Provider
+
+log = logging.getLogger("metering.proxy")
+
+DONE = b"data: [DONE]\n\n"
+PASSED_HEADERS = ("content-type", "retry-after")
+
+
+class UpstreamFailed(MeteringError):
+    status, code = 502, "upstream_error"
+
+
+class UpstreamTimeout(MeteringError):
+    status, code = 504, "upstream_timeout"
+
+
+@dataclass(slots=True)
+class Attempt:
+    spec: HoldSpec
+    chat: ChatRequest
+    provider: Provider
+    dialect: Dialect
+    upstream_body: bytes
+    started_at: datetime
+    t0: float
+    headers: dict  # response headers we add (x-request-id, x-max-tokens-clamped)
+
+    def elapsed_ms(self) -> int:
+        return int((time.perf_counter() - self.t0) * 1000)
+
+
+async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
+    """Write the attempt's one ledger event. Shielded: a client going away must not cancel it."""
+    event = event_for(
+        attempt.spec, attempt.chat.body, attempt.started_at, attempt.elapsed_ms(), outcome
+    )
+    with anyio.CancelScope(shield=True):
+        try:
+            await budgets.settle(state.db, attempt.spec.hold_id, event)
+        except Exception:
+            # The hold stays; the sweeper charges it as unsettled, so nothing is lost.
+            log.exception(
+                "settle failed for %s; its hold will be charged on expiry", attempt.spec.hold_id
+            )
+
+
+async def release(state, attempt: Attempt) -> None:
+    with anyio.CancelScope(shield=True):
+        try:
+            await budgets.release(state.db, attempt.spec.hold_id)
+        except Exception:
+            log.exception("release failed for %s", attempt.spec.hold_id)
+
+
+async def open_upstream(state, attempt: Attempt) -> httpx.Response:
+    """Send the request; on a failure before any answer, meter it (if it went out) and raise."""
+    client = state.upstreams.client(attempt.provider.name)
+    timeout = httpx.Timeout(attempt.provider.timeout_s, connect=attempt.provider.connect_timeout_s)
+    headers = attempt.dialect.headers(attempt.provider)
+    headers["accept-encoding"] = "identity"
+    request = client.build_request(
+        "POST",
+        attempt.dialect.url(attempt.provider),
+        content=attempt.upstream_body,
+        headers=headers,
+        timeout=timeout,
+    )
+    try:
+        return await client.send(request, stream=True)
+    except (httpx.HTTPError, OSError) as exc:
+        await _fail_before_answer(state, attempt, exc)
+        raise AssertionError("unreachable") from exc
+
+
+async def _fail_before_answer(state, attempt: Attempt, exc: BaseException) -> None:
+    kind = failure_kind(exc)
+    name = attempt.provider.name
+    if kind == "unreached":
+        await release(state, attempt)
+        raise UpstreamFailed(f"could not connect to provider {name}") from None
+    await settle(state, attempt, Outcome(status=kind, billable=False, error=repr(exc)))
+    if kind == "timeout":
+        raise UpstreamTimeout(f"provider {name} did not answer in time") from None
+    raise UpstreamFailed(f"provider {name} closed the connection without an answer") from None
+
+
+async def read_all(state, attempt: Attempt, upstream: httpx.Response) -> bytes:
+    try:
+        return await upstream.aread()
+    except (httpx.HTTPError, OSError) as exc:
+        await _fail_before_answer(state, attempt, exc)
+        raise AssertionError("unreachable") from exc
+    finally:
+        await upstream.aclose()
+
+
+def _headers(attempt: Attempt, upstream: httpx.Response) -> dict:
+    headers = {k: upstream.headers[k] for k in PASSED_HEADERS if k in upstream.headers}
+    return {**headers, **attempt.headers}
+
+
+async def error_answer(state, attempt: Attempt, upstream: httpx.Response, raw: bytes) -> Response:
+    """An upstream error status: its 4xx goes to the client in the OpenAI shape; 5xx is a 502."""
+    status = upstream.status_code
+    await settle(
+        state,
+        attempt,
+        Outcome(
+            status="upstream_error",
+            http_status=status,
+            billable=False,
+            error=raw[:2000].decode("utf-8", "replace"),
+        ),
+    )
+    headers = _headers(attempt, upstream)
+    headers.pop("content-type", None)
+    message, code = attempt.dialect.error_message(status, raw)
+    if 400 <= status < 500:
+        if attempt.dialect.is_openai_error(raw):
+            return Response(raw, status, headers=headers, media_type="application/json")
+        body = error_body(status, code or "upstream_error", message)
+        return Response(
+            json.dumps(body).encode(), status, headers=headers, media_type="application/json"
+        )
+    body = error_body(502, "upstream_error", f"provider {attempt.provider.name}: {message}")
+    return Response(json.dumps(body).encode(), 502, headers=headers, media_type="application/json")
+
+
+async def complete(state, attempt: Attempt) -> Response:
+    """Non-streaming: the upstream's body reaches the client as it was sent."""
+    upstream = await open_upstream(state, attempt)
+    raw = await read_all(state, attempt, upstream)
+    if upstream.status_code >= 400:
+        return await error_answer(state, attempt, upstream, raw)
+    usage, finish, upstream_id, text = summarize_completion(raw)
+    outcome = Outcome(
+        http_status=upstream.status_code,
+        usage=usage,
+        finish_reason=finish,
+        upstream_id=upstream_id,
+        delivered_text=text,
+        ttft_ms=attempt.elapsed_ms(),
+    )
+    if parse_json_object(raw.decode("utf-8", "replace")) is None:
+        outcome.status, outcome.error = "malformed", raw[:2000].decode("utf-8", "replace")
+        await settle(state, attempt, outcome)
+        raise UpstreamFailed(f"provider {attempt.provider.name} sent a malformed answer")
+    await settle(state, attempt, outcome)
+    return Response(raw, upstream.status_code, headers=_headers(attempt, upstream))
+
+
+async def stream(state, attempt: Attempt) -> Response:
+    upstream = await open_upstream(state, attempt)
+    content_type = upstream.headers.get("content-type", "")
+    if upstream.status_code >= 400:
+        raw = await read_all(state, attempt, upstream)
+        return await error_answer(state, attempt, upstream, raw)
+    if "text/event-stream" not in content_type:
+        # The upstream answered a stream request with one JSON body: pass it on as it came.
+        raw = await read_all(state, attempt, upstream)
+        usage, finish, upstream_id, text = summarize_completion(raw)
+        await settle(
+            state,
+            attempt,
+            Outcome(
+                http_status=upstream.status_code,
+                usage=usage,
+                finish_reason=finish,
+                upstream_id=upstream_id,
+                delivered_text=text,
+                ttft_ms=attempt.elapsed_ms(),
+            ),
+        )
+        return Response(raw, upstream.status_code, headers=_headers(attempt, upstream))
+    return MeteredStream(state, attempt, upstream)
+
+
+class MeteredStream(Response):
+    """Relays SSE events byte for byte, reading usage on the side, and settles exactly once."""
+
+    def __init__(self, state, attempt: Attempt, upstream: httpx.Response) -> None:
+        super().__init__(status_code=upstream.status_code, media_type=None)
+        self.state, self.attempt, self.upstream = state, attempt, upstream
+        self.observer = StreamObserver()
+        self.outcome = Outcome(http_status=upstream.status_code)
+        headers = {
+            "content-type": upstream.headers.get("content-type", "text/event-stream"),
+            "cache-control": "no-cache",
+            "x-accel-buffering": "no",
+            **attempt.headers,
+        }
+        self.init_headers(headers)
+        self.client_gone = False
+        self.done_seen = False
+        self.done_raw = DONE
+        self.error_seen = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def relay() -> None:
+                    await self._relay(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(relay)
+                await self._wait_for_disconnect(receive)
+                self.client_gone = True
+                group.cancel_scope.cancel()
+        finally:
+            await self._finish(send)
+
+    async def _wait_for_disconnect(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def _send(self, send: Send, body: bytes, more: bool = True) -> None:
+        try:
+            await send({"type": "http.response.body", "body": body, "more_body": more})
+        except OSError:
+            self.client_gone = True
+            raise
+
+    async def _relay(self, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        parser = SSEParser()
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                out = self._select(parser.feed(chunk))
+                if out:
+                    await self._first_byte()
+                    await self._send(send, out)
+                if self.done_seen:
+                    break
+            else:
+                out = self._select(parser.flush())
+                if out:
+                    await self._send(send, out)
+        except (httpx.HTTPError, OSError) as exc:
+            if self.client_gone:
+                return
+            self.outcome.status = failure_kind(exc)
+            self.outcome.error = repr(exc)
+        if not self.done_seen and not self.error_seen and self.outcome.status == "ok":
+            self.outcome.status = "upstream_disconnected"
+
+    async def _first_byte(self) -> None:
+        if self.outcome.ttft_ms is None:
+            self.outcome.ttft_ms = self.attempt.elapsed_ms()
+
+    def _select(self, events) -> bytes:
+        """The raw bytes to pass on: everything but a usage chunk the client did not ask for.
+        The [DONE] event is held back until the event is settled."""
+        out = []
+        for event in events:
+            data = event.data
+            if data is not None:
+                if data == "[DONE]":
+                    self.done_seen, self.done_raw = True, event.raw
+                    break
+                self.observer.observe(data)
+                if not self.attempt.chat.wants_usage and '"usage"' in data:
+                    obj = parse_json_object(data)
+                    if obj is not None and is_usage_only_chunk(obj):
+                        continue
+                if self.observer.error is not None and not self.error_seen:
+                    self.error_seen = True
+            out.append(event.raw)
+        return b"".join(out)
+
+    def _outcome(self) -> Outcome:
+        outcome, observer = self.outcome, self.observer
+        if self.client_gone and not self.done_seen:
+            outcome.status = "client_disconnected"
+        elif self.error_seen:
+            outcome.status = "stream_error"
+            outcome.error = json.dumps(observer.error)[:2000]
+        outcome.usage = observer.usage
+        outcome.finish_reason = observer.finish_reason
+        outcome.upstream_id = observer.upstream_id
+        outcome.delivered_text = observer.delivered_text()
+        return outcome
+
+    async def _finish(self, send: Send) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.upstream.aclose()
+            except Exception:
+                log.debug("closing upstream stream failed", exc_info=True)
+            await settle(self.state, self.attempt, self._outcome())
+            if self.client_gone:
+                return
+            tail = self.done_raw
+            if self.outcome.status in ("upstream_disconnected", "timeout"):
+                error = error_body(502, "upstream_error", "the upstream stream ended early")
+                tail = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -1,0 +1,153 @@
+"""Reading and validating a chat completion request before it can cost anything."""
+
+import json
+import math
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from metering.errors import InvalidRequest, TooLarge
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_MESSAGES = 100_000
+MAX_CHOICES = 16
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    body: dict
+    size: int  # bytes of the body as received
+    model: str
+    stream: bool
+    wants_usage: bool  # the client asked for stream_options.include_usage
+    max_tokens: int | None
+    choices: int
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"request body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> dict:
+    if not raw:
+        raise InvalidRequest("request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _int(body: dict, key: str, low: int, high: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{key} must be an integer", param=key)
+    if not low <= value <= high:
+        raise InvalidRequest(f"{key} must be between {low} and {high}", param=key)
+    return value
+
+
+def _number(body: dict, key: str, low: float, high: float) -> None:
+    value = body.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequest(f"{key} must be a number", param=key)
+    if not low <= value <= high:
+        raise InvalidRequest(f"{key} must be between {low:g} and {high:g}", param=key)
+
+
+def _content(message: dict, i: int) -> None:
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise InvalidRequest(
+            f"messages[{i}].content must be a string or a list of parts",
+            param=f"messages.{i}.content",
+        )
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise InvalidRequest(
+                f"messages[{i}].content[{j}] must be an object with a type",
+                param=f"messages.{i}.content.{j}",
+            )
+
+
+def _messages(body: dict) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages must be a non-empty array", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequest(f"messages may hold at most {MAX_MESSAGES} entries", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object", param=f"messages.{i}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}",
+                param=f"messages.{i}.role",
+            )
+        _content(message, i)
+        if "name" in message and not isinstance(message["name"], str):
+            raise InvalidRequest(f"messages[{i}].name must be a string", param=f"messages.{i}.name")
+
+
+def validate(body: dict, size: int) -> ChatRequest:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise InvalidRequest("model is required and must be a string", param="model")
+    if len(model) > 256:
+        raise InvalidRequest("model name is too long", param="model")
+    _messages(body)
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("stream must be a boolean", param="stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidRequest("stream_options must be an object", param="stream_options")
+    wants_usage = bool(options and options.get("include_usage") is True)
+    if options and "include_usage" in options and not isinstance(options["include_usage"], bool):
+        raise InvalidRequest(
+            "stream_options.include_usage must be a boolean", param="stream_options"
+        )
+    max_tokens = _int(body, "max_tokens", 1, 10_000_000)
+    max_completion = _int(body, "max_completion_tokens", 1, 10_000_000)
+    if max_tokens is not None and max_completion is not None:
+        raise InvalidRequest(
+            "send max_tokens or max_completion_tokens, not both", param="max_tokens"
+        )
+    choices = _int(body, "n", 1, MAX_CHOICES) or 1
+    _number(body, "temperature", 0, 2)
+    _number(body, "top_p", 0, 1)
+    _number(body, "presence_penalty", -2, 2)
+    _number(body, "frequency_penalty", -2, 2)
+    return ChatRequest(
+        body=body,
+        size=size,
+        model=model,
+        stream=stream,
+        wants_usage=wants_usage,
+        max_tokens=max_tokens if max_tokens is not None else max_completion,
+        choices=choices,
+    )

@@ -1,0 +1,147 @@
+"""Incremental server-sent-events parser that keeps each event's exact bytes.
+
+The proxy forwards upstream events byte for byte but reads each one on the side
+(and may withhold one), so every event carries ``raw``: its bytes up to and
+including the blank line that ends it. Concatenating ``raw`` of everything
+``feed`` and ``flush`` return reproduces the input exactly.
+
+Framing follows the WHATWG spec: lines end with CRLF, LF or a lone CR, and an
+empty line dispatches the event. Two consequences shape the code:
+
+* A CR at the very end of a read may be the first half of a CRLF. When that CR
+  completes a blank line we dispatch at once (holding an event back until the
+  next read would add latency) and remember that a LF opening the next read is
+  the tail of that line ending: it becomes the first byte of the next event's
+  ``raw`` but is not read as a line.
+* Only the bytes that arrived since the last search (plus two bytes of overlap,
+  the longest line ending) are searched for a terminator, so an event that
+  trickles in over many reads costs linear time, and its fields are decoded
+  once, when it completes.
+"""
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["SSEEvent", "SSEParser", "is_done"]
+
+# A blank line is a line ending right after another one. Atomic groups keep a
+# CRLF from being re-read as CR then LF (which would look like a blank line).
+_BLANK_LINE = re.compile(rb"(?>\r\n|\r|\n)(?>\r\n|\r|\n)")
+_LINE_END = re.compile(r"\r\n|\r|\n")
+_CR = 0x0D
+_LF = 0x0A
+
+
+@dataclass(slots=True)
+class SSEEvent:
+    raw: bytes  # exact bytes of the event, including its terminating blank line
+    data: str | None  # data lines joined with "\n"; None when there was no data line
+    event: str | None  # the event type, when an ``event:`` field was present
+
+
+def is_done(event: SSEEvent) -> bool:
+    """The OpenAI end-of-stream sentinel ``data: [DONE]``."""
+    return event.data == "[DONE]"
+
+
+def _fields(body: bytes, strip_bom: bool) -> tuple[str | None, str | None]:
+    """(data, event) of one event's bytes, blank line included or not."""
+    # Fast path for the common ``data: ...\n\n`` shape: one slice, one decode.
+    if (
+        body.startswith(b"data: ")
+        and body.endswith(b"\n\n")
+        and body.count(b"\n", 0, -2) == 0
+        and b"\r" not in body
+    ):
+        return body[6:-2].decode("utf-8", "replace"), None
+    text = body.decode("utf-8", "replace")
+    if strip_bom and text.startswith("\ufeff"):
+        text = text[1:]
+    data: list[str] = []
+    event = None
+    for line in _LINE_END.split(text):
+        if not line:
+            break  # the blank line ends the event (or the text ended)
+        if line[0] == ":":
+            continue  # comment
+        name, colon, value = line.partition(":")
+        if colon and value[:1] == " ":
+            value = value[1:]
+        if name == "data":
+            data.append(value)
+        elif name == "event":
+            event = value
+        # id, retry and unknown fields do not matter to the proxy.
+    return ("\n".join(data) if data else None), event
+
+
+class SSEParser:
+    """Feed it reads of an SSE stream; get back completed events in order."""
+
+    __slots__ = ("_buf", "_scan_from", "_lead", "_lf_pending", "_first")
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._scan_from = 0  # where the terminator search resumes
+        self._lead = 0  # 1 when _buf opens with the LF of a CRLF already dispatched
+        self._lf_pending = False  # the last dispatched event ended on a read-final CR
+        self._first = True  # a BOM may open the stream
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes buffered that are not yet part of a complete event."""
+        return bytes(self._buf)
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if not chunk:
+            return []
+        buf = self._buf
+        if self._lf_pending:
+            self._lf_pending = False
+            if not buf and chunk[0] == _LF:
+                self._lead = 1
+                self._scan_from = 1
+        # Two bytes of overlap: a line ending that straddles the reads starts there.
+        scan = max(self._scan_from, len(buf) - 2)
+        buf += chunk
+        events: list[SSEEvent] = []
+        start = 0
+        size = len(buf)
+        while True:
+            body = start + self._lead
+            scan = max(scan, body)
+            if body < size and buf[body] in (_CR, _LF):
+                # The event opens with a blank line: it is empty but still bytes to forward.
+                end = body + (2 if buf[body : body + 2] == b"\r\n" else 1)
+            else:
+                m = _BLANK_LINE.search(buf, scan)
+                if m is None:
+                    break
+                end = m.end()
+            events.append(self._event(bytes(buf[start:end]), self._lead))
+            self._lead = 0
+            start = scan = end
+            if end == size and buf[end - 1] == _CR:
+                self._lf_pending = True  # the next read may open with this CR's LF
+        if start:
+            del buf[:start]
+        self._scan_from = max(0, scan - start)
+        return events
+
+    def flush(self) -> list[SSEEvent]:
+        """End of stream: the unterminated remainder, if any, as a final event.
+
+        A browser would discard such an event; the proxy still forwards its
+        bytes and may want its data (e.g. a usage chunk cut before its blank line).
+        """
+        if not self._buf:
+            return []
+        event = self._event(bytes(self._buf), self._lead)
+        self._buf.clear()
+        self._scan_from = self._lead = 0
+        return [event]
+
+    def _event(self, raw: bytes, lead: int) -> SSEEvent:
+        data, event = _fields(raw[lead:] if lead else raw, self._first)
+        self._first = False
+        return SSEEvent(raw, data, event)

@@ -1,0 +1,197 @@
+"""GET /v1/usage: ledger events, newest first, cursor-paginated, JSON or CSV."""
+
+import base64
+import csv
+import io
+from collections.abc import AsyncIterator
+from datetime import datetime
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy import and_, or_, select
+
+from metering.auth.principal import Principal, any_principal
+from metering.errors import InvalidRequest
+from metering.models import LedgerEvent
+from metering.money import format_usd
+from metering.proxy.ledger import DETAIL_FIELDS
+from metering.timefmt import parse_rfc3339, rfc3339
+
+router = APIRouter(prefix="/v1")
+
+CSV_COLUMNS = (
+    "id",
+    "created_at",
+    "token_id",
+    "user_id",
+    "team_id",
+    "model",
+    "provider",
+    "upstream_model",
+    "upstream_id",
+    "stream",
+    "status",
+    "http_status",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "total_tokens",
+    "cached_tokens",
+    *DETAIL_FIELDS,
+    "usage_source",
+    "cost",
+    "ttft_ms",
+    "latency_ms",
+)
+
+
+def event_out(e: LedgerEvent) -> dict:
+    return {
+        "id": e.id,
+        "created_at": rfc3339(e.created_at),
+        "token_id": e.token_id,
+        "user_id": e.user_id,
+        "team_id": e.team_id,
+        "model": e.model,
+        "provider": e.provider,
+        "upstream_model": e.upstream_model,
+        "upstream_id": e.upstream_id,
+        "stream": e.stream,
+        "status": e.status,
+        "http_status": e.http_status,
+        "finish_reason": e.finish_reason,
+        "prompt_tokens": e.prompt_tokens,
+        "completion_tokens": e.completion_tokens,
+        "total_tokens": e.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": e.cached_tokens},
+        "completion_tokens_details": {name: getattr(e, name) for name in DETAIL_FIELDS},
+        "usage_source": e.usage_source,
+        "cost": format_usd(e.cost),
+        "ttft_ms": e.ttft_ms,
+        "latency_ms": e.latency_ms,
+    }
+
+
+def csv_row(e: LedgerEvent) -> list:
+    out = event_out(e)
+    flat = {**out, "cached_tokens": e.cached_tokens, **out["completion_tokens_details"]}
+    return ["" if flat[c] is None else flat[c] for c in CSV_COLUMNS]
+
+
+def encode_cursor(e: LedgerEvent) -> str:
+    return base64.urlsafe_b64encode(f"{rfc3339(e.created_at)}|{e.id}".encode()).decode()
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        created, _, event_id = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
+        return parse_rfc3339(created), event_id
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("cursor is not valid", param="cursor") from None
+
+
+def parse_time(value: str | None, name: str) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        return parse_rfc3339(value)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an RFC 3339 timestamp", param=name) from None
+
+
+def scoped_filters(principal: Principal, **filters) -> list:
+    """Filters on the ledger; a user's credential only ever sees its own user's events."""
+    conditions = []
+    if not principal.is_admin:
+        conditions.append(LedgerEvent.user_id == principal.user_id)
+    for name, value in filters.items():
+        if value is not None:
+            conditions.append(getattr(LedgerEvent, name) == value)
+    return conditions
+
+
+@router.get("/usage")
+async def list_usage(
+    request: Request,
+    principal: Principal = Depends(any_principal),
+    start: str | None = None,
+    end: str | None = None,
+    team_id: str | None = Query(None, max_length=40),
+    user_id: str | None = Query(None, max_length=40),
+    token_id: str | None = Query(None, max_length=40),
+    model: str | None = Query(None, max_length=200),
+    provider: str | None = Query(None, max_length=100),
+    limit: int = Query(100, ge=1, le=1000),
+    cursor: str | None = Query(None, max_length=500),
+    format: str = Query("json", pattern="^(json|csv)$"),
+):
+    conditions = scoped_filters(
+        principal,
+        team_id=team_id,
+        user_id=user_id,
+        token_id=token_id,
+        model=model,
+        provider=provider,
+    )
+    start_at, end_at = parse_time(start, "start"), parse_time(end, "end")
+    if start_at:
+        conditions.append(LedgerEvent.created_at >= start_at)
+    if end_at:
+        conditions.append(LedgerEvent.created_at < end_at)
+    query = (
+        select(LedgerEvent)
+        .where(*conditions)
+        .order_by(LedgerEvent.created_at.desc(), LedgerEvent.id.desc())
+    )
+    db = request.app.state.db
+    if format == "csv":
+        return StreamingResponse(
+            _csv(db, query),
+            media_type="text/csv",
+            headers={"content-disposition": 'attachment; filename="usage.csv"'},
+        )
+    if cursor:
+        created, event_id = decode_cursor(cursor)
+        query = query.where(
+            or_(
+                LedgerEvent.created_at < created,
+                and_(LedgerEvent.created_at == created, LedgerEvent.id < event_id),
+            )
+        )
+    async with db.sessions() as session:
+        events = list(await session.scalars(query.limit(limit + 1)))
+    more = len(events) > limit
+    events = events[:limit]
+    return {
+        "object": "list",
+        "data": [event_out(e) for e in events],
+        "next_cursor": encode_cursor(events[-1]) if more else None,
+    }
+
+
+async def _csv(db, query, batch: int = 2000) -> AsyncIterator[bytes]:
+    """Streams every matching event in pages, so memory stays flat however many rows there are."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(CSV_COLUMNS)
+    yield buffer.getvalue().encode()
+    last = None
+    while True:
+        page = query
+        if last is not None:
+            page = page.where(
+                or_(
+                    LedgerEvent.created_at < last.created_at,
+                    and_(LedgerEvent.created_at == last.created_at, LedgerEvent.id < last.id),
+                )
+            )
+        async with db.sessions() as session:
+            events = list(await session.scalars(page.limit(batch)))
+        if not events:
+            return
+        buffer.seek(0)
+        buffer.truncate()
+        for e in events:
+            writer.writerow(csv_row(e))
+        yield buffer.getvalue().encode()
+        last = events[-1]

@@ -1,0 +1,150 @@
+"""Settings from the environment (prefix METERING_, a .env file too) and the TOML catalog."""
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from metering.money import MoneyError, parse_usd, price_to_micro
+
+DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="METERING_", env_file=".env", extra="ignore")
+
+    database_url: str = "sqlite:///./metering.db"
+    admin_key: str | None = None
+    config: str | None = None
+    secret: str | None = None
+    hold_ttl_s: int = 900
+    max_body_bytes: int = 4 * 1024 * 1024
+    access_token_ttl_s: int = 900
+    refresh_token_ttl_s: int = 2_592_000
+    metrics_key: str | None = None
+    # How many connections one process keeps to each upstream.
+    upstream_max_connections: int = 1000
+    db_pool_size: int = 20
+
+    def config_path(self) -> Path | None:
+        if self.config:
+            return Path(self.config)
+        default = Path("metering.toml")
+        return default if default.exists() else None
+
+
+class CatalogError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Provider:
+    name: str
+    base_url: str
+    dialect: str
+    api_key: str | None
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """One provider's offer of a model, with its prices in micro-USD per 1M tokens."""
+
+    name: str
+    provider: str
+    upstream_model: str
+    input_micro: int
+    output_micro: int
+    cached_micro: int
+    max_output_tokens: int
+
+
+@dataclass(slots=True)
+class Catalog:
+    providers: dict[str, Provider] = field(default_factory=dict)
+    models: dict[str, list[ModelRoute]] = field(default_factory=dict)
+
+    def routes(self, model: str) -> list[ModelRoute]:
+        return self.models.get(model, [])
+
+
+def _price(entry: dict, key: str, where: str) -> int:
+    try:
+        return price_to_micro(parse_usd(entry[key], places=6, field=f"{where}.{key}"))
+    except KeyError:
+        raise CatalogError(f"{where}: {key} is required") from None
+    except MoneyError as exc:
+        raise CatalogError(str(exc)) from None
+
+
+def _provider(name: str, entry: dict, environ: dict) -> Provider:
+    where = f"providers.{name}"
+    dialect = entry.get("dialect", "openai")
+    if dialect not in DIALECTS:
+        raise CatalogError(f"{where}.dialect must be one of {', '.join(DIALECTS)}")
+    base_url = entry.get("base_url")
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        raise CatalogError(f"{where}.base_url must be an http(s) URL")
+    key_env = entry.get("api_key_env")
+    api_key = environ.get(key_env) if isinstance(key_env, str) else entry.get("api_key")
+    return Provider(
+        name=name,
+        base_url=base_url.rstrip("/"),
+        dialect=dialect,
+        api_key=api_key,
+        timeout_s=float(entry.get("timeout_s", 600)),
+        connect_timeout_s=float(entry.get("connect_timeout_s", 10)),
+    )
+
+
+def _route(i: int, entry: dict, providers: dict[str, Provider]) -> ModelRoute:
+    where = f"models[{i}]"
+    name, provider = entry.get("name"), entry.get("provider")
+    if not isinstance(name, str) or not name:
+        raise CatalogError(f"{where}.name is required")
+    if provider not in providers:
+        raise CatalogError(f"{where}.provider {provider!r} is not a configured provider")
+    input_micro = _price(entry, "input_usd_per_mtok", where)
+    cached = entry.get("cached_input_usd_per_mtok")
+    max_output = entry.get("max_output_tokens", 4096)
+    if not isinstance(max_output, int) or isinstance(max_output, bool) or max_output < 1:
+        raise CatalogError(f"{where}.max_output_tokens must be a positive integer")
+    return ModelRoute(
+        name=name,
+        provider=provider,
+        upstream_model=str(entry.get("upstream_model", name)),
+        input_micro=input_micro,
+        output_micro=_price(entry, "output_usd_per_mtok", where),
+        cached_micro=(
+            _price(entry, "cached_input_usd_per_mtok", where) if cached is not None else input_micro
+        ),
+        max_output_tokens=max_output,
+    )
+
+
+def parse_catalog(data: dict, environ: dict | None = None) -> Catalog:
+    environ = dict(os.environ) if environ is None else environ
+    providers = {
+        name: _provider(name, entry, environ)
+        for name, entry in (data.get("providers") or {}).items()
+    }
+    catalog = Catalog(providers=providers)
+    for i, entry in enumerate(data.get("models") or []):
+        route = _route(i, entry, providers)
+        catalog.models.setdefault(route.name, []).append(route)
+    return catalog
+
+
+def load_catalog(path: Path | None, environ: dict | None = None) -> Catalog:
+    if path is None:
+        return Catalog()
+    with open(path, "rb") as f:
+        return parse_catalog(tomllib.load(f), environ)
+
+
+def price_decimal(micro: int) -> Decimal:
+    return Decimal(micro) / Decimal(10**6)

@@ -1,0 +1,44 @@
+"""Alembic environment: the URL comes from the caller (metering.migrate) or the settings."""
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+from metering import models  # noqa: F401  (registers every table on Base.metadata)
+from metering.db import Base, sync_url
+from metering.settings import Settings
+
+config = context.config
+url = config.get_main_option("sqlalchemy.url") or sync_url(Settings().database_url)
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=url, target_metadata=Base.metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    engine = create_engine(url, poolclass=pool.NullPool)
+    with engine.connect() as conn:
+        _run(conn)
+
+
+def _run(connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()
