@@ -146,7 +146,8 @@ async def error_answer(state, attempt: Attempt, upstream: httpx.Response, raw: b
     headers = _headers(attempt, upstream)
     headers.pop("content-type", None)
     message, code = attempt.dialect.error_message(status, raw)
-    if 400 <= status < 500:
+    # The provider refusing our own key is the operator's problem, not the client's credential.
+    if 400 <= status < 500 and status not in (401, 403):
         if attempt.dialect.is_openai_error(raw):
             return Response(raw, status, headers=headers, media_type="application/json")
         body = error_body(status, code or "upstream_error", message)
@@ -210,7 +211,8 @@ class MeteredStream(Response):
     """Relays SSE events byte for byte, reading usage on the side, and settles exactly once."""
 
     def __init__(self, state, attempt: Attempt, upstream: httpx.Response) -> None:
-        super().__init__(status_code=upstream.status_code, media_type=None)
+        self.status_code = upstream.status_code
+        self.background = None
         self.state, self.attempt, self.upstream = state, attempt, upstream
         self.observer = StreamObserver()
         self.outcome = Outcome(http_status=upstream.status_code)
@@ -220,7 +222,8 @@ class MeteredStream(Response):
             "x-accel-buffering": "no",
             **attempt.headers,
         }
-        self.init_headers(headers)
+        # No content-length: the body is a stream of unknown length.
+        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.client_gone = False
         self.done_seen = False
         self.done_raw = DONE

@@ -1,0 +1,134 @@
+"""Fixtures: a fresh PostgreSQL database and a SQLite file per run, the simulated upstream, and
+the real metering server on loopback for each backend."""
+
+import os
+import uuid
+
+import httpx
+import psycopg
+import pytest
+
+from metering import migrate
+from metering.settings import Settings, parse_catalog
+from metering.sim.app import SimServer
+from metering.testing import metering_server
+
+PG_ADMIN_DSN = os.environ.get("METERING_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
+BACKENDS = ("sqlite", "postgresql")
+
+
+def catalog_for(sim: SimServer) -> dict:
+    return {
+        "providers": {
+            "sim-openai": {"base_url": sim.base_url("openai"), "dialect": "openai",
+                           "api_key_env": "SIM_OPENAI_KEY", "timeout_s": 2},
+            "sim-exascale": {"base_url": sim.base_url("exascale"), "dialect": "exascale",
+                             "api_key_env": "SIM_EXASCALE_KEY", "timeout_s": 2},
+        },
+        "models": [
+            {"name": "gpt-sim", "provider": "sim-openai", "upstream_model": "sim/gpt",
+             "input_usd_per_mtok": "0.15", "output_usd_per_mtok": "0.60",
+             "cached_input_usd_per_mtok": "0.075", "max_output_tokens": 4096},
+            {"name": "minimax-m2.1", "provider": "sim-exascale",
+             "upstream_model": "MiniMaxAI/MiniMax-M2.1", "input_usd_per_mtok": "0.30",
+             "output_usd_per_mtok": "1.20", "max_output_tokens": 16384},
+        ],
+    }
+
+
+@pytest.fixture(scope="session")
+def sim():
+    server = SimServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    name = f"metering_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def sqlite_url(tmp_path_factory):
+    return f"sqlite:///{tmp_path_factory.mktemp('db') / 'metering.db'}"
+
+
+def database_url(request, backend: str) -> str:
+    return request.getfixturevalue("pg_url" if backend == "postgresql" else "sqlite_url")
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+class Api:
+    """The admin's view of one running server, plus helpers that make teams, users and tokens."""
+
+    def __init__(self, url: str, backend: str, settings: Settings) -> None:
+        self.url, self.backend, self.settings = url, backend, settings
+        self.http = httpx.Client(base_url=url, timeout=30,
+                                 headers={"authorization": f"Bearer {ADMIN_KEY}"})
+
+    def request(self, method: str, path: str, *, key: str | None = None, **kwargs) -> httpx.Response:
+        headers = kwargs.pop("headers", {})
+        if key is not None:
+            headers["authorization"] = f"Bearer {key}"
+        return self.http.request(method, path, headers=headers, **kwargs)
+
+    def ok(self, method: str, path: str, expect: int = 200, **kwargs) -> dict:
+        response = self.request(method, path, **kwargs)
+        assert response.status_code == expect, response.text
+        return response.json() if response.content else {}
+
+    def team(self, credit_limit=None, reset_interval="never") -> dict:
+        return self.ok("POST", "/v1/teams", 201, json={
+            "name": f"team-{uuid.uuid4().hex[:8]}", "credit_limit": credit_limit,
+            "reset_interval": reset_interval})
+
+    def user(self, team_id: str, credit_limit=None, reset_interval="never") -> dict:
+        return self.ok("POST", "/v1/users", 201, json={
+            "email": f"u{uuid.uuid4().hex[:10]}@example.com", "name": "Test User",
+            "team_id": team_id, "credit_limit": credit_limit, "reset_interval": reset_interval})
+
+    def token(self, user_id: str, credit_limit=None, reset_interval="never") -> dict:
+        return self.ok("POST", f"/v1/users/{user_id}/tokens", 201, json={
+            "name": "test", "credit_limit": credit_limit, "reset_interval": reset_interval})
+
+    def principal(self, token_limit=None, user_limit=None, team_limit=None, interval="never"):
+        """A fresh team, user and token; returns (team, user, token)."""
+        team = self.team(team_limit, interval)
+        user = self.user(team["id"], user_limit, interval)
+        return team, user, self.token(user["id"], token_limit, interval)
+
+    def events(self, **filters) -> list[dict]:
+        out, cursor = [], None
+        while True:
+            params = {**filters, "limit": 1000, **({"cursor": cursor} if cursor else {})}
+            page = self.ok("GET", "/v1/usage", params=params)
+            out.extend(page["data"])
+            cursor = page["next_cursor"]
+            if not cursor:
+                return out
+
+    def openai(self, token: str, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=token, max_retries=0, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def api(request, backend, sim):
+    url = database_url(request, backend)
+    migrate.upgrade(url)
+    settings = Settings(database_url=url, admin_key=ADMIN_KEY, _env_file=None)
+    catalog = parse_catalog(catalog_for(sim), environ={"SIM_EXASCALE_KEY": "sim-key", "SIM_OPENAI_KEY": "sim-key"})
+    server = metering_server(settings, catalog)
+    yield Api(server.url, backend, settings)
+    server.stop()
