@@ -74,6 +74,8 @@ _SYMBOL = re.compile(r"[^\w\s]|_")
 # Whitespace that is not a lone space (a lone space joins the following token).
 _BLANK = re.compile(r"\s{2,}|[^\S ]")
 
+# Content part types that are not media (the rest are priced as images).
+_TEXT_PART_TYPES = (None, "text", "input_text", "output_text", "refusal")
 _WORD_CHARS_PER_TOKEN = 4
 _TOKENS_PER_WORD = 4 / 3
 _DIGITS_PER_TOKEN = 3
@@ -83,9 +85,9 @@ def _text_cost(text: str) -> float:
     """Unrounded estimate; sums of these are rounded once."""
     if not text:
         return 0.0
-    cjk = 0
     if not text.isascii():
-        text, cjk = _CJK.subn("", text)
+        # Stand-ins that the symbol count prices at one token each, like a CJK character.
+        text = _CJK.sub("\x00", text)
     words = _WORD.findall(text)
     word_bytes = len("".join(words).encode("utf-8", "surrogatepass"))
     word_tokens = (
@@ -94,12 +96,17 @@ def _text_cost(text: str) -> float:
     digits = sum(map(len, _DIGITS.findall(text)))
     symbols = len(_SYMBOL.findall(text))
     blanks = len(_BLANK.findall(text))
-    return word_tokens + digits / _DIGITS_PER_TOKEN + symbols + blanks + cjk
+    return word_tokens + digits / _DIGITS_PER_TOKEN + symbols + blanks
+
+
+def _round(cost: float) -> int:
+    return math.floor(cost + 0.5)
 
 
 def estimate_text_tokens(text: str) -> int:
     """Estimated tokens of a text under a typical BPE vocabulary."""
-    return math.ceil(_text_cost(text))
+    cost = _text_cost(text)
+    return max(1, _round(cost)) if cost else 0
 
 
 def _messages(body: Any) -> list[dict]:
@@ -132,7 +139,7 @@ def _media_parts(body: Any) -> int:
         for part in _parts(message.get("content"))
         if isinstance(part, dict)
         and not isinstance(part.get("text"), str)
-        and part.get("type") not in (None, "text")
+        and part.get("type") not in _TEXT_PART_TYPES
     )
 
 
@@ -158,7 +165,7 @@ def estimate_prompt_tokens(body: dict) -> int:
         cost += _json_cost(message.get("tool_calls"))
     if isinstance(body, dict):
         cost += _json_cost(body.get("tools")) + _json_cost(body.get("functions"))
-    return math.ceil(cost) + _media_parts(body) * MEDIA_PART_ESTIMATE
+    return _round(cost) + _media_parts(body) * MEDIA_PART_ESTIMATE
 
 
 def prompt_tokens_upper_bound(body_bytes_len: int, body: dict) -> int:

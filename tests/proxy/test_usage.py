@@ -1,0 +1,176 @@
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metering.proxy.usage import (
+    StreamObserver,
+    Usage,
+    is_usage_only_chunk,
+    parse_json_object,
+    summarize_completion,
+    usage_from_json,
+)
+
+
+def test_full_usage_object():
+    usage = usage_from_json(
+        {
+            "prompt_tokens": 100,
+            "completion_tokens": 50,
+            "total_tokens": 150,
+            "prompt_tokens_details": {"cached_tokens": 40, "audio_tokens": 0},
+            "completion_tokens_details": {
+                "reasoning_tokens": 20,
+                "audio_tokens": 0,
+                "accepted_prediction_tokens": 3,
+                "rejected_prediction_tokens": 1,
+            },
+        }
+    )
+    assert usage == Usage(
+        prompt_tokens=100,
+        completion_tokens=50,
+        total_tokens=150,
+        cached_tokens=40,
+        reasoning_tokens=20,
+        audio_tokens=0,
+        accepted_prediction_tokens=3,
+        rejected_prediction_tokens=1,
+    )
+    assert usage.text_tokens is None and usage.image_tokens is None
+
+
+def test_tolerant_usage_parsing():
+    assert usage_from_json(None) is None
+    assert usage_from_json([1, 2]) is None
+    assert usage_from_json({}) is None
+    assert usage_from_json({"prompt_tokens": "10", "completion_tokens": 2.0}) is None
+    assert usage_from_json({"prompt_tokens": True, "completion_tokens": -1}) is None
+    usage = usage_from_json(
+        {
+            "prompt_tokens": 10,
+            "completion_tokens": None,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": {"reasoning_tokens": False, "text_tokens": -3},
+        }
+    )
+    assert usage == Usage(prompt_tokens=10, total_tokens=10)
+    assert usage_from_json({"completion_tokens": 7, "total_tokens": "x"}) == Usage(
+        completion_tokens=7, total_tokens=7
+    )
+
+
+def test_cached_tokens_clamped_to_prompt():
+    usage = usage_from_json({"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 9}})
+    assert usage.cached_tokens == 5
+    usage = usage_from_json({"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": -1}})
+    assert usage.cached_tokens == 0
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+        lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner),
+    )
+)
+def test_usage_from_json_never_raises(obj):
+    usage_from_json(obj)
+    if isinstance(obj, dict):
+        obj = {"usage": obj, "choices": obj}
+    summarize_completion(json.dumps(obj).encode())
+    StreamObserver().observe(json.dumps(obj))
+
+
+def test_parse_json_object():
+    assert parse_json_object('{"a": 1}') == {"a": 1}
+    assert parse_json_object(b'{"a": 1}') == {"a": 1}
+    assert parse_json_object("[1]") is None
+    assert parse_json_object("nope") is None
+    assert parse_json_object("[" * 100_000) is None
+    assert parse_json_object(b"\xff{") is None
+
+
+def test_is_usage_only_chunk():
+    assert is_usage_only_chunk({"choices": [], "usage": {"prompt_tokens": 1}})
+    assert is_usage_only_chunk({"usage": {"prompt_tokens": 1}})
+    assert not is_usage_only_chunk({"choices": [], "usage": None})
+    assert not is_usage_only_chunk({"choices": [{"delta": {}}], "usage": {"prompt_tokens": 1}})
+
+
+def chunk(**fields) -> str:
+    return json.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", **fields})
+
+
+def test_stream_observer():
+    observer = StreamObserver()
+    events = [
+        chunk(id="", choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}]),
+        chunk(choices=[{"index": 0, "delta": {"reasoning_content": "Hmm. "}}]),
+        chunk(choices=[{"index": 0, "delta": {"content": "Héllo"}, "finish_reason": None}]),
+        "not json",
+        "[1, 2]",
+        chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}], usage=None),
+        chunk(choices=[], usage={"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}),
+        "[DONE]",
+    ]
+    parsed = [observer.observe(data) for data in events]
+    assert parsed[0]["object"] == "chat.completion.chunk"
+    assert parsed[3] is None and parsed[-1] is None
+    assert observer.chunks == 5
+    assert observer.malformed == 2
+    assert observer.upstream_id == "chatcmpl-1"
+    assert observer.finish_reason == "stop"
+    assert observer.usage == Usage(prompt_tokens=9, completion_tokens=4, total_tokens=13)
+    assert observer.delivered_text() == "Hmm. Héllo"
+    assert observer.delivered_chars == 10
+    assert observer.error is None
+    assert observer.observe(None) is None
+
+
+def test_stream_observer_reasoning_tool_calls_and_errors():
+    observer = StreamObserver()
+    # The same reasoning under both names counts once.
+    observer.observe(chunk(choices=[{"delta": {"reasoning": "ab", "reasoning_content": "ab"}}]))
+    observer.observe(chunk(choices=[{"delta": {"reasoning": "cd"}}]))
+    call = {"index": 0, "function": {"name": "f", "arguments": '{"x":'}}
+    observer.observe(chunk(choices=[{"delta": {"tool_calls": [call]}}]))
+    observer.observe(json.dumps({"error": {"message": "overloaded", "type": "server_error"}}))
+    assert observer.delivered_text() == 'abcdf{"x":'
+    assert observer.delivered_chars == len('abcdf{"x":')
+    assert observer.error == {"message": "overloaded", "type": "server_error"}
+
+
+def test_summarize_completion():
+    body = {
+        "id": "chatcmpl-9",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}],
+                    "reasoning_content": "think",
+                },
+                "finish_reason": "length",
+            },
+            {"index": 1, "message": {"content": " two"}, "finish_reason": "stop"},
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 4},
+    }
+    usage, finish, upstream_id, text = summarize_completion(json.dumps(body).encode())
+    assert usage == Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
+    assert finish == "length"
+    assert upstream_id == "chatcmpl-9"
+    assert text == "Hi!think two"
+
+
+def test_summarize_completion_falls_back_to_last_finish_reason():
+    body = {"choices": [{"message": None}, {"finish_reason": "stop"}, {"finish_reason": None}]}
+    assert summarize_completion(json.dumps(body).encode()) == (None, "stop", None, "")
+
+
+def test_summarize_completion_garbage():
+    for body in (b"", b"garbage", b"[]", b"\xff\xfe", b'{"choices": 5, "id": 3}', b"null"):
+        assert summarize_completion(body)[1:] == (None, None, "")
+        assert summarize_completion(body)[0] is None
