@@ -38,12 +38,16 @@ LOG_SIZE = 10_000
 HANG_S = 3600.0
 NIM_FUNCTION_ID = "da9660c1-f121-46f7-ae2a-9ae22b727284"
 FAULT_STATUS = {"http500": 500, "http429": 429, "http400": 400, "nim422": 422}
-STREAM_FAULTS = ("malformed", "disconnect", "stream_error")
+CUTTING_FAULTS = ("disconnect", "stream_error")  # end a stream after fault_after chunks
+STREAM_FAULTS = ("malformed", *CUTTING_FAULTS)
 FAULTS = (*FAULT_STATUS, "timeout", *STREAM_FAULTS)
+STREAM_ERROR = {"message": "upstream stream interrupted", "type": "server_error"}
 
 
 @dataclass
 class SimSettings:
+    """Defaults for every request; a request's own `sim:` directives override them."""
+
     chunks: int | None = None
     delay_s: float = 0.0
     nim_pending_polls: int = 0
@@ -410,7 +414,7 @@ def _check_common(body: dict, roles: frozenset[str], requires_model: bool) -> st
         if message.get("role") not in roles:
             return f"unsupported role: {message.get('role')!r}"
     for name in ("max_tokens", "max_completion_tokens"):
-        if name in body and not _is_count(body[name]):
+        if body.get(name) is not None and not _is_count(body[name]):
             return f"{name} must be a positive integer"
     return None
 
@@ -445,7 +449,7 @@ def _check_nim(body: dict) -> str | None:
         value = body[name]
         if not _is_number(value) or value > high or value < low or (low_excluded and value == low):
             return f"{name} must be a number in {'(' if low_excluded else '['}{low}, {high}]"
-    if "max_tokens" in body and body["max_tokens"] > 16384:
+    if (body.get("max_tokens") or 0) > 16384:
         return "max_tokens must be an integer in [1, 16384]"
     if "stream" in body and not isinstance(body["stream"], bool):
         return "stream must be a boolean"
@@ -539,6 +543,17 @@ class Exchange:
             return self.directives.delay_ms / 1000
         return self.settings.delay_s
 
+    def steps(self) -> list[Step]:
+        reasoning = split_chunks(self.answer.reasoning, self.chunks)
+        content = split_chunks(self.answer.content, self.chunks)
+        return self.dialect.steps(reasoning, content, self.answer.finish_reason)
+
+    def usage_of(self, steps: list[Step]) -> dict:
+        """Usage of the steps sent: all of them, or those before a mid-stream error."""
+        completion = sum(count_tokens(step.text) for step in steps)
+        reasoning = sum(count_tokens(step.text) for step in steps if step.kind == "reasoning")
+        return self.dialect.usage(self.answer, completion, reasoning)
+
 
 class Framer:
     """SSE framing; CRLF line ends and keep-alive comments exercise the client's parser."""
@@ -564,50 +579,33 @@ def _fault_cut(steps: list[Step], fault_after: int) -> int:
 
 
 async def _stream(exchange: Exchange) -> AsyncIterator[str]:
-    """The SSE body; the record follows each chunk as it is handed to the server."""
-    dialect, reply, answer, record = (
-        exchange.dialect,
-        exchange.reply,
-        exchange.answer,
-        exchange.record,
-    )
+    """The SSE body; the record follows each chunk as the server takes it."""
+    dialect, reply, record = exchange.dialect, exchange.reply, exchange.record
     fault = exchange.directives.fault
     framer = Framer(exchange.directives)
-    steps = dialect.steps(
-        split_chunks(answer.reasoning, exchange.chunks),
-        split_chunks(answer.content, exchange.chunks),
-        answer.finish_reason,
-    )
-    cut = _fault_cut(steps, exchange.directives.fault_after) if fault in STREAM_FAULTS else None
-    delivered_reasoning = 0
-    for index, step in enumerate(steps[:cut]):
+    sent = exchange.steps()
+    if fault in CUTTING_FAULTS:
+        sent = sent[: _fault_cut(sent, exchange.directives.fault_after)]
+    for index, step in enumerate(sent):
         if index:
             await asyncio.sleep(exchange.delay_s)
         choice = {"index": 0, "delta": step.delta, "finish_reason": step.finish_reason}
         yield framer.chunk(dialect.chunk(reply, [choice]))
         record["delivered_chunks"] += step.kind == "content"
         record["delivered_completion_tokens"] += count_tokens(step.text)
-        delivered_reasoning += count_tokens(step.text) if step.kind == "reasoning" else 0
         if index == 0 and fault == "malformed":
             yield framer.event("{not json")
     if fault == "disconnect":
         raise SimulatedDisconnect
-    if fault == "stream_error":
-        if dialect.bills_partial_streams and dialect.streams_usage(reply):
-            delivered = record["delivered_completion_tokens"]
-            usage = dialect.usage(answer, delivered, delivered_reasoning)
-            yield framer.chunk({**dialect.chunk(reply, []), "usage": usage})
-            record["usage"] = usage
-        error = {"message": "upstream stream interrupted", "type": "server_error"}
-        yield framer.chunk({"error": error})
-        yield framer.event("[DONE]")
-        return
-    if dialect.streams_usage(reply):
-        usage = dialect.usage(answer, answer.completion_tokens, answer.reasoning_tokens)
+    billed = fault != "stream_error" or dialect.bills_partial_streams
+    if billed and dialect.streams_usage(reply):
+        usage = exchange.usage_of(sent)
         yield framer.chunk({**dialect.chunk(reply, []), "usage": usage})
         record["usage"] = usage
+    if fault == "stream_error":
+        yield framer.chunk({"error": STREAM_ERROR})
     yield framer.event("[DONE]")
-    record["completed"] = True
+    record["completed"] = fault != "stream_error"
 
 
 # --- answering ------------------------------------------------------------------------------
