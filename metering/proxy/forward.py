@@ -296,11 +296,9 @@ class MeteredStream(Response):
                 if data == "[DONE]":
                     self.done_seen, self.done_raw = True, event.raw
                     break
-                self.observer.observe(data)
-                if not self.attempt.chat.wants_usage and '"usage"' in data:
-                    obj = parse_json_object(data)
-                    if obj is not None and is_usage_only_chunk(obj):
-                        continue
+                obj = self.observer.observe(data)
+                if not self.attempt.chat.wants_usage and obj is not None and is_usage_only_chunk(obj):
+                    continue
                 if self.observer.error is not None and not self.error_seen:
                     self.error_seen = True
             out.append(event.raw)

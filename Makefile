@@ -1,0 +1,31 @@
+# Everything runs from a local virtualenv made on first use.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
+
+.PHONY: demo test lint bench postgres
+
+$(BIN)/metering: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+demo: $(BIN)/metering
+	$(BIN)/metering demo
+
+postgres:
+	@pg_isready -q -h 127.0.0.1 -p 5432 || pg_ctlcluster --skip-systemctl-redirect $(PG_VERSION) main start
+	@for i in $$(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && exit 0; sleep 1; done; \
+		echo "PostgreSQL is not accepting connections on 127.0.0.1:5432" >&2; exit 1
+
+test: $(BIN)/metering postgres
+	$(BIN)/pytest -q --junitxml=test-output/junit.xml
+
+lint: $(BIN)/metering
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(BIN)/metering postgres
+	$(BIN)/python -m bench.run
