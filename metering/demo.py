@@ -21,18 +21,35 @@ DEMO_TEAM, DEMO_EMAIL = "demo-team", "demo@example.com"
 def demo_catalog(sim: SimServer) -> dict:
     return {
         "providers": {
-            "sim-openai": {"base_url": sim.base_url("openai"), "dialect": "openai",
-                           "api_key": "sim"},
-            "sim-exascale": {"base_url": sim.base_url("exascale"), "dialect": "exascale",
-                             "api_key": "sim"},
+            "sim-openai": {
+                "base_url": sim.base_url("openai"),
+                "dialect": "openai",
+                "api_key": "sim",
+            },
+            "sim-exascale": {
+                "base_url": sim.base_url("exascale"),
+                "dialect": "exascale",
+                "api_key": "sim",
+            },
         },
         "models": [
-            {"name": "gpt-sim", "provider": "sim-openai", "upstream_model": "sim/gpt",
-             "input_usd_per_mtok": "0.15", "output_usd_per_mtok": "0.60",
-             "cached_input_usd_per_mtok": "0.075", "max_output_tokens": 4096},
-            {"name": "minimax-m2.1", "provider": "sim-exascale",
-             "upstream_model": "MiniMaxAI/MiniMax-M2.1", "input_usd_per_mtok": "0.30",
-             "output_usd_per_mtok": "1.20", "max_output_tokens": 16384},
+            {
+                "name": "gpt-sim",
+                "provider": "sim-openai",
+                "upstream_model": "sim/gpt",
+                "input_usd_per_mtok": "0.15",
+                "output_usd_per_mtok": "0.60",
+                "cached_input_usd_per_mtok": "0.075",
+                "max_output_tokens": 4096,
+            },
+            {
+                "name": "minimax-m2.1",
+                "provider": "sim-exascale",
+                "upstream_model": "MiniMaxAI/MiniMax-M2.1",
+                "input_usd_per_mtok": "0.30",
+                "output_usd_per_mtok": "1.20",
+                "max_output_tokens": 16384,
+            },
         ],
     }
 
@@ -51,8 +68,13 @@ async def demo_token(url: str) -> str:
                 )
                 team = team or await service.create_team(session, DEMO_TEAM, None, "monthly")
                 user = await service.create_user(
-                    session, email=DEMO_EMAIL, name="Demo User", team_id=team.id,
-                    password_hash=None, limit=None, interval="never",
+                    session,
+                    email=DEMO_EMAIL,
+                    name="Demo User",
+                    team_id=team.id,
+                    password_hash=None,
+                    limit=None,
+                    interval="never",
                 )
             await session.execute(
                 update(ApiToken)
@@ -96,8 +118,13 @@ def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
         catalog = parse_catalog(demo_catalog(sim))
         token = asyncio.run(demo_token(settings.database_url))
         print(banner(f"http://{host}:{port}", token, admin_key, settings.database_url), flush=True)
-        config = uvicorn.Config(create_app(settings, catalog), host=host, port=port,
-                                log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            create_app(settings, catalog),
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+        )
         uvicorn.Server(config).run()
     finally:
         sim.stop()

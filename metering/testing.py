@@ -22,8 +22,15 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None) -> None:
         self.host, self.port = host, port or free_port(host)
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning",
-                                access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, daemon=True)
 

@@ -21,18 +21,37 @@ BACKENDS = ("sqlite", "postgresql")
 def catalog_for(sim: SimServer) -> dict:
     return {
         "providers": {
-            "sim-openai": {"base_url": sim.base_url("openai"), "dialect": "openai",
-                           "api_key_env": "SIM_OPENAI_KEY", "timeout_s": 2},
-            "sim-exascale": {"base_url": sim.base_url("exascale"), "dialect": "exascale",
-                             "api_key_env": "SIM_EXASCALE_KEY", "timeout_s": 2},
+            "sim-openai": {
+                "base_url": sim.base_url("openai"),
+                "dialect": "openai",
+                "api_key_env": "SIM_OPENAI_KEY",
+                "timeout_s": 2,
+            },
+            "sim-exascale": {
+                "base_url": sim.base_url("exascale"),
+                "dialect": "exascale",
+                "api_key_env": "SIM_EXASCALE_KEY",
+                "timeout_s": 2,
+            },
         },
         "models": [
-            {"name": "gpt-sim", "provider": "sim-openai", "upstream_model": "sim/gpt",
-             "input_usd_per_mtok": "0.15", "output_usd_per_mtok": "0.60",
-             "cached_input_usd_per_mtok": "0.075", "max_output_tokens": 4096},
-            {"name": "minimax-m2.1", "provider": "sim-exascale",
-             "upstream_model": "MiniMaxAI/MiniMax-M2.1", "input_usd_per_mtok": "0.30",
-             "output_usd_per_mtok": "1.20", "max_output_tokens": 16384},
+            {
+                "name": "gpt-sim",
+                "provider": "sim-openai",
+                "upstream_model": "sim/gpt",
+                "input_usd_per_mtok": "0.15",
+                "output_usd_per_mtok": "0.60",
+                "cached_input_usd_per_mtok": "0.075",
+                "max_output_tokens": 4096,
+            },
+            {
+                "name": "minimax-m2.1",
+                "provider": "sim-exascale",
+                "upstream_model": "MiniMaxAI/MiniMax-M2.1",
+                "input_usd_per_mtok": "0.30",
+                "output_usd_per_mtok": "1.20",
+                "max_output_tokens": 16384,
+            },
         ],
     }
 
@@ -73,10 +92,13 @@ class Api:
 
     def __init__(self, url: str, backend: str, settings: Settings) -> None:
         self.url, self.backend, self.settings = url, backend, settings
-        self.http = httpx.Client(base_url=url, timeout=30,
-                                 headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        self.http = httpx.Client(
+            base_url=url, timeout=30, headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        )
 
-    def request(self, method: str, path: str, *, key: str | None = None, **kwargs) -> httpx.Response:
+    def request(
+        self, method: str, path: str, *, key: str | None = None, **kwargs
+    ) -> httpx.Response:
         headers = kwargs.pop("headers", {})
         if key is not None:
             headers["authorization"] = f"Bearer {key}"
@@ -88,18 +110,38 @@ class Api:
         return response.json() if response.content else {}
 
     def team(self, credit_limit=None, reset_interval="never") -> dict:
-        return self.ok("POST", "/v1/teams", 201, json={
-            "name": f"team-{uuid.uuid4().hex[:8]}", "credit_limit": credit_limit,
-            "reset_interval": reset_interval})
+        return self.ok(
+            "POST",
+            "/v1/teams",
+            201,
+            json={
+                "name": f"team-{uuid.uuid4().hex[:8]}",
+                "credit_limit": credit_limit,
+                "reset_interval": reset_interval,
+            },
+        )
 
     def user(self, team_id: str, credit_limit=None, reset_interval="never") -> dict:
-        return self.ok("POST", "/v1/users", 201, json={
-            "email": f"u{uuid.uuid4().hex[:10]}@example.com", "name": "Test User",
-            "team_id": team_id, "credit_limit": credit_limit, "reset_interval": reset_interval})
+        return self.ok(
+            "POST",
+            "/v1/users",
+            201,
+            json={
+                "email": f"u{uuid.uuid4().hex[:10]}@example.com",
+                "name": "Test User",
+                "team_id": team_id,
+                "credit_limit": credit_limit,
+                "reset_interval": reset_interval,
+            },
+        )
 
     def token(self, user_id: str, credit_limit=None, reset_interval="never") -> dict:
-        return self.ok("POST", f"/v1/users/{user_id}/tokens", 201, json={
-            "name": "test", "credit_limit": credit_limit, "reset_interval": reset_interval})
+        return self.ok(
+            "POST",
+            f"/v1/users/{user_id}/tokens",
+            201,
+            json={"name": "test", "credit_limit": credit_limit, "reset_interval": reset_interval},
+        )
 
     def principal(self, token_limit=None, user_limit=None, team_limit=None, interval="never"):
         """A fresh team, user and token; returns (team, user, token)."""
@@ -128,7 +170,9 @@ def api(request, backend, sim):
     url = database_url(request, backend)
     migrate.upgrade(url)
     settings = Settings(database_url=url, admin_key=ADMIN_KEY, _env_file=None)
-    catalog = parse_catalog(catalog_for(sim), environ={"SIM_EXASCALE_KEY": "sim-key", "SIM_OPENAI_KEY": "sim-key"})
+    catalog = parse_catalog(
+        catalog_for(sim), environ={"SIM_EXASCALE_KEY": "sim-key", "SIM_OPENAI_KEY": "sim-key"}
+    )
     server = metering_server(settings, catalog)
     yield Api(server.url, backend, settings)
     server.stop()
