@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering import jobs
 from metering.auth.passwords import Passwords
+from metering.catalog import CatalogStore, record_prices
 from metering.db import Database
 from metering.errors import error_response, install_error_handlers
 from metering.identity.endpoints import router as identity_router
@@ -56,7 +57,9 @@ def create_app(
     settings: Settings | None = None, catalog: Catalog | None = None, *, run_jobs: bool = True
 ) -> FastAPI:
     settings = settings or Settings()
-    catalog = catalog if catalog is not None else load_catalog(settings.config_path())
+    config_path = settings.config_path()
+    catalog = catalog if catalog is not None else load_catalog(config_path)
+    store = CatalogStore(catalog, config_path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -65,7 +68,24 @@ def create_app(
         state.db = Database(settings.database_url, settings.db_pool_size)
         state.upstreams = Upstreams(catalog, settings.upstream_max_connections)
         state.passwords = Passwords()
+        await record_prices(state.db, catalog)
+
+        async def watch_catalog() -> None:
+            if await store.reload_if_changed(state.db):
+                state.upstreams.ensure(store.current)
+                state.catalog = store.current
+
         scheduler = jobs.start_scheduler(state.db, settings.hold_ttl_s) if run_jobs else None
+        if scheduler is not None and store.path is not None:
+            scheduler.add_job(
+                jobs.guard(watch_catalog),
+                "interval",
+                id="watch_catalog",
+                name="watch_catalog",
+                seconds=settings.config_poll_s,
+                max_instances=1,
+                coalesce=True,
+            )
         try:
             yield
         finally:

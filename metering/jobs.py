@@ -97,7 +97,7 @@ def start_scheduler(db: Database, hold_ttl_s: int) -> AsyncIOScheduler:
     every = sweep_interval_s(hold_ttl_s)
     first = utcnow() + timedelta(seconds=1)
     scheduler.add_job(
-        _guard(expire_holds, db),
+        guard(expire_holds, db),
         "interval",
         seconds=every,
         next_run_time=first,
@@ -106,7 +106,7 @@ def start_scheduler(db: Database, hold_ttl_s: int) -> AsyncIOScheduler:
         coalesce=True,
     )
     scheduler.add_job(
-        _guard(close_windows, db),
+        guard(close_windows, db),
         "interval",
         seconds=60,
         next_run_time=first,
@@ -118,10 +118,12 @@ def start_scheduler(db: Database, hold_ttl_s: int) -> AsyncIOScheduler:
     return scheduler
 
 
-def _guard(job, db: Database):
+def guard(job, *args):
+    """Run a job, logging (not raising) its failure: the next interval tries again."""
+
     async def run() -> None:
         try:
-            await job(db)
+            await job(*args)
         except Exception:
             log.exception("job %s failed; it runs again at its next interval", job.__name__)
 

@@ -156,3 +156,19 @@ class KeyValue(Base):
 
     key: Mapped[str] = mapped_column(String(100), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+
+
+class Price(Base):
+    """A provider's price for a model from the moment it took effect. Rows are only ever added."""
+
+    __tablename__ = "prices"
+    __table_args__ = (Index("ix_prices_model_provider", "model", "provider", "effective_from"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    provider: Mapped[str] = mapped_column(String(100))
+    upstream_model: Mapped[str] = mapped_column(String(200))
+    input_price: Mapped[int] = mapped_column(BigInteger)
+    cached_price: Mapped[int] = mapped_column(BigInteger)
+    output_price: Mapped[int] = mapped_column(BigInteger)
+    effective_from: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     # How many connections one process keeps to each upstream.
     upstream_max_connections: int = 1000
     db_pool_size: int = 20
+    # How often the catalog file is checked for changes (seconds).
+    config_poll_s: float = 2.0
 
     def config_path(self) -> Path | None:
         if self.config:

@@ -12,13 +12,19 @@ from metering.settings import Catalog
 class Upstreams:
     def __init__(self, catalog: Catalog, max_connections: int) -> None:
         # The aiohttp transport keeps httpx's API but holds its throughput as concurrency grows.
-        limits = httpx.Limits(
+        self.limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
         )
-        self.clients = {
-            name: HttpxAiohttpClient(limits=limits, trust_env=False, follow_redirects=False)
-            for name in catalog.providers
-        }
+        self.clients: dict[str, httpx.AsyncClient] = {}
+        self.ensure(catalog)
+
+    def ensure(self, catalog: Catalog) -> None:
+        """A client for every provider of the catalog (a reload may add providers)."""
+        for name in catalog.providers:
+            if name not in self.clients:
+                self.clients[name] = HttpxAiohttpClient(
+                    limits=self.limits, trust_env=False, follow_redirects=False
+                )
 
     def client(self, provider: str) -> httpx.AsyncClient:
         return self.clients[provider]

@@ -1,0 +1,87 @@
+"""The live catalog: loaded from the TOML file, reloaded when the file changes, and every price
+it has ever had kept in the `prices` table (a change adds a row, never rewrites one).
+
+A request takes its prices from the catalog object current when it starts, so a reload
+mid-request does not change what that request is charged.
+"""
+
+import hashlib
+import logging
+from pathlib import Path
+
+from sqlalchemy import select
+
+from metering.db import Database, utcnow
+from metering.models import Price
+from metering.settings import Catalog, CatalogError, ModelRoute, load_catalog
+
+log = logging.getLogger("metering.catalog")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _same_price(row: Price, route: ModelRoute) -> bool:
+    return (row.input_price, row.cached_price, row.output_price, row.upstream_model) == (
+        route.input_micro,
+        route.cached_micro,
+        route.output_micro,
+        route.upstream_model,
+    )
+
+
+async def record_prices(db: Database, catalog: Catalog) -> int:
+    """Add a price row for every route whose price differs from its latest row."""
+    now, added = utcnow(), 0
+    async with db.transaction() as session:
+        for routes in catalog.models.values():
+            for route in routes:
+                latest = await session.scalar(
+                    select(Price)
+                    .where(Price.model == route.name, Price.provider == route.provider)
+                    .order_by(Price.effective_from.desc(), Price.id.desc())
+                    .limit(1)
+                )
+                if latest is not None and _same_price(latest, route):
+                    continue
+                session.add(
+                    Price(
+                        model=route.name,
+                        provider=route.provider,
+                        upstream_model=route.upstream_model,
+                        input_price=route.input_micro,
+                        cached_price=route.cached_micro,
+                        output_price=route.output_micro,
+                        effective_from=now,
+                    )
+                )
+                added += 1
+    return added
+
+
+class CatalogStore:
+    """Holds the current catalog; `reload_if_changed` swaps in a new one when the file changes."""
+
+    def __init__(self, catalog: Catalog, path: Path | None = None) -> None:
+        self.current = catalog
+        self.path = path
+        self._digest = _digest(path) if path is not None and path.exists() else None
+
+    async def reload_if_changed(self, db: Database) -> bool:
+        if self.path is None or not self.path.exists():
+            return False
+        digest = _digest(self.path)
+        if digest == self._digest:
+            return False
+        try:
+            catalog = load_catalog(self.path)
+        except (CatalogError, ValueError, OSError) as exc:
+            # Keep serving with the last good catalog; the operator sees why in the log.
+            log.error("catalog %s not reloaded: %s", self.path, exc)
+            self._digest = digest
+            return False
+        await record_prices(db, catalog)
+        self.current, self._digest = catalog, digest
+        log.info("catalog reloaded from %s", self.path)
+        return True
