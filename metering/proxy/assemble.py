@@ -1,0 +1,80 @@
+"""One `chat.completion` from the chunks of a stream, for a non-streaming client of an upstream
+that only streams."""
+
+import time
+
+
+class CompletionAssembler:
+    def __init__(self) -> None:
+        self.head: dict = {}
+        self.choices: dict[int, dict] = {}
+        self.usage: dict | None = None
+
+    def add(self, chunk: dict) -> None:
+        if not self.head:
+            self.head = {
+                k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk
+            }
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if isinstance(choice, dict):
+                self._add_choice(choice)
+
+    def _add_choice(self, choice: dict) -> None:
+        index = choice.get("index", 0) if isinstance(choice.get("index"), int) else 0
+        state = self.choices.setdefault(
+            index, {"message": {"role": "assistant"}, "finish_reason": None, "tools": {}}
+        )
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        message = state["message"]
+        for key, value in delta.items():
+            if key == "tool_calls" and isinstance(value, list):
+                self._add_tool_calls(state["tools"], value)
+            elif key == "role" and isinstance(value, str):
+                message["role"] = value
+            elif isinstance(value, str):
+                message[key] = message.get(key, "") + value
+            elif value is not None:
+                message[key] = value
+        if choice.get("finish_reason"):
+            state["finish_reason"] = choice["finish_reason"]
+
+    @staticmethod
+    def _add_tool_calls(tools: dict, calls: list) -> None:
+        for call in calls:
+            if not isinstance(call, dict):
+                continue
+            slot = tools.setdefault(call.get("index", len(tools)), {"function": {"arguments": ""}})
+            for key in ("id", "type"):
+                if call.get(key):
+                    slot[key] = call[key]
+            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            if function.get("name"):
+                slot["function"]["name"] = function["name"]
+            if isinstance(function.get("arguments"), str):
+                slot["function"]["arguments"] += function["arguments"]
+
+    def completion(self) -> dict:
+        choices = []
+        for index in sorted(self.choices):
+            state = self.choices[index]
+            message = dict(state["message"])
+            message.setdefault("content", None)
+            if state["tools"]:
+                message["tool_calls"] = [state["tools"][k] for k in sorted(state["tools"])]
+            choices.append(
+                {"index": index, "message": message, "finish_reason": state["finish_reason"]}
+            )
+        body = {
+            "id": self.head.get("id"),
+            "object": "chat.completion",
+            "created": self.head.get("created", int(time.time())),
+            "model": self.head.get("model"),
+            "choices": choices,
+        }
+        if "system_fingerprint" in self.head:
+            body["system_fingerprint"] = self.head["system_fingerprint"]
+        if self.usage is not None:
+            body["usage"] = self.usage
+        return body

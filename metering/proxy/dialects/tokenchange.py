@@ -1,0 +1,23 @@
+"""TokenChange (shared/seeds/tokenchange-chat-completions.txt).
+
+The upstream only streams (`stream` must be true), so a non-streaming client
+request is streamed upstream and answered as one `chat.completion`. Usage comes
+in the final chunk with `stream_options.include_usage`, with
+`prompt_tokens_details.cached_tokens` charged at the cached price. An error
+after the stream started arrives as a `data: {"error": ...}` event and then
+`[DONE]`; what was delivered before it is billed. `<model>/ep/<endpoint>`
+pins one of its endpoints and passes through.
+"""
+
+from metering.proxy.dialects.base import Dialect
+from metering.settings import ModelRoute
+
+
+class TokenChangeDialect(Dialect):
+    name = "tokenchange"
+    include_usage = True
+    stream_only = True
+
+    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
+        upstream = super().prepare({**body, "stream": True}, route, max_tokens=max_tokens)
+        return upstream
