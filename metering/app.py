@@ -53,6 +53,22 @@ def _ledger_unavailable(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+# PostgreSQL refuses text it cannot store (a NUL character): the client's input is at fault.
+_UNSTORABLE_TEXT = frozenset({"22021", "22P05"})
+
+
+def _database_error(request: Request, exc: Exception) -> JSONResponse:
+    if getattr(getattr(exc, "orig", None), "sqlstate", None) in _UNSTORABLE_TEXT:
+        return error_response(400, "invalid_request", "text must not contain NUL characters")
+    log.error("database error", exc_info=exc)
+    return error_response(500, "internal_error", "the request failed; retry later")
+
+
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    # Only reached by a bug; the error shape holds even then (the exception is still logged).
+    return error_response(500, "internal_error", "the server failed to handle this request")
+
+
 def create_app(
     settings: Settings | None = None, catalog: Catalog | None = None, *, run_jobs: bool = True
 ) -> FastAPI:
@@ -105,6 +121,8 @@ def create_app(
         ConnectionError,
     ):
         app.add_exception_handler(error, _ledger_unavailable)
+    app.add_exception_handler(sa_exc.DBAPIError, _database_error)
+    app.add_exception_handler(Exception, _internal_error)
     app.include_router(proxy_router)
     app.include_router(identity_router)
     app.include_router(usage_router)

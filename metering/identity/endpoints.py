@@ -23,6 +23,8 @@ router = APIRouter(prefix="/v1")
 
 
 async def unit_of_work(request: Request):
+    """One transaction per call. Use it as Depends(unit_of_work, scope="function"): it then
+    commits before the response leaves, so a client never sees a 201 for a row not yet there."""
     async with request.app.state.db.transaction() as session:
         yield session
 
@@ -98,7 +100,9 @@ async def _with_budgets(session, objects, out):
 
 @router.post("/teams", status_code=201)
 async def create_team(
-    body: TeamCreate, _: Principal = Depends(admin_only), session=Depends(unit_of_work)
+    body: TeamCreate,
+    _: Principal = Depends(admin_only),
+    session=Depends(unit_of_work, scope="function"),
 ):
     team = await service.create_team(session, body.name, body.credit_limit, body.reset_interval)
     return team_out(team, await service.get_budget(session, team.id))
@@ -107,7 +111,7 @@ async def create_team(
 @router.get("/teams")
 async def list_teams(
     _: Principal = Depends(admin_only),
-    session=Depends(unit_of_work),
+    session=Depends(unit_of_work, scope="function"),
     limit: int = Query(100, ge=1, le=1000),
     after: str | None = Query(None, max_length=40),
 ):
@@ -119,14 +123,21 @@ async def list_teams(
 
 
 @router.get("/teams/{team_id}")
-async def get_team(team_id: str, _: Principal = Depends(admin_only), session=Depends(unit_of_work)):
+async def get_team(
+    team_id: str,
+    _: Principal = Depends(admin_only),
+    session=Depends(unit_of_work, scope="function"),
+):
     team = await service.get_team(session, team_id)
     return team_out(team, await service.get_budget(session, team.id))
 
 
 @router.patch("/teams/{team_id}")
 async def patch_team(
-    team_id: str, body: TeamPatch, _: Principal = Depends(admin_only), session=Depends(unit_of_work)
+    team_id: str,
+    body: TeamPatch,
+    _: Principal = Depends(admin_only),
+    session=Depends(unit_of_work, scope="function"),
 ):
     team = await service.get_team(session, team_id)
     if body.name is not None:
@@ -141,7 +152,9 @@ async def patch_team(
 
 @router.delete("/teams/{team_id}", status_code=204)
 async def delete_team(
-    team_id: str, _: Principal = Depends(admin_only), session=Depends(unit_of_work)
+    team_id: str,
+    _: Principal = Depends(admin_only),
+    session=Depends(unit_of_work, scope="function"),
 ):
     await service.delete_team(session, team_id)
     return Response(status_code=204)
@@ -149,7 +162,9 @@ async def delete_team(
 
 @router.get("/teams/{team_id}/budget")
 async def team_budget(
-    team_id: str, principal: Principal = Depends(any_principal), session=Depends(unit_of_work)
+    team_id: str,
+    principal: Principal = Depends(any_principal),
+    session=Depends(unit_of_work, scope="function"),
 ):
     if not principal.is_admin and principal.team_id != team_id:
         from metering.errors import Forbidden
@@ -167,7 +182,7 @@ async def create_user(
     body: UserCreate,
     request: Request,
     _: Principal = Depends(admin_only),
-    session=Depends(unit_of_work),
+    session=Depends(unit_of_work, scope="function"),
 ):
     password_hash = request.app.state.passwords.hash(body.password) if body.password else None
     user = await service.create_user(
@@ -185,7 +200,7 @@ async def create_user(
 @router.get("/users")
 async def list_users(
     _: Principal = Depends(admin_only),
-    session=Depends(unit_of_work),
+    session=Depends(unit_of_work, scope="function"),
     team_id: str | None = Query(None, max_length=40),
     limit: int = Query(100, ge=1, le=1000),
     after: str | None = Query(None, max_length=40),
@@ -201,7 +216,9 @@ async def list_users(
 
 @router.get("/users/{user_id}")
 async def get_user(
-    user_id: str, principal: Principal = Depends(any_principal), session=Depends(unit_of_work)
+    user_id: str,
+    principal: Principal = Depends(any_principal),
+    session=Depends(unit_of_work, scope="function"),
 ):
     principal.ensure_user(user_id)
     user = await service.get_user(session, user_id)
@@ -214,7 +231,7 @@ async def patch_user(
     body: UserPatch,
     request: Request,
     _: Principal = Depends(admin_only),
-    session=Depends(unit_of_work),
+    session=Depends(unit_of_work, scope="function"),
 ):
     user = await service.get_user(session, user_id)
     fields = body.model_dump(exclude_unset=True)
@@ -238,7 +255,9 @@ async def patch_user(
 
 @router.delete("/users/{user_id}", status_code=204)
 async def delete_user(
-    user_id: str, _: Principal = Depends(admin_only), session=Depends(unit_of_work)
+    user_id: str,
+    _: Principal = Depends(admin_only),
+    session=Depends(unit_of_work, scope="function"),
 ):
     await service.delete_user(session, user_id)
     return Response(status_code=204)
@@ -246,7 +265,9 @@ async def delete_user(
 
 @router.get("/users/{user_id}/budget")
 async def user_budget(
-    user_id: str, principal: Principal = Depends(any_principal), session=Depends(unit_of_work)
+    user_id: str,
+    principal: Principal = Depends(any_principal),
+    session=Depends(unit_of_work, scope="function"),
 ):
     principal.ensure_user(user_id)
     await service.get_user(session, user_id)
@@ -261,7 +282,7 @@ async def create_token(
     user_id: str,
     body: TokenCreate,
     principal: Principal = Depends(any_principal),
-    session=Depends(unit_of_work),
+    session=Depends(unit_of_work, scope="function"),
 ):
     principal.ensure_user(user_id)
     token, secret = await service.create_token(
@@ -280,7 +301,7 @@ async def create_token(
 async def list_tokens(
     user_id: str,
     principal: Principal = Depends(any_principal),
-    session=Depends(unit_of_work),
+    session=Depends(unit_of_work, scope="function"),
     include_revoked: bool = False,
 ):
     principal.ensure_user(user_id)
@@ -300,7 +321,9 @@ async def _own_token(session, principal: Principal, token_id: str) -> ApiToken:
 
 @router.get("/tokens/{token_id}")
 async def get_token(
-    token_id: str, principal: Principal = Depends(any_principal), session=Depends(unit_of_work)
+    token_id: str,
+    principal: Principal = Depends(any_principal),
+    session=Depends(unit_of_work, scope="function"),
 ):
     token = await _own_token(session, principal, token_id)
     return token_out(token, await service.get_budget(session, token.id))
@@ -311,7 +334,7 @@ async def patch_token(
     token_id: str,
     body: TokenPatch,
     principal: Principal = Depends(any_principal),
-    session=Depends(unit_of_work),
+    session=Depends(unit_of_work, scope="function"),
 ):
     token = await _own_token(session, principal, token_id)
     if body.name is not None:
@@ -325,7 +348,9 @@ async def patch_token(
 
 @router.delete("/tokens/{token_id}", status_code=204)
 async def revoke_token(
-    token_id: str, principal: Principal = Depends(any_principal), session=Depends(unit_of_work)
+    token_id: str,
+    principal: Principal = Depends(any_principal),
+    session=Depends(unit_of_work, scope="function"),
 ):
     await _own_token(session, principal, token_id)
     await service.revoke_token(session, token_id)
@@ -334,7 +359,9 @@ async def revoke_token(
 
 @router.get("/tokens/{token_id}/budget")
 async def token_budget(
-    token_id: str, principal: Principal = Depends(any_principal), session=Depends(unit_of_work)
+    token_id: str,
+    principal: Principal = Depends(any_principal),
+    session=Depends(unit_of_work, scope="function"),
 ):
     await _own_token(session, principal, token_id)
     return budget_out(await service.get_budget(session, token_id))

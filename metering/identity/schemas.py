@@ -29,6 +29,14 @@ def _interval(value: object) -> str:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
+    @field_validator("*")
+    @classmethod
+    def _no_nul(cls, value: object) -> object:
+        # PostgreSQL cannot store NUL in text; refuse it on every backend alike.
+        if isinstance(value, str) and "\x00" in value:
+            raise ValueError("must not contain NUL characters")
+        return value
+
 
 class _Limited(_Body):
     credit_limit: Decimal | None = None

@@ -103,13 +103,21 @@ async def open_upstream(state, attempt: Attempt) -> httpx.Response:
         raise AssertionError("unreachable") from exc
 
 
-async def _fail_before_answer(state, attempt: Attempt, exc: BaseException) -> None:
+async def _fail_before_answer(
+    state, attempt: Attempt, exc: BaseException, answered: int | None = None
+) -> None:
+    """`answered`: the status the upstream had already sent when its body broke off; a 2xx
+    answer was generated (and billed upstream), so it is metered at an estimate, not for free."""
     kind = failure_kind(exc)
     name = attempt.provider.name
-    if kind == "unreached":
+    if kind == "unreached" and answered is None:
         await release(state, attempt)
         raise UpstreamFailed(f"could not connect to provider {name}") from None
-    await settle(state, attempt, Outcome(status=kind, billable=False, error=repr(exc)))
+    if kind == "unreached":
+        kind = "upstream_disconnected"
+    billable = answered is not None and answered < 400
+    outcome = Outcome(status=kind, http_status=answered, billable=billable, error=repr(exc))
+    await settle(state, attempt, outcome)
     if kind == "timeout":
         raise UpstreamTimeout(f"provider {name} did not answer in time") from None
     raise UpstreamFailed(f"provider {name} closed the connection without an answer") from None
@@ -119,7 +127,7 @@ async def read_all(state, attempt: Attempt, upstream: httpx.Response) -> bytes:
     try:
         return await upstream.aread()
     except (httpx.HTTPError, OSError) as exc:
-        await _fail_before_answer(state, attempt, exc)
+        await _fail_before_answer(state, attempt, exc, answered=upstream.status_code)
         raise AssertionError("unreachable") from exc
     finally:
         await upstream.aclose()

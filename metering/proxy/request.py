@@ -45,7 +45,12 @@ def parse_json(raw: bytes) -> dict:
     if not raw:
         raise InvalidRequest("request body is empty: send a JSON object")
     try:
-        body = json.loads(raw, parse_constant=_reject_constant)
+        # JSON on the wire is UTF-8 (RFC 8259); json.loads would also guess UTF-16 and -32.
+        text = raw.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not UTF-8") from None
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):
@@ -101,7 +106,7 @@ def _messages(body: dict) -> None:
         if not isinstance(message, dict):
             raise InvalidRequest(f"messages[{i}] must be an object", param=f"messages.{i}")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise InvalidRequest(
                 f"messages[{i}].role must be one of {', '.join(sorted(ROLES))}",
                 param=f"messages.{i}.role",

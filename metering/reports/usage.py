@@ -86,7 +86,7 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         created, _, event_id = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
         return parse_rfc3339(created), event_id
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, OverflowError):
         raise InvalidRequest("cursor is not valid", param="cursor") from None
 
 
@@ -95,7 +95,7 @@ def parse_time(value: str | None, name: str) -> datetime | None:
         return None
     try:
         return parse_rfc3339(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: a valid text beyond year 1..9999 in UTC
         raise InvalidRequest(f"{name} must be an RFC 3339 timestamp", param=name) from None
 
 

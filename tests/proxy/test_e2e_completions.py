@@ -1,0 +1,325 @@
+"""Non-streaming chat completions end to end: official SDK -> proxy -> simulated upstream.
+
+Each ledger event is checked field by field against what the upstream reported (the
+sim's log), upstream faults against the error contract, and x-request-id everywhere.
+"""
+
+import re
+import time
+from decimal import Decimal
+
+import httpx
+import pytest
+
+from metering.proxy.estimate import estimate_prompt_tokens
+
+DETAIL_FIELDS = (
+    "text_tokens",
+    "reasoning_tokens",
+    "audio_tokens",
+    "image_tokens",
+    "video_tokens",
+    "accepted_prediction_tokens",
+    "rejected_prediction_tokens",
+)
+# USD per 1M tokens: (input, cached input, output), as in conftest's catalog.
+PRICES = {
+    "gpt-sim": (Decimal("0.15"), Decimal("0.075"), Decimal("0.60")),
+    "minimax-m2.1": (Decimal("0.30"), Decimal("0.30"), Decimal("1.20")),
+}
+ROUTES = {
+    "gpt-sim": ("sim-openai", "sim/gpt"),
+    "minimax-m2.1": ("sim-exascale", "MiniMaxAI/MiniMax-M2.1"),
+}
+MODELS = tuple(PRICES)
+# Fields whose value depends on the moment or the request, not on the prompt.
+VOLATILE = re.compile(rb'"(id|created)": ?("[^"]*"|\d+)')
+
+
+def expected_cost(model: str, prompt: int, cached: int, completion: int) -> Decimal:
+    input_price, cached_price, output_price = PRICES[model]
+    return (
+        (prompt - cached) * input_price + cached * cached_price + completion * output_price
+    ) / Decimal(1_000_000)
+
+
+def assert_error_shape(response: httpx.Response, status: int, code: str | None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) >= {"message", "type", "code", "param"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code
+    return body["error"]
+
+
+def sim_log(sim) -> list[dict]:
+    response = httpx.get(f"http://{sim.host}:{sim.port}/_sim/log", timeout=10)
+    assert response.status_code == 200
+    return response.json()
+
+
+def sim_record(sim, upstream_id: str) -> dict:
+    records = [r for r in sim_log(sim) if r["id"] == upstream_id]
+    assert len(records) == 1, upstream_id
+    return records[0]
+
+
+def event_by_id(api, token_id: str, event_id: str) -> dict:
+    events = [e for e in api.events(token_id=token_id) if e["id"] == event_id]
+    assert len(events) == 1, event_id
+    return events[0]
+
+
+def wait_events(api, token_id: str, count: int, timeout: float = 10.0) -> list[dict]:
+    """The token's events once there are `count` of them (settling may trail the response)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = api.events(token_id=token_id)
+        if len(events) >= count or time.monotonic() > deadline:
+            return events
+        time.sleep(0.05)
+
+
+def assert_matches_upstream(event: dict, record: dict, principal, model: str, stream: bool):
+    """The ledger event says exactly what the upstream reported, at the catalog's price."""
+    team, user, token = principal
+    usage = record["usage"]
+    provider, upstream_model = ROUTES[model]
+    assert event["upstream_id"] == record["id"]
+    assert event["prompt_tokens"] == usage["prompt_tokens"]
+    assert event["completion_tokens"] == usage["completion_tokens"]
+    assert event["total_tokens"] == usage["total_tokens"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert event["prompt_tokens_details"] == {"cached_tokens": cached}
+    details = usage.get("completion_tokens_details") or {}
+    assert event["completion_tokens_details"] == {name: details.get(name) for name in DETAIL_FIELDS}
+    assert event["finish_reason"] == "stop"
+    assert event["stream"] is stream
+    assert (event["model"], event["provider"], event["upstream_model"]) == (
+        model,
+        provider,
+        upstream_model,
+    )
+    assert (event["token_id"], event["user_id"], event["team_id"]) == (
+        token["id"],
+        user["id"],
+        team["id"],
+    )
+    assert event["usage_source"] == "reported"
+    assert event["http_status"] == 200
+    assert event["status"] == "ok"
+    assert Decimal(event["cost"]) == expected_cost(
+        model, usage["prompt_tokens"], cached, usage["completion_tokens"]
+    )
+
+
+@pytest.fixture(scope="module")
+def principal(api):
+    return api.principal()
+
+
+@pytest.fixture(scope="module")
+def token(principal):
+    return principal[2]
+
+
+@pytest.fixture(scope="module")
+def http(api, token):
+    with httpx.Client(
+        base_url=api.url, timeout=30, headers={"authorization": f"Bearer {token['token']}"}
+    ) as client:
+        yield client
+
+
+def user_message(text: str) -> list[dict]:
+    return [
+        {"role": "developer", "content": "You are a helpful assistant."},
+        {"role": "user", "content": text},
+    ]
+
+
+# --- metering what the upstream reported -----------------------------------------------------
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_sdk_completion_is_metered_exactly_as_the_upstream_reported(api, sim, principal, model):
+    token = principal[2]
+    client = api.openai(token["token"])
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=user_message("Tell me sim:tokens=11 sim:reasoning=4 sim:cached=6"),
+    )
+    completion = raw.parse()
+    event = event_by_id(api, token["id"], raw.headers["x-request-id"])
+    record = sim_record(sim, completion.id)
+
+    assert_matches_upstream(event, record, principal, model, stream=False)
+    assert event["completion_tokens"] == 11
+    assert event["completion_tokens_details"]["reasoning_tokens"] == 4
+    assert event["prompt_tokens_details"]["cached_tokens"] == (6 if model == "gpt-sim" else 0)
+    assert completion.usage.prompt_tokens == event["prompt_tokens"]
+    assert completion.usage.completion_tokens == event["completion_tokens"]
+    assert record["received"]["model"] == ROUTES[model][1]
+    assert record["received"]["messages"] == user_message(
+        "Tell me sim:tokens=11 sim:reasoning=4 sim:cached=6"
+    )
+
+
+def test_upstream_4xx_passes_through_in_the_openai_shape(api, sim, token, http):
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "minimax-m2.1", "messages": user_message("x sim:fault=http400")},
+    )
+    error = assert_error_shape(response, 400, None)
+    assert error["message"] == "simulated fault http400"
+    event = event_by_id(api, token["id"], response.headers["x-request-id"])
+    assert (event["status"], event["http_status"]) == ("upstream_error", 400)
+    assert Decimal(event["cost"]) == 0
+
+
+def test_upstream_429_passes_through_with_retry_after(api, sim, token, http):
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-sim", "messages": user_message("x sim:fault=http429")},
+    )
+    error = assert_error_shape(response, 429, "rate_limit_exceeded")
+    assert error["message"] == "simulated fault http429"
+    assert response.headers["retry-after"] == "1"
+    event = event_by_id(api, token["id"], response.headers["x-request-id"])
+    assert (event["status"], event["http_status"]) == ("upstream_error", 429)
+    assert Decimal(event["cost"]) == 0
+
+
+def test_client_giving_up_on_a_completion_still_leaves_one_event(api, sim):
+    _, _, token = api.principal()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{api.url}/v1/chat/completions",
+            json={"model": "gpt-sim", "messages": user_message("x sim:fault=timeout")},
+            headers={"authorization": f"Bearer {token['token']}"},
+            timeout=0.5,
+        )
+    # The proxy waits out the provider's 2 s timeout, then meters the attempt.
+    events = wait_events(api, token["id"], 1)
+    assert len(events) == 1
+    assert events[0]["status"] == "timeout"
+    assert Decimal(events[0]["cost"]) == 0
+
+
+# --- passthrough fidelity --------------------------------------------------------------------
+
+
+def direct(sim, dialect: str, body: dict) -> httpx.Response:
+    """The same request sent straight to the simulated upstream."""
+    return httpx.post(
+        f"{sim.base_url(dialect)}/chat/completions",
+        json=body,
+        headers={"authorization": "Bearer sim-key"},
+        timeout=10,
+    )
+
+
+def test_exascale_body_reaches_the_client_byte_for_byte(api, sim, http):
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "minimax-m2.1", "messages": user_message("hello sim:reasoning=5")},
+    )
+    assert response.status_code == 200
+    body = response.json()
+    record = sim_record(sim, body["id"])
+    # The sim answers the same body the same way, but for the id and the time.
+    again = direct(sim, "exascale", record["received"])
+    assert VOLATILE.sub(b"", response.content) == VOLATILE.sub(b"", again.content)
+    message = body["choices"][0]["message"]
+    assert message["name"] == "MiniMax AI"
+    assert message["reasoning_content"] == record["reasoning"]
+    assert message["reasoning_details"] == [
+        {
+            "type": "reasoning.text",
+            "text": record["reasoning"],
+            "id": "reasoning-text-1",
+            "format": "openai-responses-v1",
+            "index": 0,
+        }
+    ]
+    assert body["system_fingerprint"] == ""
+    assert body["model"] == "minimax/minimax-m2.1"
+    assert body["usage"]["prompt_tokens_details"] is None
+
+
+# --- upstream faults -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "status", "code", "event_status"),
+    [
+        ("http500", 502, "upstream_error", "upstream_error"),
+        ("timeout", 504, "upstream_timeout", "timeout"),
+        ("malformed", 502, "upstream_error", "malformed"),
+        ("disconnect", 502, "upstream_error", "upstream_disconnected"),
+    ],
+)
+@pytest.mark.parametrize("model", MODELS)
+def test_upstream_fault_is_an_openai_error_and_one_event(
+    api, sim, model, fault, status, code, event_status
+):
+    _, _, token = api.principal()
+    response = httpx.post(
+        f"{api.url}/v1/chat/completions",
+        json={"model": model, "messages": user_message(f"x sim:fault={fault}")},
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    )
+    assert_error_shape(response, status, code)
+    events = wait_events(api, token["id"], 1)
+    assert len(events) == 1
+    event = events[0]
+    assert event["id"] == response.headers["x-request-id"]
+    assert event["status"] == event_status
+    assert event["stream"] is False
+    if fault in ("http500", "timeout"):
+        # The upstream refused or never answered: nothing to bill.
+        assert Decimal(event["cost"]) == 0
+        assert (event["prompt_tokens"], event["completion_tokens"]) == (0, 0)
+        assert event["http_status"] == (500 if fault == "http500" else None)
+    else:
+        # It answered 200 and (as far as we know) billed the prompt: estimated, never free.
+        assert event["usage_source"] == "estimated"
+        prompt = estimate_prompt_tokens({"messages": user_message(f"x sim:fault={fault}")})
+        assert event["prompt_tokens"] == prompt
+        assert Decimal(event["cost"]) == expected_cost(model, prompt, 0, 0)
+
+
+# --- x-request-id ----------------------------------------------------------------------------
+
+
+def test_every_response_carries_x_request_id(api, http):
+    responses = [
+        http.post("/v1/chat/completions", content=b"{"),
+        http.get("/v1/models"),
+        http.get("/v1/no-such-route"),
+        httpx.get(f"{api.url}/v1/models", timeout=10),
+        httpx.get(f"{api.url}/healthz", timeout=10),
+    ]
+    assert [r.status_code for r in responses] == [400, 200, 404, 401, 200]
+    ids = [r.headers["x-request-id"] for r in responses]
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", i) for i in ids)
+    assert len(set(ids)) == len(ids)
+    assert_error_shape(responses[2], 404, "not_found")
+
+
+def test_x_request_id_is_the_ledger_event_id(api, token, http):
+    response = http.post(
+        "/v1/chat/completions",
+        json={"model": "gpt-sim", "messages": user_message("hi sim:tokens=3")},
+    )
+    assert response.status_code == 200
+    event = event_by_id(api, token["id"], response.headers["x-request-id"])
+    assert event["upstream_id"] == response.json()["id"]
+
+
+def test_models_lists_the_catalog(api, token):
+    models = api.openai(token["token"]).models.list()
+    assert sorted(m.id for m in models.data) == ["gpt-sim", "minimax-m2.1"]
