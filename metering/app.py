@@ -66,7 +66,12 @@ def _database_error(request: Request, exc: Exception) -> JSONResponse:
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     # Only reached by a bug; the error shape holds even then (the exception is still logged).
-    return error_response(500, "internal_error", "the server failed to handle this request")
+    # This runs outside RequestId's middleware, so it adds the header itself.
+    request_id = request.scope.get("state", {}).get("request_id")
+    headers = {"x-request-id": request_id} if request_id else None
+    return error_response(
+        500, "internal_error", "the server failed to handle this request", headers=headers
+    )
 
 
 def create_app(

@@ -91,6 +91,7 @@ def test_token_of_a_deleted_user_is_refused(api, user):
     token = create(api, user["id"]).json()
     assert api.request("DELETE", f"/v1/users/{user['id']}").status_code == 204
     assert_error(chat(api, token["token"]), 401, "invalid_api_key")
+    assert_error(create(api, user["id"]), 404, "not_found")
 
 
 def test_token_of_a_deleted_team_is_refused(api):
@@ -107,9 +108,16 @@ def test_user_manages_its_own_tokens_but_no_one_elses(api, user):
     assert create(api, user["id"], key=own["token"]).status_code == 201
     assert_error(create(api, other["id"], key=own["token"]), 403, "forbidden")
     others_token = create(api, other["id"]).json()
-    for method in ("GET", "DELETE"):
-        response = api.request(method, f"/v1/tokens/{others_token['id']}", key=own["token"])
+    for method in ("GET", "PATCH", "DELETE"):
+        response = api.request(
+            method, f"/v1/tokens/{others_token['id']}", key=own["token"], json={"name": "mine"}
+        )
         assert_error(response, 403, "forbidden")
+    assert api.ok("GET", f"/v1/tokens/{others_token['id']}")["name"] == "t"
+    renamed = api.request(
+        "PATCH", f"/v1/tokens/{own['id']}", key=own["token"], json={"name": "mine"}
+    )
+    assert renamed.status_code == 200 and renamed.json()["name"] == "mine"
     assert_error(
         api.request("GET", f"/v1/users/{other['id']}/tokens", key=own["token"]), 403, "forbidden"
     )

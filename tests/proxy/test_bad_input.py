@@ -433,3 +433,27 @@ def test_nul_character_in_a_path_is_never_a_server_error(api, path):
     response = api.request("GET", path)
     assert response.status_code in (400, 404), response.text
     assert set(response.json()["error"]) == {"message", "type", "code", "param"}
+
+
+# --- a bug is still an OpenAI-shaped answer --------------------------------------------------
+
+
+def test_unexpected_error_is_an_openai_shaped_500_with_x_request_id(api, sim):
+    from fastapi.testclient import TestClient
+
+    from metering.app import create_app
+    from metering.settings import parse_catalog
+    from tests.conftest import catalog_for
+
+    app = create_app(api.settings, parse_catalog(catalog_for(sim), environ={}), run_jobs=False)
+
+    @app.get("/_boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.get("/_boom")
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "internal_error"
+    assert set(response.json()["error"]) == {"message", "type", "code", "param"}
+    assert response.headers["x-request-id"].startswith("req_")
