@@ -96,6 +96,15 @@ async def roll(session: AsyncSession, budget: Budget, now: datetime) -> None:
     old_start = budget.window_start
     if old_start >= start:
         return
+    # Lock the row before copying its total: on PostgreSQL a settle of the old window that
+    # commits while this waits is then part of the copy, instead of being zeroed unrecorded.
+    locked = await session.scalar(
+        select(Budget.subject_id)
+        .where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start)
+        .with_for_update()
+    )
+    if locked is None:
+        return  # rolled meanwhile by another transaction
     _, old_end = current_window(budget, old_start)
     closed = (
         _upsert_ignore(session)(BudgetWindow)

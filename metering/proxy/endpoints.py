@@ -40,6 +40,16 @@ def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
     return BudgetExceeded(message, headers=headers)
 
 
+def _encode(body: dict) -> bytes:
+    try:
+        return json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # JSON allows escapes such as \ud800; a lone surrogate is not text to send upstream.
+        raise InvalidRequest(
+            "request body contains a lone UTF-16 surrogate escape: not valid Unicode text"
+        ) from None
+
+
 @router.post("/chat/completions")
 async def chat_completions(
     request: Request, principal: Principal = Depends(user_principal)
@@ -85,18 +95,20 @@ async def chat_completions(
         headers["x-max-tokens-clamped"] = str(reservation.max_tokens)
     # The hold is per choice-token; the ledger charges the real output price.
     spec = replace(spec, output_price=route.output_micro)
-    upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
     attempt = forward.Attempt(
         spec=spec,
         chat=chat,
         provider=provider,
         dialect=dialect,
-        upstream_body=json.dumps(upstream_body, ensure_ascii=False).encode(),
+        upstream_body=b"",
         started_at=utcnow(),
         t0=t0,
         headers=headers,
     )
     try:
+        # Built under the try: a body that cannot be sent must give its hold back too.
+        upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
+        attempt.upstream_body = _encode(upstream_body)
         if chat.stream:
             return await forward.stream(state, attempt)
         return await forward.complete(state, attempt)

@@ -1,0 +1,154 @@
+"""Many requests at once against one limit: never a budget above its limit, never a lost cent.
+
+On PostgreSQL the requests are spread over two `metering serve` replicas sharing one database;
+on each backend a smaller run goes through the in-process test server.
+"""
+
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+
+import openai
+import pytest
+
+from tests.budgets.conftest import budget, chat, marker, new_pg_database, replicas, usd
+from tests.conftest import Api
+
+MAX_TOKENS = 64
+# gpt-sim: a request of about 20 prompt tokens and 64 completion tokens costs about 0.0000414.
+COST_ESTIMATE = Decimal("0.0000414")
+
+
+def _fire(clients: list[openai.OpenAI], requests: int, threads: int) -> list[int]:
+    """`requests` chat completions from `threads` threads, cycling over the clients; the
+    HTTP status of each."""
+    tag = marker()
+
+    def one(i: int) -> int:
+        client = clients[i % len(clients)]
+        try:
+            client.chat.completions.create(
+                model="gpt-sim",
+                messages=[{"role": "user", "content": f"race {tag} {i} sim:tokens={MAX_TOKENS}"}],
+                max_tokens=MAX_TOKENS,
+            )
+            return 200
+        except openai.APIStatusError as exc:
+            return exc.status_code
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(one, range(requests)))
+
+
+def _check_ledger(admin: Api, statuses: list[int], scopes: dict[str, str], limited: str) -> None:
+    """The invariants after a burst; `scopes` maps scope -> id, `limited` is the one with a limit."""
+    counts = Counter(statuses)
+    assert set(counts) <= {200, 402}, counts
+    served = counts[200]
+    assert served >= 1 and counts[402] >= 1, counts  # the limit was reached, and bit
+
+    events = admin.events(**{f"{limited}_id": scopes[limited]})
+    assert len(events) == served
+    assert all(event["status"] == "ok" for event in events)
+    assert all(event["completion_tokens"] == MAX_TOKENS for event in events)
+    total = sum(usd(event["cost"]) for event in events)
+    for scope, subject in scopes.items():
+        status = budget(admin, scope, subject)
+        assert usd(status["reserved"]) == 0, status
+        mine = [e for e in events if e[f"{scope}_id"] == subject]
+        assert usd(status["spent"]) == sum(usd(e["cost"]) for e in mine), status
+        if status["credit_limit"] is not None:
+            assert usd(status["spent"]) <= usd(status["credit_limit"]), status
+    limit = usd(budget(admin, limited, scopes[limited])["credit_limit"])
+    assert total <= limit
+
+
+def _token_burst(admin: Api, urls: list[str], limit: Decimal, requests: int, threads: int):
+    team, user, token = admin.principal(token_limit=str(limit))
+    clients = [
+        openai.OpenAI(base_url=f"{url}/v1", api_key=token["token"], max_retries=0) for url in urls
+    ]
+    statuses = _fire(clients, requests, threads)
+    scopes = {"token": token["id"], "user": user["id"], "team": team["id"]}
+    _check_ledger(admin, statuses, scopes, "token")
+
+
+def _team_burst(admin: Api, urls: list[str], limit: Decimal, requests: int, threads: int):
+    team = admin.team(credit_limit=str(limit))
+    users = [admin.user(team["id"]) for _ in range(3)]
+    tokens = [admin.token(user["id"]) for user in users]
+    # Each token goes through each replica in turn.
+    clients = [
+        openai.OpenAI(base_url=f"{url}/v1", api_key=token["token"], max_retries=0)
+        for url in urls
+        for token in tokens
+    ]
+    statuses = _fire(clients, requests, threads)
+    _check_ledger(admin, statuses, {"team": team["id"]}, "team")
+    events = admin.events(team_id=team["id"])
+    for user, token in zip(users, tokens, strict=True):
+        for scope, subject in (("user", user["id"]), ("token", token["id"])):
+            status = budget(admin, scope, subject)
+            mine = [e for e in events if e[f"{scope}_id"] == subject]
+            assert mine, "every user got some of the team's credit"
+            assert usd(status["spent"]) == sum(usd(e["cost"]) for e in mine)
+            assert usd(status["reserved"]) == 0
+
+
+@pytest.fixture(scope="module")
+def two_replicas(catalog_file, tmp_path_factory):
+    """Two `metering serve` processes on one new PostgreSQL database, started at once (both
+    race to apply the migrations; an advisory lock serializes them)."""
+    with (
+        new_pg_database() as url,
+        replicas(catalog_file, tmp_path_factory.mktemp("replicas")) as start,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        yield list(pool.map(lambda _: start(url), range(2)))
+
+
+@pytest.mark.postgres
+def test_token_limit_holds_across_two_postgres_replicas(two_replicas):
+    admin = two_replicas[0].api()
+    _token_burst(admin, [r.url for r in two_replicas], 50 * COST_ESTIMATE, 200, 50)
+
+
+@pytest.mark.postgres
+def test_identity_changes_reach_the_other_postgres_replica(two_replicas):
+    """A change made through one replica applies to the very next request on the other."""
+    a, b = (replica.api() for replica in two_replicas)
+    for kind in ("token", "user", "team"):
+        team, user, token = a.principal()
+        key = token["token"]
+        assert chat(b, key, f"live {marker()}", max_tokens=5).status_code == 200
+        a.ok(
+            "DELETE",
+            f"/v1/{kind}s/" + {"token": token, "user": user, "team": team}[kind]["id"],
+            204,
+        )
+        assert chat(b, key, f"gone {marker()}", max_tokens=5).status_code == 401, kind
+    for scope in ("token", "user", "team"):
+        team, user, token = b.principal()
+        key = token["token"]
+        subject = {"token": token, "user": user, "team": team}[scope]["id"]
+        assert chat(a, key, f"live {marker()}", max_tokens=5).status_code == 200
+        b.ok("PATCH", f"/v1/{scope}s/{subject}", json={"credit_limit": "0"})
+        refused = chat(a, key, f"limited {marker()}", max_tokens=5)
+        assert refused.status_code == 402, scope
+        assert refused.headers["x-budget-scope"] == scope
+        b.ok("PATCH", f"/v1/{scope}s/{subject}", json={"credit_limit": None})
+        assert chat(a, key, f"again {marker()}", max_tokens=5).status_code == 200
+
+
+@pytest.mark.postgres
+def test_team_limit_holds_across_two_postgres_replicas(two_replicas):
+    admin = two_replicas[1].api()
+    _team_burst(admin, [r.url for r in two_replicas], 50 * COST_ESTIMATE, 200, 50)
+
+
+def test_token_limit_under_concurrency_in_process(api):
+    _token_burst(api, [api.url], 15 * COST_ESTIMATE, 60, 20)
+
+
+def test_team_limit_under_concurrency_in_process(api):
+    _team_burst(api, [api.url], 15 * COST_ESTIMATE, 60, 20)
