@@ -4,14 +4,17 @@ import logging
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering import jobs
+from metering.auth.endpoints import router as auth_router
 from metering.auth.passwords import Passwords
+from metering.auth.principal import RefreshedTokenHeaders, open_access
+from metering.auth.tokens import Signer
 from metering.catalog import CatalogStore, record_prices
 from metering.db import Database
 from metering.errors import error_response, install_error_handlers
@@ -89,6 +92,7 @@ def create_app(
         state.db = Database(settings.database_url, settings.db_pool_size)
         state.upstreams = Upstreams(catalog, settings.upstream_max_connections)
         state.passwords = Passwords()
+        state.signer = Signer(settings.secret)
         await record_prices(state.db, catalog)
 
         async def watch_catalog() -> None:
@@ -131,16 +135,18 @@ def create_app(
     app.include_router(proxy_router)
     app.include_router(identity_router)
     app.include_router(usage_router)
+    app.include_router(auth_router)
 
-    @app.get("/healthz", include_in_schema=False)
+    @app.get("/healthz", include_in_schema=False, dependencies=[Depends(open_access)])
     async def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/readyz", include_in_schema=False)
+    @app.get("/readyz", include_in_schema=False, dependencies=[Depends(open_access)])
     async def readyz(request: Request) -> dict:
         async with request.app.state.db.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
         return {"status": "ready"}
 
     app.add_middleware(RequestId)
+    app.add_middleware(RefreshedTokenHeaders)
     return app

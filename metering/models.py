@@ -172,3 +172,43 @@ class Price(Base):
     cached_price: Mapped[int] = mapped_column(BigInteger)
     output_price: Mapped[int] = mapped_column(BigInteger)
     effective_from: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class AuthSession(Base):
+    """One login: a chain of refresh tokens (a "family"). Revoking it ends every token of the chain."""
+
+    __tablename__ = "auth_sessions"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    # A digest of the user's password hash at login: a new password ends the session.
+    password_stamp: Mapped[str] = mapped_column(String(64))
+    generation: Mapped[int] = mapped_column(Integer)  # of the newest refresh token
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    refreshed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_reason: Mapped[str | None] = mapped_column(String(32))
+
+
+class RefreshToken(Base):
+    """A refresh token of a session, by its SHA-256 only. Spent ones stay, to recognise reuse."""
+
+    __tablename__ = "refresh_tokens"
+
+    token_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("auth_sessions.id"), index=True)
+    generation: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    spent_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class LoginThrottle(Base):
+    """Recent failed logins of one email (by its SHA-256), shared by every replica."""
+
+    __tablename__ = "login_throttles"
+
+    email_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    failures: Mapped[int] = mapped_column(Integer)
+    last_failure_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
+    locked_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
