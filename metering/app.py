@@ -19,8 +19,12 @@ from metering.catalog import CatalogStore, record_prices
 from metering.db import Database
 from metering.errors import error_response, install_error_handlers
 from metering.identity.endpoints import router as identity_router
+from metering.metrics import router as metrics_router
 from metering.proxy.endpoints import router as proxy_router
+from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
+from metering.reports.endpoints import router as reconciliation_router
+from metering.reports.spend import router as spend_router
 from metering.reports.usage import router as usage_router
 from metering.settings import Catalog, Settings, load_catalog
 
@@ -92,6 +96,7 @@ def create_app(
         state.db = Database(settings.database_url, settings.db_pool_size)
         state.upstreams = Upstreams(catalog, settings.upstream_max_connections)
         state.passwords = Passwords()
+        state.breakers = Breakers(settings.breaker_failures, settings.breaker_cooldown_s)
         state.signer = Signer(settings.secret)
         await record_prices(state.db, catalog)
 
@@ -100,7 +105,11 @@ def create_app(
                 state.upstreams.ensure(store.current)
                 state.catalog = store.current
 
-        scheduler = jobs.start_scheduler(state.db, settings.hold_ttl_s) if run_jobs else None
+        scheduler = (
+            jobs.start_scheduler(state.db, settings.hold_ttl_s, settings.retention_days)
+            if run_jobs
+            else None
+        )
         if scheduler is not None and store.path is not None:
             scheduler.add_job(
                 jobs.guard(watch_catalog),
@@ -135,6 +144,9 @@ def create_app(
     app.include_router(proxy_router)
     app.include_router(identity_router)
     app.include_router(usage_router)
+    app.include_router(spend_router)
+    app.include_router(reconciliation_router)
+    app.include_router(metrics_router)
     app.include_router(auth_router)
 
     @app.get("/healthz", include_in_schema=False, dependencies=[Depends(open_access)])

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from metering.money import MoneyError, parse_usd, price_to_micro
@@ -30,6 +31,11 @@ class Settings(BaseSettings):
     db_pool_size: int = 20
     # How often the catalog file is checked for changes (seconds).
     config_poll_s: float = 2.0
+    # A provider failing this many times in a row rests for breaker_cooldown_s seconds.
+    breaker_failures: int = Field(default=3, ge=1)
+    breaker_cooldown_s: float = Field(default=30.0, gt=0)
+    # Events older than this many days move to ledger_events_archive; None keeps all hot.
+    retention_days: int | None = Field(default=None, ge=1)
 
     def config_path(self) -> Path | None:
         if self.config:
@@ -50,6 +56,10 @@ class Provider:
     api_key: str | None
     timeout_s: float = 600.0
     connect_timeout_s: float = 10.0
+    # NIM's pending answers (202 + NVCF-REQID): where and how long to poll for the result.
+    status_url: str | None = None
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +108,19 @@ def _provider(name: str, entry: dict, environ: dict) -> Provider:
         base_url=base_url.rstrip("/"),
         dialect=dialect,
         api_key=api_key,
-        timeout_s=float(entry.get("timeout_s", 600)),
-        connect_timeout_s=float(entry.get("connect_timeout_s", 10)),
+        timeout_s=_positive(entry, "timeout_s", 600, where),
+        connect_timeout_s=_positive(entry, "connect_timeout_s", 10, where),
+        status_url=entry.get("status_url"),
+        poll_interval_s=_positive(entry, "poll_interval_s", 0.5, where),
+        poll_timeout_s=_positive(entry, "poll_timeout_s", 300, where),
     )
+
+
+def _positive(entry: dict, key: str, default: float, where: str) -> float:
+    value = entry.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise CatalogError(f"{where}.{key} must be a positive number of seconds")
+    return float(value)
 
 
 def _route(i: int, entry: dict, providers: dict[str, Provider]) -> ModelRoute:

@@ -7,15 +7,19 @@ from dataclasses import replace
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from metering import metrics
 from metering.auth.principal import Principal, any_principal, user_principal
 from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
 from metering.db import utcnow
-from metering.errors import InvalidRequest, MeteringError, ModelNotFound
+from metering.errors import InvalidRequest, MeteringError
 from metering.money import format_usd
 from metering.proxy import forward
 from metering.proxy.dialects import dialect_for
-from metering.proxy.estimate import prompt_tokens_upper_bound
+from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_bound
+from metering.proxy.forward import FailedBeforeAnswer
 from metering.proxy.request import parse_json, read_body, validate
+from metering.proxy.routing import candidates, parse_model
+from metering.settings import ModelRoute
 from metering.timefmt import rfc3339
 
 router = APIRouter(prefix="/v1")
@@ -27,6 +31,7 @@ class BudgetExceeded(MeteringError):
 
 def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
     budget = exc.shortfall.budget
+    metrics.budget_rejected(budget.scope)
     resets = rfc3339(budget.resets_at)
     when = f"resets at {resets}" if resets else "never resets"
     message = (
@@ -58,20 +63,63 @@ async def chat_completions(
     t0 = time.perf_counter()
     raw = await read_body(request, state.settings.max_body_bytes)
     chat = validate(parse_json(raw), len(raw))
-    routes = state.catalog.routes(chat.model)
-    if not routes:
-        raise ModelNotFound(f"model {chat.model!r} is not served here", param="model")
-    route = routes[0]
-    if chat.max_tokens is not None and chat.max_tokens > route.max_output_tokens:
-        raise InvalidRequest(
-            f"max_tokens {chat.max_tokens} is above the model's maximum of {route.max_output_tokens}",
-            param="max_tokens",
-        )
-    provider = state.catalog.providers[route.provider]
-    dialect = dialect_for(provider.dialect)
+    catalog = state.catalog  # the prices in effect when the request started
+    target = parse_model(chat.model)
+    routes = candidates(
+        catalog, target, chat.body, estimate_prompt_tokens(chat.body), chat.max_tokens
+    )
+    routes = usable_routes(routes, catalog, chat)
     request_id = request.scope["state"]["request_id"]
+    last: FailedBeforeAnswer | None = None
+    for n, route in enumerate(state.breakers.order(routes), start=1):
+        attempt_id = request_id if n == 1 else f"{request_id}_{n}"
+        try:
+            response = await attempt(state, principal, chat, catalog, route, target, attempt_id, t0)
+        except FailedBeforeAnswer as failure:
+            state.breakers.failed(route.provider)
+            last = failure
+            continue
+        state.breakers.succeeded(route.provider)
+        request.scope["state"]["request_id"] = attempt_id
+        return response
+    assert last is not None
+    request.scope["state"]["request_id"] = attempt_id
+    if isinstance(last.answer, Response):
+        return last.answer
+    raise last.answer
+
+
+def usable_routes(routes: list[ModelRoute], catalog, chat) -> list[ModelRoute]:
+    """The routes whose provider accepts this request as it is; the first refusal if none does."""
+    usable, refusal = [], None
+    for route in routes:
+        dialect = dialect_for(catalog.providers[route.provider].dialect)
+        try:
+            if chat.max_tokens is not None and chat.max_tokens > route.max_output_tokens:
+                raise InvalidRequest(
+                    f"max_tokens {chat.max_tokens} is above the model's maximum of "
+                    f"{route.max_output_tokens}",
+                    param="max_tokens",
+                )
+            dialect.validate(chat.body)
+        except InvalidRequest as exc:
+            refusal = refusal or exc
+            continue
+        usable.append(route)
+    if not usable:
+        raise refusal
+    return usable
+
+
+async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0) -> Response:
+    """One provider: reserve at its prices, forward, settle. Raises FailedBeforeAnswer when the
+    next provider may be tried."""
+    provider = catalog.providers[route.provider]
+    dialect = dialect_for(provider.dialect)
+    if target.endpoint:
+        route = replace(route, upstream_model=f"{route.upstream_model}/ep/{target.endpoint}")
     spec = HoldSpec(
-        hold_id=request_id,
+        hold_id=attempt_id,
         token_id=principal.token_id,
         user_id=principal.user_id,
         team_id=principal.team_id,

@@ -15,9 +15,11 @@ import httpx
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from metering import metrics
 from metering.budgets import service as budgets
 from metering.budgets.service import HoldSpec
 from metering.errors import MeteringError, error_body
+from metering.proxy.assemble import CompletionAssembler
 from metering.proxy.dialects import Dialect
 from metering.proxy.ledger import Outcome, event_for
 from metering.proxy.request import ChatRequest
@@ -45,6 +47,15 @@ class UpstreamTimeout(MeteringError):
     status, code = 504, "upstream_timeout"
 
 
+class FailedBeforeAnswer(Exception):  # noqa: N818 - a signal to try the next provider
+    """The attempt failed (connect error, timeout, 5xx, 429) before a byte reached the client,
+    so another provider may be tried. `answer` is what the client gets if none is left."""
+
+    def __init__(self, answer: Response | MeteringError) -> None:
+        super().__init__(str(answer))
+        self.answer = answer
+
+
 @dataclass(slots=True)
 class Attempt:
     spec: HoldSpec
@@ -67,12 +78,15 @@ async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
     )
     with anyio.CancelScope(shield=True):
         try:
-            await budgets.settle(state.db, attempt.spec.hold_id, event)
+            settled = await budgets.settle(state.db, attempt.spec.hold_id, event)
         except Exception:
             # The hold stays; the sweeper charges it as unsettled, so nothing is lost.
             log.exception(
                 "settle failed for %s; its hold will be charged on expiry", attempt.spec.hold_id
             )
+        else:
+            if settled:
+                metrics.observe_event(event)
 
 
 async def release(state, attempt: Attempt) -> None:
@@ -97,10 +111,31 @@ async def open_upstream(state, attempt: Attempt) -> httpx.Response:
         timeout=timeout,
     )
     try:
-        return await client.send(request, stream=True)
+        response = await client.send(request, stream=True)
+        if response.status_code == 202 and attempt.dialect.polls:
+            response = await _poll(client, attempt, response, headers)
+        return response
     except (httpx.HTTPError, OSError) as exc:
         await _fail_before_answer(state, attempt, exc)
         raise AssertionError("unreachable") from exc
+
+
+async def _poll(client, attempt: Attempt, pending: httpx.Response, headers: dict) -> httpx.Response:
+    """NVCF answers 202 with NVCF-REQID while the result is being made: poll until it is there."""
+    provider = attempt.provider
+    deadline = time.monotonic() + provider.poll_timeout_s
+    headers = {k: v for k, v in headers.items() if k != "content-type"}
+    while pending.status_code == 202:
+        request_id = pending.headers.get("nvcf-reqid")
+        await pending.aclose()
+        if not request_id:
+            raise httpx.RemoteProtocolError("202 without NVCF-REQID")
+        if time.monotonic() >= deadline:
+            raise httpx.ReadTimeout(f"no result after {provider.poll_timeout_s} s of polling")
+        await anyio.sleep(provider.poll_interval_s)
+        url = attempt.dialect.status_url(provider, request_id)
+        pending = await client.send(client.build_request("GET", url, headers=headers), stream=True)
+    return pending
 
 
 async def _fail_before_answer(
@@ -112,14 +147,14 @@ async def _fail_before_answer(
     name = attempt.provider.name
     if kind == "unreached" and answered is None:
         await release(state, attempt)
-        raise UpstreamFailed(f"could not connect to provider {name}") from None
+        raise FailedBeforeAnswer(UpstreamFailed(f"could not connect to provider {name}"))
     if kind == "unreached":
         kind = "upstream_disconnected"
     billable = answered is not None and answered < 400
     outcome = Outcome(status=kind, http_status=answered, billable=billable, error=repr(exc))
     await settle(state, attempt, outcome)
     if kind == "timeout":
-        raise UpstreamTimeout(f"provider {name} did not answer in time") from None
+        raise FailedBeforeAnswer(UpstreamTimeout(f"provider {name} did not answer in time"))
     raise UpstreamFailed(f"provider {name} closed the connection without an answer") from None
 
 
@@ -157,17 +192,28 @@ async def error_answer(state, attempt: Attempt, upstream: httpx.Response, raw: b
     # The provider refusing our own key is the operator's problem, not the client's credential.
     if 400 <= status < 500 and status not in (401, 403):
         if attempt.dialect.is_openai_error(raw):
-            return Response(raw, status, headers=headers, media_type="application/json")
-        body = error_body(status, code or "upstream_error", message)
-        return Response(
-            json.dumps(body).encode(), status, headers=headers, media_type="application/json"
-        )
+            answer = Response(raw, status, headers=headers, media_type="application/json")
+        else:
+            body = error_body(status, code or "upstream_error", message)
+            answer = Response(
+                json.dumps(body).encode(), status, headers=headers, media_type="application/json"
+            )
+        if status == 429:
+            raise FailedBeforeAnswer(answer)
+        return answer
     body = error_body(502, "upstream_error", f"provider {attempt.provider.name}: {message}")
-    return Response(json.dumps(body).encode(), 502, headers=headers, media_type="application/json")
+    answer = Response(
+        json.dumps(body).encode(), 502, headers=headers, media_type="application/json"
+    )
+    if status >= 500:
+        raise FailedBeforeAnswer(answer)
+    return answer
 
 
 async def complete(state, attempt: Attempt) -> Response:
     """Non-streaming: the upstream's body reaches the client as it was sent."""
+    if attempt.dialect.stream_only:
+        return await complete_from_stream(state, attempt)
     upstream = await open_upstream(state, attempt)
     raw = await read_all(state, attempt, upstream)
     if upstream.status_code >= 400:
@@ -187,6 +233,40 @@ async def complete(state, attempt: Attempt) -> Response:
         raise UpstreamFailed(f"provider {attempt.provider.name} sent a malformed answer")
     await settle(state, attempt, outcome)
     return Response(raw, upstream.status_code, headers=_headers(attempt, upstream))
+
+
+async def complete_from_stream(state, attempt: Attempt) -> Response:
+    """An upstream that only streams, asked by a non-streaming client: read the whole stream,
+    answer one chat.completion. An error event mid-stream bills what was delivered, then 502."""
+    upstream = await open_upstream(state, attempt)
+    if upstream.status_code >= 400:
+        raw = await read_all(state, attempt, upstream)
+        return await error_answer(state, attempt, upstream, raw)
+    observer, assembler, parser = StreamObserver(), CompletionAssembler(), SSEParser()
+    outcome = Outcome(http_status=upstream.status_code, status="upstream_disconnected")
+    try:
+        async for chunk in upstream.aiter_raw():
+            for event in parser.feed(chunk):
+                if event.data == "[DONE]":
+                    outcome.status = "ok"
+                obj = observer.observe(event.data)
+                if obj is not None:
+                    assembler.add(obj)
+    except (httpx.HTTPError, OSError) as exc:
+        outcome.status, outcome.error = failure_kind(exc), repr(exc)
+    finally:
+        await upstream.aclose()
+    outcome.usage, outcome.finish_reason = observer.usage, observer.finish_reason
+    outcome.upstream_id, outcome.delivered_text = observer.upstream_id, observer.delivered_text()
+    outcome.ttft_ms = attempt.elapsed_ms()
+    if observer.error is not None:
+        outcome.status, outcome.error = "stream_error", json.dumps(observer.error)[:2000]
+    await settle(state, attempt, outcome)
+    if outcome.status != "ok":
+        message = (observer.error or {}).get("message") or "the upstream stream ended early"
+        raise UpstreamFailed(f"provider {attempt.provider.name}: {message}")
+    body = json.dumps(assembler.completion(), ensure_ascii=False).encode()
+    return Response(body, 200, headers=attempt.headers, media_type="application/json")
 
 
 async def stream(state, attempt: Attempt) -> Response:
@@ -305,7 +385,11 @@ class MeteredStream(Response):
                     self.done_seen, self.done_raw = True, event.raw
                     break
                 obj = self.observer.observe(data)
-                if not self.attempt.chat.wants_usage and obj is not None and is_usage_only_chunk(obj):
+                if (
+                    not self.attempt.chat.wants_usage
+                    and obj is not None
+                    and is_usage_only_chunk(obj)
+                ):
                     continue
                 if self.observer.error is not None and not self.error_seen:
                     self.error_seen = True

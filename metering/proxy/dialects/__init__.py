@@ -2,11 +2,20 @@
 
 from metering.proxy.dialects.base import Dialect
 from metering.proxy.dialects.exascale import ExascaleDialect
+from metering.proxy.dialects.genesis import GenesisDialect
+from metering.proxy.dialects.nim import NimDialect
 from metering.proxy.dialects.openai import OpenAIDialect
+from metering.proxy.dialects.tokenchange import TokenChangeDialect
 
 _DIALECTS: dict[str, Dialect] = {
-    "openai": OpenAIDialect(),
-    "exascale": ExascaleDialect(),
+    d.name: d
+    for d in (
+        OpenAIDialect(),
+        ExascaleDialect(),
+        GenesisDialect(),
+        TokenChangeDialect(),
+        NimDialect(),
+    )
 }
 
 

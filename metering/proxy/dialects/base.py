@@ -4,6 +4,8 @@ import json
 
 from metering.settings import ModelRoute, Provider
 
+OWN_FIELDS = frozenset({"max_input_usd_per_mtok", "max_output_usd_per_mtok"})
+
 
 class Dialect:
     name = "openai"
@@ -11,6 +13,13 @@ class Dialect:
     include_usage = True
     # Whether streams report usage even when not asked.
     usage_always_in_stream = False
+    # The upstream only streams: non-streaming clients get the stream assembled into one answer.
+    stream_only = False
+    # The upstream may answer 202 and want its result polled for (NVCF).
+    polls = False
+
+    def validate(self, body: dict) -> None:
+        """Refuse, before anything is spent, what this upstream documents it refuses."""
 
     def url(self, provider: Provider) -> str:
         return f"{provider.base_url}/chat/completions"
@@ -23,7 +32,8 @@ class Dialect:
 
     def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
         """The body sent upstream: the client's, with the upstream's model name and our limits."""
-        upstream = dict(body)
+        # Our own routing fields stay here; everything else goes on as the client sent it.
+        upstream = {k: v for k, v in body.items() if k not in OWN_FIELDS}
         upstream["model"] = route.upstream_model
         if max_tokens is not None:
             key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"

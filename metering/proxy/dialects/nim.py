@@ -53,11 +53,10 @@ class NimDialect(Dialect):
             )
 
     def status_url(self, provider: Provider, request_id: str) -> str:
-        """NVCF's polling endpoint, on the same host as the provider's base URL."""
+        """NVCF's polling endpoint: the provider's `status_url` template, else the same host."""
+        if provider.status_url:
+            return provider.status_url.replace("{request_id}", request_id)
         parts = urlsplit(provider.base_url)
-        path = parts.path.rstrip("/")
-        if path.endswith("/v1"):
-            path = path[: -len("/v1")]
-        return urlunsplit(
-            (parts.scheme, parts.netloc, f"{path}/v2/nvcf/pexec/status/{request_id}", "", "")
-        )
+        path = parts.path.rstrip("/").removesuffix("/v1")
+        status_path = f"{path}/v2/nvcf/pexec/status/{request_id}"
+        return urlunsplit((parts.scheme, parts.netloc, status_path, "", ""))
