@@ -1,27 +1,85 @@
-"""The `metering` command: serve, db upgrade, demo."""
+"""The `metering` command: serve, db upgrade, demo, reconcile."""
 
 import argparse
+import asyncio
+import contextlib
+import json
 import logging
+import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import uvicorn
 
 from metering import migrate
+from metering.errors import InvalidRequest
 from metering.settings import Settings
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
 
 
 def serve(args: argparse.Namespace) -> None:
     settings = Settings()
     migrate.upgrade(settings.database_url)
-    uvicorn.run(
-        "metering.app:create_app",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level=args.log_level,
-        access_log=False,
-    )
+    with metrics_dir(args.workers):
+        uvicorn.run(
+            "metering.app:create_app",
+            factory=True,
+            host=args.host,
+            port=args.port,
+            workers=args.workers,
+            log_level=args.log_level,
+            access_log=False,
+        )
+
+
+@contextlib.contextmanager
+def metrics_dir(workers: int):
+    """Several workers share their Prometheus samples through files in one directory (set before
+    they start, emptied first: samples of an earlier run must not count). One worker needs none."""
+    given = os.environ.get(MULTIPROC_ENV)
+    if workers <= 1 and not given:
+        yield
+        return
+    path = Path(given) if given else Path(tempfile.mkdtemp(prefix="metering-metrics-"))
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    os.environ[MULTIPROC_ENV] = str(path)
+    try:
+        yield
+    finally:
+        if not given:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def reconcile(args: argparse.Namespace) -> int:
+    from metering.db import Database
+    from metering.reports import reconciliation
+
+    async def run() -> dict:
+        db = Database(Settings().database_url)
+        try:
+            return await reconciliation.reconcile(db, args.provider, tolerance, data)
+        finally:
+            await db.dispose()
+
+    try:
+        tolerance = reconciliation.parse_tolerance(args.tolerance)
+        data = Path(args.file).read_bytes() if args.file != "-" else sys.stdin.buffer.read()
+        result = asyncio.run(run())
+    except (reconciliation.MalformedExport, InvalidRequest) as exc:
+        print(f"metering reconcile: {exc.message}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"metering reconcile: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    summary = ", ".join(f"{n} {s}" for s, n in result["summary"].items())
+    print(f"reconciliation {result['id']}: {summary}", file=sys.stderr)
+    return 0
 
 
 def db_upgrade(_: argparse.Namespace) -> None:
@@ -57,12 +115,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8080)
     p.set_defaults(func=demo)
 
+    p = commands.add_parser(
+        "reconcile", help="compare a provider's usage export (CSV) with the ledger"
+    )
+    p.add_argument(
+        "file",
+        help="the export: CSV with date, provider, model, prompt_tokens, "
+        "completion_tokens, cost[, upstream_id]; - reads standard input",
+    )
+    p.add_argument("--provider", required=True, help="the provider's name in the catalog")
+    p.add_argument("--tolerance", default=None, help="relative tolerance (default 0.001)")
+    p.set_defaults(func=reconcile)
+
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    args.func(args)
+    return args.func(args)
 
 
 if __name__ == "__main__":

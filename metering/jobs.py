@@ -6,11 +6,14 @@ from datetime import timedelta
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy import select
 
+from metering import metrics
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
 from metering.models import Budget, Hold
+from metering.reports import retention
 
 log = logging.getLogger("metering.jobs")
+RETENTION_EVERY_S = 600
 
 
 def unsettled_event(hold: Hold, now) -> dict:
@@ -64,8 +67,11 @@ async def expire_holds(db: Database, batch: int = 500) -> int:
     charged = 0
     for hold in expired:
         async with db.transaction() as session:
-            if await budgets.settle_in(session, hold.id, unsettled_event(hold, utcnow())):
-                charged += 1
+            event = unsettled_event(hold, utcnow())
+            settled = await budgets.settle_in(session, hold.id, event)
+        if settled:
+            charged += 1
+            metrics.observe_event(event)
     if charged:
         log.warning("charged %d expired holds as unsettled", charged)
     return charged
@@ -92,7 +98,9 @@ def sweep_interval_s(hold_ttl_s: int) -> float:
     return max(1.0, min(60.0, hold_ttl_s / 4))
 
 
-def start_scheduler(db: Database, hold_ttl_s: int) -> AsyncIOScheduler:
+def start_scheduler(
+    db: Database, hold_ttl_s: int, retention_days: int | None = None
+) -> AsyncIOScheduler:
     scheduler = AsyncIOScheduler(timezone="UTC")
     every = sweep_interval_s(hold_ttl_s)
     first = utcnow() + timedelta(seconds=1)
@@ -114,6 +122,16 @@ def start_scheduler(db: Database, hold_ttl_s: int) -> AsyncIOScheduler:
         max_instances=1,
         coalesce=True,
     )
+    if retention_days is not None:
+        scheduler.add_job(
+            guard(retention.archive_old_events, db, retention_days),
+            "interval",
+            seconds=RETENTION_EVERY_S,
+            next_run_time=first,
+            id="archive_old_events",
+            max_instances=1,
+            coalesce=True,
+        )
     scheduler.start()
     return scheduler
 

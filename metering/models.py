@@ -2,7 +2,18 @@
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Table,
+    Text,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from metering.db import Base, UTCDateTime
@@ -212,3 +223,53 @@ class LoginThrottle(Base):
     failures: Mapped[int] = mapped_column(Integer)
     last_failure_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
     locked_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class SpendHourly(Base):
+    """Ledger totals per UTC hour and attribution: written by settle in the same transaction as
+    the ledger event, so it always equals the ledger's sums (token_id '' stands for none)."""
+
+    __tablename__ = "spend_hourly"
+    __table_args__ = (
+        Index("ix_spend_hourly_user_hour", "user_id", "hour"),
+        Index("ix_spend_hourly_token_hour", "token_id", "hour"),
+    )
+
+    hour: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)
+    team_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    user_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    token_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    provider: Mapped[str] = mapped_column(String(100), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[int] = mapped_column(Pico)
+
+
+class LedgerEventArchive(Base):
+    """Ledger events the retention job moved out of the hot ledger: the very same columns."""
+
+    __table__ = Table(
+        "ledger_events_archive",
+        Base.metadata,
+        *(
+            Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+            for c in LedgerEvent.__table__.columns
+        ),
+        Index("ix_ledger_events_archive_created", "created_at", "id"),
+    )
+
+
+class Reconciliation(Base):
+    """One comparison of a provider's usage export with the ledger; the result as JSON text."""
+
+    __tablename__ = "reconciliations"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    provider: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    tolerance: Mapped[str] = mapped_column(String(32))
+    result: Mapped[str] = mapped_column(Text)

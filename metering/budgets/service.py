@@ -25,6 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, UTCDateTime, utcnow
 from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
+from metering.reports import rollup
 
 SCOPES = ("token", "user", "team")
 RESERVE_ATTEMPTS = 4
@@ -306,6 +307,7 @@ async def settle_in(session: AsyncSession, hold_id: str, event: dict) -> bool:
             .values(spent=Budget.spent + cost, reserved=Budget.reserved - hold.amount)
         )
     await session.execute(insert(LedgerEvent).values(**event))
+    await rollup.add_event(session, event)  # same transaction: the rollup equals the ledger
     return True
 
 

@@ -152,12 +152,7 @@ async def list_usage(
         )
     if cursor:
         created, event_id = decode_cursor(cursor)
-        query = query.where(
-            or_(
-                LedgerEvent.created_at < created,
-                and_(LedgerEvent.created_at == created, LedgerEvent.id < event_id),
-            )
-        )
+        query = query.where(before(created, event_id))
     async with db.sessions() as session:
         events = list(await session.scalars(query.limit(limit + 1)))
     more = len(events) > limit
@@ -167,6 +162,18 @@ async def list_usage(
         "data": [event_out(e) for e in events],
         "next_cursor": encode_cursor(events[-1]) if more else None,
     }
+
+
+def before(created: datetime, event_id: str):
+    """Events after (created, event_id) in newest-first order. The `created_at <=` conjunct is
+    what lets the index range-scan each page; the OR alone made every page scan from the top."""
+    return and_(
+        LedgerEvent.created_at <= created,
+        or_(LedgerEvent.created_at < created, LedgerEvent.id < event_id),
+    )
+
+
+COLUMNS = tuple(LedgerEvent.__table__.columns)
 
 
 async def _csv(db, query, batch: int = 2000) -> AsyncIterator[bytes]:
@@ -179,14 +186,10 @@ async def _csv(db, query, batch: int = 2000) -> AsyncIterator[bytes]:
     while True:
         page = query
         if last is not None:
-            page = page.where(
-                or_(
-                    LedgerEvent.created_at < last.created_at,
-                    and_(LedgerEvent.created_at == last.created_at, LedgerEvent.id < last.id),
-                )
-            )
+            page = page.where(before(last.created_at, last.id))
         async with db.sessions() as session:
-            events = list(await session.scalars(page.limit(batch)))
+            # Plain rows, not ORM objects: the same attributes at half the cost per row.
+            events = (await session.execute(page.limit(batch).with_only_columns(*COLUMNS))).all()
         if not events:
             return
         buffer.seek(0)

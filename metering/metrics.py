@@ -1,0 +1,144 @@
+"""Prometheus metrics: GET /metrics, and the hooks the proxy calls after each settle.
+
+With several uvicorn workers (`metering serve --workers N`) each worker is its own process:
+`metering serve` then points PROMETHEUS_MULTIPROC_DIR at a fresh directory before the workers
+start, every worker writes its samples there, and a scrape (answered by any one worker) sums
+them all. The open-holds gauge is read from the database at scrape time, so it is the same
+whichever worker answers. Metrics are floats, for dashboards; the ledger stays the exact record.
+"""
+
+import hmac
+import logging
+import os
+from decimal import Decimal
+
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy import func, select
+
+from metering.auth.principal import open_access
+from metering.errors import Unauthorized
+from metering.models import Hold
+
+log = logging.getLogger("metering.metrics")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+ROUTE = ("model", "provider")
+
+REQUESTS = Counter(
+    "metering_requests",
+    "Requests that reached an upstream (ledger events), by model, provider and status",
+    [*ROUTE, "status"],
+)
+TOKENS = Counter(
+    "metering_tokens",
+    "Tokens metered, by kind: prompt, cached (part of prompt), completion, reasoning (part of "
+    "completion)",
+    [*ROUTE, "kind"],
+)
+COST = Counter("metering_cost_usd", "Cost charged to budgets, USD", list(ROUTE))
+BUDGET_REJECTIONS = Counter(
+    "metering_budget_rejections",
+    "Requests refused with 402 budget_exceeded, by the scope that could not cover them",
+    ["scope"],
+)
+LATENCY = Histogram(
+    "metering_upstream_latency_seconds",
+    "From the request's arrival to its upstream answer's end",
+    list(ROUTE),
+    buckets=SECONDS,
+)
+TTFT = Histogram(
+    "metering_time_to_first_token_seconds",
+    "From the request's arrival to the first byte of the upstream's answer",
+    list(ROUTE),
+    buckets=SECONDS,
+)
+PICO = Decimal(10) ** 12
+
+
+def observe_event(event: dict) -> None:
+    """Count one settled ledger event. Never raises: metrics must not fail a request."""
+    try:
+        route = (event["model"], event["provider"])
+        REQUESTS.labels(*route, event["status"]).inc()
+        kinds = {
+            "prompt": event["prompt_tokens"],
+            "cached": event["cached_tokens"],
+            "completion": event["completion_tokens"],
+            "reasoning": event.get("reasoning_tokens") or 0,
+        }
+        for kind, count in kinds.items():
+            TOKENS.labels(*route, kind).inc(count)
+        COST.labels(*route).inc(float(Decimal(event["cost"]) / PICO))
+        if event.get("latency_ms") is not None:
+            LATENCY.labels(*route).observe(event["latency_ms"] / 1000)
+        if event.get("ttft_ms") is not None:
+            TTFT.labels(*route).observe(event["ttft_ms"] / 1000)
+    except Exception:
+        log.exception("could not record metrics for event %s", event.get("id"))
+
+
+def budget_rejected(scope: str) -> None:
+    BUDGET_REJECTIONS.labels(scope).inc()
+
+
+class _Gauges:
+    """Values read at scrape time."""
+
+    def __init__(self, open_holds: int | None) -> None:
+        self.open_holds = open_holds
+
+    def collect(self):
+        if self.open_holds is not None:
+            yield GaugeMetricFamily(
+                "metering_open_holds",
+                "Holds of requests in flight (or of crashed replicas, until they expire)",
+                value=self.open_holds,
+            )
+
+
+def render(open_holds: int | None) -> bytes:
+    if os.environ.get(MULTIPROC_ENV):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = REGISTRY
+    gauges = CollectorRegistry()
+    gauges.register(_Gauges(open_holds))
+    return generate_latest(registry) + generate_latest(gauges)
+
+
+router = APIRouter()
+
+
+def _check_key(request: Request) -> None:
+    key = request.app.state.settings.metrics_key
+    if not key:
+        return
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), key.encode()):
+        raise Unauthorized("/metrics wants Authorization: Bearer <METERING_METRICS_KEY>")
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request, _: None = Depends(open_access)) -> Response:
+    """Open unless METERING_METRICS_KEY is set (then that key, as a Bearer token)."""
+    _check_key(request)
+    try:
+        async with request.app.state.db.sessions() as session:
+            open_holds = await session.scalar(select(func.count()).select_from(Hold))
+    except Exception:
+        log.warning("open holds unavailable: the database cannot be reached", exc_info=True)
+        open_holds = None
+    return Response(render(open_holds), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,101 @@
+"""The hourly spend rollup (table spend_hourly): one row per UTC hour, team, user, token, model
+and provider, kept equal to the ledger's sums.
+
+settle appends each ledger event and calls add_event() in the same transaction, so the rollup
+can never disagree with the ledger: both are committed or neither is. Reports read whole hours
+from here and only the partial hours at a range's edges from the ledger.
+"""
+
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import String, func, literal_column, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from metering.models import SpendHourly
+
+KEY = ("hour", "team_id", "user_id", "token_id", "model", "provider")
+SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost")
+
+
+def floor_hour(value: datetime) -> datetime:
+    return value.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def ceil_hour(value: datetime) -> datetime:
+    floor = floor_hour(value)
+    return floor if floor == value else floor + timedelta(hours=1)
+
+
+def row_for(event: dict) -> dict:
+    """The rollup increment one ledger event makes."""
+    return {
+        "hour": floor_hour(event["created_at"]),
+        "team_id": event["team_id"],
+        "user_id": event["user_id"],
+        "token_id": event["token_id"] or "",
+        "model": event["model"],
+        "provider": event["provider"],
+        "requests": 1,
+        "prompt_tokens": event["prompt_tokens"],
+        "cached_tokens": event["cached_tokens"],
+        "completion_tokens": event["completion_tokens"],
+        "reasoning_tokens": event.get("reasoning_tokens") or 0,
+        "cost": event["cost"],
+    }
+
+
+async def add_event(session: AsyncSession, event: dict) -> None:
+    """Add one ledger event to its hour's row: one upsert, in the caller's transaction."""
+    insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+    statement = insert(SpendHourly).values(**row_for(event))
+    table = SpendHourly.__table__
+    statement = statement.on_conflict_do_update(
+        index_elements=list(KEY),
+        set_={name: table.c[name] + statement.excluded[name] for name in ("requests", *SUMS)},
+    )
+    await session.execute(statement)
+
+
+def hour_text(column, dialect: str):
+    """A UTC datetime column as RFC 3339 text on its hour (`2026-11-30T05:00:00Z`), in SQL."""
+    if dialect == "postgresql":
+        return func.to_char(
+            column.op("AT TIME ZONE")(literal_column("'UTC'")), 'YYYY-MM-DD"T"HH24:00:00"Z"'
+        )
+    return func.strftime("%Y-%m-%dT%H:00:00Z", column, type_=String)
+
+
+def day_text(column, dialect: str):
+    """A UTC datetime column as its UTC day (`2026-11-30`), in SQL."""
+    if dialect == "postgresql":
+        return func.to_char(column.op("AT TIME ZONE")(literal_column("'UTC'")), "YYYY-MM-DD")
+    return func.strftime("%Y-%m-%d", column, type_=String)
+
+
+def hour_value(column, dialect: str):
+    """A UTC datetime column truncated to its hour, stored the way a UTCDateTime is."""
+    if dialect == "postgresql":
+        utc = column.op("AT TIME ZONE")(literal_column("'UTC'"))
+        return func.date_trunc("hour", utc).op("AT TIME ZONE")(literal_column("'UTC'"))
+    return func.strftime("%Y-%m-%d %H:00:00.000000", column)
+
+
+def rebuild_statement(source, dialect: str):
+    """INSERT INTO spend_hourly the sums of a ledger-shaped table (for tools that write events
+    in bulk, e.g. the benchmark's generator; settle keeps the rollup itself)."""
+    hour = hour_value(source.c.created_at, dialect)
+    token = func.coalesce(source.c.token_id, "")
+    keys = (hour, source.c.team_id, source.c.user_id, token, source.c.model, source.c.provider)
+    query = select(
+        *keys,
+        func.count(),
+        func.sum(source.c.prompt_tokens),
+        func.sum(source.c.cached_tokens),
+        func.sum(source.c.completion_tokens),
+        func.sum(func.coalesce(source.c.reasoning_tokens, 0)),
+        func.sum(source.c.cost),
+    ).group_by(*keys)
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    return insert(SpendHourly).from_select([*KEY, "requests", *SUMS], query)

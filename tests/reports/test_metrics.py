@@ -1,0 +1,249 @@
+"""GET /metrics: after known traffic the counters equal it, in one process and across the
+workers of `metering serve --workers 2`; METERING_METRICS_KEY guards it when set."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from metering.settings import Settings, parse_catalog
+from metering.testing import free_port, metering_server
+from tests.conftest import ADMIN_KEY, Api, catalog_for
+from tests.reports.test_spend import own_pg  # noqa: F401 (a fixture)
+
+SIM_KEYS = {"SIM_OPENAI_KEY": "sim-key", "SIM_EXASCALE_KEY": "sim-key"}
+KINDS = ("prompt", "cached", "completion", "reasoning")
+
+
+def scrape(url: str, key: str | None = None) -> dict:
+    """Every sample of one scrape: {(name, sorted labels): value}."""
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    # A new connection each time: with several workers, any of them may answer.
+    response = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    out = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """The sum of the samples of `name` whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= set(ls))
+
+
+def delta(before: dict, after: dict, name: str, **labels) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def traffic(api: Api, token: str) -> None:
+    """3 plain and 2 streamed completions on two models."""
+    client = api.openai(token)
+    messages = [{"role": "user", "content": "count the metrics"}]
+    for _ in range(3):
+        client.chat.completions.create(model="gpt-sim", messages=messages)
+    for _ in range(2):
+        for _ in client.chat.completions.create(
+            model="minimax-m2.1",
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+        ):
+            pass
+
+
+def assert_counts_equal_the_ledger(api: Api, before: dict, after: dict, token_id: str) -> None:
+    events = api.events(token_id=token_id)
+    assert len(events) == 5
+    for model, provider, n in (("gpt-sim", "sim-openai", 3), ("minimax-m2.1", "sim-exascale", 2)):
+        route = {"model": model, "provider": provider}
+        mine = [e for e in events if e["model"] == model]
+        assert delta(before, after, "metering_requests_total", **route, status="ok") == n
+        tokens = {
+            "prompt": sum(e["prompt_tokens"] for e in mine),
+            "cached": sum(e["prompt_tokens_details"]["cached_tokens"] for e in mine),
+            "completion": sum(e["completion_tokens"] for e in mine),
+            "reasoning": sum(e["completion_tokens_details"]["reasoning_tokens"] or 0 for e in mine),
+        }
+        for kind in KINDS:
+            got = delta(before, after, "metering_tokens_total", **route, kind=kind)
+            assert got == tokens[kind], (model, kind)
+        cost = sum(Decimal(e["cost"]) for e in mine)
+        got = delta(before, after, "metering_cost_usd_total", **route)
+        assert got == pytest.approx(float(cost), rel=1e-9)
+        for histogram in (
+            "metering_upstream_latency_seconds",
+            "metering_time_to_first_token_seconds",
+        ):
+            assert delta(before, after, f"{histogram}_count", **route) == n, histogram
+        latency = sum(e["latency_ms"] for e in mine) / 1000
+        got = delta(before, after, "metering_upstream_latency_seconds_sum", **route)
+        assert got == pytest.approx(latency, rel=1e-9)
+
+
+def test_counters_equal_the_traffic(api):
+    _, _, token = api.principal()
+    before = scrape(api.url)
+    traffic(api, token["token"])
+    after = scrape(api.url)
+    assert_counts_equal_the_ledger(api, before, after, token["id"])
+
+
+def test_budget_rejections_count_by_scope(api):
+    _, _, token = api.principal(user_limit="0.000001")
+    before = scrape(api.url)
+    response = api.request(
+        "POST",
+        "/v1/chat/completions",
+        key=token["token"],
+        json={
+            "model": "gpt-sim",
+            "max_tokens": 1000,
+            "messages": [{"role": "user", "content": "too dear"}],
+        },
+    )
+    assert response.status_code == 402
+    assert response.headers["x-budget-scope"] == "user"
+    after = scrape(api.url)
+    assert delta(before, after, "metering_budget_rejections_total", scope="user") == 1
+    assert delta(before, after, "metering_budget_rejections_total", scope="token") == 0
+
+
+def test_open_holds_is_read_from_the_database(api):
+    samples = scrape(api.url)
+    assert ("metering_open_holds", ()) in samples
+    assert samples[("metering_open_holds", ())] >= 0
+
+
+def test_a_metrics_key_is_required_when_set(api, sim):
+    settings = Settings(
+        database_url=api.settings.database_url,
+        admin_key=ADMIN_KEY,
+        metrics_key="scrape-me",
+        _env_file=None,
+    )
+    catalog = parse_catalog(catalog_for(sim), environ=SIM_KEYS)
+    server = metering_server(settings, catalog, run_jobs=False)
+    try:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "scrape-me"}):
+            response = httpx.get(f"{server.url}/metrics", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert "metering_open_holds" in str(scrape(server.url, key="scrape-me"))
+    finally:
+        server.stop()
+
+
+# --- several workers ----------------------------------------------------------------------
+
+
+def to_toml(catalog: dict) -> str:
+    lines = []
+    for name, provider in catalog["providers"].items():
+        lines.append(f"[providers.{json.dumps(name)}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in provider.items()]
+    for model in catalog["models"]:
+        lines.append("[[models]]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in model.items()]
+    return "\n".join(lines) + "\n"
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out += [int(c) for c in text]
+    return out
+
+
+def multiproc_dir(pid: int) -> Path | None:
+    """The PROMETHEUS_MULTIPROC_DIR `metering serve` gave its workers."""
+    for child in children(pid):
+        try:
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for entry in environ:
+            if entry.startswith(b"PROMETHEUS_MULTIPROC_DIR="):
+                return Path(entry.split(b"=", 1)[1].decode())
+    return None
+
+
+@pytest.fixture
+def two_workers(own_pg, sim, tmp_path):  # noqa: F811 (own_pg is the imported fixture)
+    config = tmp_path / "metering.toml"
+    config.write_text(to_toml(catalog_for(sim)))
+    port = free_port()
+    env = {
+        **os.environ,
+        **SIM_KEYS,
+        "METERING_DATABASE_URL": own_pg,
+        "METERING_ADMIN_KEY": ADMIN_KEY,
+        "METERING_CONFIG": str(config),
+        "METERING_DB_POOL_SIZE": "4",
+    }
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    command = [sys.executable, "-m", "metering.cli", "serve", "--port", str(port)]
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 (open while the server runs)
+    process = subprocess.Popen(
+        [*command, "--workers", "2", "--log-level", "warning"],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None, (tmp_path / "serve.log").read_text()
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "metering serve --workers 2 did not start"
+        time.sleep(0.2)
+    settings = Settings(database_url=own_pg, admin_key=ADMIN_KEY, _env_file=None)
+    yield Api(url, "postgresql", settings), process
+    process.terminate()
+    process.wait(timeout=20)
+    log.close()
+
+
+def test_two_workers_report_the_sum_of_both(two_workers):
+    api, process = two_workers
+    directory = multiproc_dir(process.pid)
+    assert directory is not None and directory.is_dir()
+    _, _, token = api.principal()
+    before = scrape(api.url)
+    # Each SDK call opens a new connection, so the kernel spreads them over both workers;
+    # keep going until both have counted some.
+    rounds = 0
+    while True:
+        traffic(api, token["token"])
+        rounds += 1
+        pids = {p.stem.split("_")[-1] for p in directory.glob("counter_*.db")}
+        if len(pids) >= 2 or rounds == 6:
+            break
+    assert len(pids) >= 2, "one worker served everything: nothing to sum"
+    scrapes = [scrape(api.url) for _ in range(8)]
+    events = api.events(token_id=token["id"])
+    assert len(events) == 5 * rounds
+    for after in scrapes:
+        for model, n in (("gpt-sim", 3), ("minimax-m2.1", 2)):
+            got = delta(before, after, "metering_requests_total", model=model, status="ok")
+            assert got == n * rounds
+        prompt = sum(e["prompt_tokens"] for e in events)
+        assert delta(before, after, "metering_tokens_total", kind="prompt") == prompt
+    process.terminate()
+    process.wait(timeout=20)
+    assert not directory.exists(), "the metrics directory outlived metering serve"
