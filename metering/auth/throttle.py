@@ -10,6 +10,7 @@ after the last one. Unknown emails are throttled the same way, so the answer nev
 whether an email exists.
 """
 
+import logging
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -21,6 +22,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from metering.auth.tokens import digest
 from metering.errors import MeteringError
 from metering.models import LoginThrottle
+
+log = logging.getLogger("metering.auth")
 
 FREE_FAILURES = 5
 LOCK_BASE_S = 30
@@ -85,6 +88,14 @@ async def admit(db, key: str, now: datetime) -> None:
             update(LoginThrottle)
             .where(LoginThrottle.email_hash == key)
             .values(failures=count.failures, last_failure_at=now, locked_until=count.locked_until)
+        )
+    if count.locked_until is not None:
+        # The email's digest, not the email: enough to correlate, nothing personal in the log.
+        log.warning(
+            "logins for email %s locked for %d s (%d attempts without a successful login)",
+            key[:12],
+            lock_seconds(count.failures),
+            count.failures,
         )
     await _forget_old(db, now)
 
