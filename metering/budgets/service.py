@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, UTCDateTime, utcnow
+from metering.errors import LedgerUnavailable
 from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
 from metering.reports import rollup
 
@@ -277,6 +278,10 @@ async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
         budgets = await load(session, spec.subjects)
         views = [view(budgets[s], utcnow()) for s in spec.subjects if s in budgets]
     limited = [v for v in views if v.credit_limit is not None]
+    if not limited:
+        # Only unlimited budgets, yet every conditional write missed: the rows moved under us
+        # (a window rolled or a budget was deleted) on every try. Not the client's fault.
+        raise LedgerUnavailable("could not reserve credit for this request; retry")
     raise BudgetShortfall(Shortfall(min(limited, key=lambda v: v.remaining)))
 
 
@@ -309,6 +314,16 @@ async def settle_in(session: AsyncSession, hold_id: str, event: dict) -> bool:
     await session.execute(insert(LedgerEvent).values(**event))
     await rollup.add_event(session, event)  # same transaction: the rollup equals the ledger
     return True
+
+
+async def extend(db: Database, hold_id: str, ttl_s: int) -> None:
+    """Push a live request's hold expiry out: only holds whose request died are swept."""
+    async with db.transaction() as session:
+        await session.execute(
+            update(Hold)
+            .where(Hold.id == hold_id)
+            .values(expires_at=utcnow() + timedelta(seconds=ttl_s))
+        )
 
 
 async def release(db: Database, hold_id: str) -> None:

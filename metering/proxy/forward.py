@@ -67,8 +67,24 @@ class Attempt:
     t0: float
     headers: dict  # response headers we add (x-request-id, x-max-tokens-clamped)
 
+    last_extended: float = 0.0
+
     def elapsed_ms(self) -> int:
         return int((time.perf_counter() - self.t0) * 1000)
+
+
+async def keep_hold(state, attempt: Attempt) -> None:
+    """A request still streaming keeps its hold from being swept as unsettled."""
+    ttl = state.settings.hold_ttl_s
+    now = time.monotonic()
+    if not attempt.last_extended:
+        attempt.last_extended = now
+    elif now - attempt.last_extended > ttl / 3:
+        attempt.last_extended = now
+        try:
+            await budgets.extend(state.db, attempt.spec.hold_id, ttl)
+        except Exception:
+            log.warning("could not extend hold %s", attempt.spec.hold_id, exc_info=True)
 
 
 async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
@@ -246,6 +262,7 @@ async def complete_from_stream(state, attempt: Attempt) -> Response:
     outcome = Outcome(http_status=upstream.status_code, status="upstream_disconnected")
     try:
         async for chunk in upstream.aiter_raw():
+            await keep_hold(state, attempt)
             for event in parser.feed(chunk):
                 if event.data == "[DONE]":
                     outcome.status = "ok"
@@ -352,6 +369,7 @@ class MeteredStream(Response):
         parser = SSEParser()
         try:
             async for chunk in self.upstream.aiter_raw():
+                await keep_hold(self.state, self.attempt)
                 out = self._select(parser.feed(chunk))
                 if out:
                     await self._first_byte()

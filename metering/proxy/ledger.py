@@ -67,11 +67,11 @@ def event_for(
         "model": spec.model,
         "provider": spec.provider,
         "upstream_model": spec.upstream_model,
-        "upstream_id": outcome.upstream_id,
+        "upstream_id": _text(outcome.upstream_id, 200),
         "stream": spec.stream,
         "status": outcome.status,
         "http_status": outcome.http_status,
-        "finish_reason": outcome.finish_reason,
+        "finish_reason": _text(outcome.finish_reason, 64),
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
@@ -84,5 +84,13 @@ def event_for(
         "cost": cost,
         "ttft_ms": outcome.ttft_ms,
         "latency_ms": latency_ms,
-        "error": outcome.error[:2000] if outcome.error else None,
+        "error": _text(outcome.error[:2000]) if outcome.error else None,
     }
+
+
+def _text(value: str | None, limit: int | None = None) -> str | None:
+    """Upstream-supplied text as the ledger can store it: no NUL (PostgreSQL refuses it), and
+    no longer than its column, so a strange upstream can never make a settle fail."""
+    if not value:
+        return value
+    return value.replace("\x00", "")[:limit]
