@@ -428,3 +428,83 @@ def test_usage_csv_streams_100k_rows_in_flat_memory(own_pg):
     print(f"sent {sent} bytes, peak {peak} after the first tenth {early_peak}")
     assert peak < early_peak * 1.5 + 1_000_000, (early_peak, peak)
     assert peak < 24 * 1024 * 1024, peak
+
+
+# --- the 0004 migration backfills the rollup ----------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_migration_backfills_the_rollup_and_settle_continues_it(request, backend, tmp_path):
+    """Events recorded before revision 0004 are summed into spend_hourly by it, and a settle
+    afterwards lands on the same rows (the hour is stored alike on both paths)."""
+    from alembic import command
+    from sqlalchemy import create_engine, insert, pool, select
+
+    from metering import migrate
+    from metering.db import sync_url
+    from metering.models import LedgerEvent, SpendHourly
+    from metering.reports.rollup import row_for
+
+    if backend == "postgresql":
+        url = request.getfixturevalue("own_pg_empty")
+    else:
+        url = f"sqlite:///{tmp_path / 'backfill.db'}"
+    command.upgrade(migrate.alembic_config(url), "0003")
+    rng = random.Random(4)
+    base = datetime(2025, 2, 3, 4, tzinfo=UTC)
+    people = [("team_a", "usr_1", "tok_1"), ("team_a", "usr_1", None), ("team_b", "usr_2", "tok_2")]
+    events = []
+    for i in range(60):
+        spec = hold_spec(*people[i % 3], ROUTES[i % len(ROUTES)])
+        created = base + timedelta(minutes=rng.randrange(300), microseconds=rng.randrange(10**6))
+        events.append(ledger_event(spec, created, rng.randrange(1, 900), rng.randrange(0, 90)))
+    engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+    with engine.begin() as conn:
+        conn.execute(insert(LedgerEvent), events[:50])
+    command.upgrade(migrate.alembic_config(url), "head")
+
+    async def settle_rest() -> None:
+        db = Database(url, pool_size=1)
+        try:
+            from metering.reports import rollup
+
+            for event in events[50:]:  # what settle_in does after its ledger insert
+                async with db.transaction() as session:
+                    await session.execute(insert(LedgerEvent).values(**event))
+                    await rollup.add_event(session, event)
+        finally:
+            await db.dispose()
+
+    asyncio.run(settle_rest())
+    wanted: dict = {}
+    for event in events:
+        row = row_for(event)
+        key = tuple(row[k] for k in ("hour", "team_id", "user_id", "token_id", "model", "provider"))
+        sums = wanted.setdefault(key, dict.fromkeys(METRICS + ("cost",), 0))
+        for name in sums:
+            sums[name] += row[name]
+    table = SpendHourly.__table__
+    with engine.connect() as conn:
+        stored = {
+            (r.hour, r.team_id, r.user_id, r.token_id, r.model, r.provider): {
+                name: getattr(r, name) for name in METRICS + ("cost",)
+            }
+            for r in conn.execute(select(table))
+        }
+    engine.dispose()
+    assert stored == wanted
+
+
+@pytest.fixture
+def own_pg_empty(pg_url):
+    """A PostgreSQL database of the test's own, not migrated."""
+    import psycopg
+
+    from tests.conftest import PG_ADMIN_DSN
+
+    name = f"metering_backfill_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"{pg_url.rsplit('/', 1)[0]}/{name}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
