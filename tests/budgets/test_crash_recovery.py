@@ -219,8 +219,9 @@ def test_close_windows_records_a_closed_window_once(fresh_db):
         db = replicas[0]
         try:
             subjects = _subjects()
-            created = utcnow() - timedelta(seconds=5.5)  # 1s windows: the 6th is current
-            await _add_budgets(db, subjects, "1", "1s", created)
+            # 1m windows, the 6th current with 30 s to go: a slow machine cannot cross a boundary.
+            created = utcnow() - timedelta(minutes=5.5)
+            await _add_budgets(db, subjects, "1", "1m", created)
             never = {"token": f"tok_{uuid.uuid4().hex[:12]}"}
             await _add_budgets(db, never, "1", "never", created)
             async with db.transaction() as session:
@@ -238,12 +239,12 @@ def test_close_windows_records_a_closed_window_once(fresh_db):
             assert sorted(w.subject_id for w in windows) == sorted(subjects.values())
             for window in windows:
                 assert window.window_start == created
-                assert window.window_end == created + timedelta(seconds=1)
+                assert window.window_end == created + timedelta(minutes=1)
                 assert window.spent == 1234
                 assert window.credit_limit == usd_to_pico(Decimal(1))
             for row in (await _budgets(db, subjects)).values():
                 assert row.spent == 0
-                assert row.window_start == created + timedelta(seconds=5)
+                assert row.window_start == created + timedelta(minutes=5)
             assert (await _budgets(db, never))["token"].spent == 1234
         finally:
             for replica in replicas:
