@@ -41,12 +41,13 @@ class RequestId:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = f"req_{uuid.uuid4().hex}"
-        scope.setdefault("state", {})["request_id"] = request_id
-        header = (b"x-request-id", request_id.encode())
+        state = scope.setdefault("state", {})
+        state["request_id"] = f"req_{uuid.uuid4().hex}"
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
+                # Read when the answer starts: after a failover it names the final attempt.
+                header = (b"x-request-id", state["request_id"].encode())
                 message["headers"] = [*message.get("headers", []), header]
             await send(message)
 

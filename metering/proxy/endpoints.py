@@ -68,7 +68,7 @@ async def chat_completions(
     routes = candidates(
         catalog, target, chat.body, estimate_prompt_tokens(chat.body), chat.max_tokens
     )
-    routes = usable_routes(routes, catalog, chat)
+    routes = usable_routes(routes, catalog, chat, target)
     request_id = request.scope["state"]["request_id"]
     last: FailedBeforeAnswer | None = None
     for n, route in enumerate(state.breakers.order(routes), start=1):
@@ -89,12 +89,17 @@ async def chat_completions(
     raise last.answer
 
 
-def usable_routes(routes: list[ModelRoute], catalog, chat) -> list[ModelRoute]:
+def usable_routes(routes: list[ModelRoute], catalog, chat, target) -> list[ModelRoute]:
     """The routes whose provider accepts this request as it is; the first refusal if none does."""
     usable, refusal = [], None
     for route in routes:
         dialect = dialect_for(catalog.providers[route.provider].dialect)
         try:
+            if target.endpoint and not dialect.pins_endpoints:
+                raise InvalidRequest(
+                    f"provider {route.provider} has no endpoints to pin with /ep/",
+                    param="model",
+                )
             if chat.max_tokens is not None and chat.max_tokens > route.max_output_tokens:
                 raise InvalidRequest(
                     f"max_tokens {chat.max_tokens} is above the model's maximum of "

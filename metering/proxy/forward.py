@@ -140,6 +140,8 @@ async def _poll(client, attempt: Attempt, pending: httpx.Response, headers: dict
     """NVCF answers 202 with NVCF-REQID while the result is being made: poll until it is there."""
     provider = attempt.provider
     deadline = time.monotonic() + provider.poll_timeout_s
+    # The provider's own timeouts, not the client's 5 s default: a status poll may be held.
+    timeout = httpx.Timeout(provider.timeout_s, connect=provider.connect_timeout_s)
     headers = {k: v for k, v in headers.items() if k != "content-type"}
     while pending.status_code == 202:
         request_id = pending.headers.get("nvcf-reqid")
@@ -150,7 +152,8 @@ async def _poll(client, attempt: Attempt, pending: httpx.Response, headers: dict
             raise httpx.ReadTimeout(f"no result after {provider.poll_timeout_s} s of polling")
         await anyio.sleep(provider.poll_interval_s)
         url = attempt.dialect.status_url(provider, request_id)
-        pending = await client.send(client.build_request("GET", url, headers=headers), stream=True)
+        poll = client.build_request("GET", url, headers=headers, timeout=timeout)
+        pending = await client.send(poll, stream=True)
     return pending
 
 

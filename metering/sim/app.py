@@ -2,7 +2,9 @@
 
 Each dialect follows its provider's document (the seeds), quirks included, so the
 proxy is tested against what the providers really send. The answer to a request is
-decided by its prompt and `sim:` directives (see text.py), never by chance.
+decided by its prompt and `sim:` directives (see text.py), never by chance. A base URL under
+`/fault/{name}/` (`SimServer.base_url(dialect, fault=name)`) fails every request on it as
+`sim:fault={name}` would: a provider that is down while another is healthy.
 """
 
 import asyncio
@@ -491,6 +493,7 @@ def _new_record(reply_id: str, dialect: str, body: object, request: Request) -> 
         "id": reply_id,
         "dialect": dialect,
         "received": body,
+        "path": request.url.path,
         "headers": headers,
         "stream": isinstance(body, dict) and body.get("stream") is True,
         "status": None,
@@ -750,6 +753,9 @@ async def chat(request: Request) -> Response:
         record["status"] = dialect.invalid_status
         return dialect.error(dialect.invalid_status, problem)
     directives = parse_directives(last_user_text(body["messages"]))
+    if "fault" in request.path_params:
+        # /fault/{name}/...: every request on this base URL fails the same way.
+        directives = replace(directives, fault=request.path_params["fault"])
     if directives.fault is not None and directives.fault not in FAULTS:
         record["status"] = 400
         return dialect.error(400, f"unknown sim fault {directives.fault!r}")
@@ -834,6 +840,12 @@ def create_sim_app(settings: SimSettings | None = None) -> Starlette:
             Route("/nim/v2/nvcf/pexec/status/{request_id}", nim_status, methods=["GET"]),
             Route("/{dialect}/v1/chat/completions", chat, methods=["POST"]),
             Route("/{dialect}/v1/models", models, methods=["GET"]),
+            # A provider that always fails: as if every request said sim:fault={fault}.
+            Route(
+                "/fault/{fault}/nim/v2/nvcf/pexec/status/{request_id}", nim_status, methods=["GET"]
+            ),
+            Route("/fault/{fault}/{dialect}/v1/chat/completions", chat, methods=["POST"]),
+            Route("/fault/{fault}/{dialect}/v1/models", models, methods=["GET"]),
         ]
     )
     app.state.settings = settings or SimSettings()
@@ -890,8 +902,10 @@ class SimServer:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def base_url(self, dialect: str) -> str:
-        return f"http://{self.host}:{self.port}/{dialect}/v1"
+    def base_url(self, dialect: str, fault: str | None = None) -> str:
+        """The dialect's base URL; with `fault`, one where every request fails that way."""
+        prefix = f"/fault/{fault}" if fault else ""
+        return f"http://{self.host}:{self.port}{prefix}/{dialect}/v1"
 
     def log(self) -> list[dict]:
         return self.app.state.log.snapshot()

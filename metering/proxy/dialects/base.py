@@ -5,6 +5,7 @@ import json
 from metering.settings import ModelRoute, Provider
 
 OWN_FIELDS = frozenset({"max_input_usd_per_mtok", "max_output_usd_per_mtok"})
+OPENAI_ERROR_FIELDS = frozenset({"message", "type", "code", "param"})
 
 
 class Dialect:
@@ -17,6 +18,8 @@ class Dialect:
     stream_only = False
     # The upstream may answer 202 and want its result polled for (NVCF).
     polls = False
+    # The upstream has endpoints a client may pin with `<model>/ep/<endpoint>` (TokenChange).
+    pins_endpoints = False
 
     def validate(self, body: dict) -> None:
         """Refuse, before anything is spent, what this upstream documents it refuses."""
@@ -66,8 +69,16 @@ class Dialect:
         return f"upstream answered HTTP {status}", None
 
     def is_openai_error(self, raw: bytes) -> bool:
+        """Whether the body is already in the full OpenAI shape (and may reach the client as
+        sent); one missing a field (Genesis: no `param`, maybe no `type`) is rebuilt."""
         try:
             payload = json.loads(raw)
         except ValueError:
             return False
-        return isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+        error = payload.get("error") if isinstance(payload, dict) else None
+        return (
+            isinstance(error, dict)
+            and set(payload) == {"error"}
+            and set(error) >= OPENAI_ERROR_FIELDS
+            and isinstance(error["message"], str)
+        )

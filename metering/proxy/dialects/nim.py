@@ -12,7 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from metering.errors import InvalidRequest
 from metering.proxy.dialects.base import Dialect
-from metering.settings import Provider
+from metering.settings import ModelRoute, Provider
 
 MAX_TOKENS = 16384
 
@@ -51,6 +51,18 @@ class NimDialect(Dialect):
                 f"messages[{i}].role must be user or assistant (system only first) for this model",
                 param=f"messages.{i}.role",
             )
+
+    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
+        if max_tokens is not None:
+            # The model's catalog maximum may be set higher than NIM accepts.
+            max_tokens = min(max_tokens, MAX_TOKENS)
+        upstream = super().prepare(body, route, max_tokens=max_tokens)
+        # NIM knows no `developer` role; first in the conversation it is the system prompt.
+        upstream["messages"] = [
+            {**m, "role": "system"} if m.get("role") == "developer" else m
+            for m in upstream["messages"]
+        ]
+        return upstream
 
     def status_url(self, provider: Provider, request_id: str) -> str:
         """NVCF's polling endpoint: the provider's `status_url` template, else the same host."""

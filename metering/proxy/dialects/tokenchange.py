@@ -17,6 +17,7 @@ class TokenChangeDialect(Dialect):
     name = "tokenchange"
     include_usage = True
     stream_only = True
+    pins_endpoints = True
 
     def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
         upstream = super().prepare({**body, "stream": True}, route, max_tokens=max_tokens)
