@@ -16,6 +16,7 @@ from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
 from metering.catalog import CatalogStore, record_prices
+from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
 from metering.errors import error_response, install_error_handlers
 from metering.identity.endpoints import router as identity_router
@@ -149,6 +150,7 @@ def create_app(
     app.include_router(reconciliation_router)
     app.include_router(metrics_router)
     app.include_router(auth_router)
+    app.include_router(dashboard_router)
 
     @app.get("/healthz", include_in_schema=False, dependencies=[Depends(open_access)])
     async def healthz() -> dict:

@@ -1,9 +1,24 @@
-"""`metering demo`: the proxy on the embedded database, a simulated upstream, a demo token."""
+"""`metering demo`: the proxy on the embedded database, a simulated upstream, a demo token, and
+a few seconds of varied traffic so that every dashboard panel has something to show.
 
+The traffic goes through the real proxy over HTTP (teams, users and tokens made with the admin
+API), so it can also be sent to a running server: `python -m metering.demo --url URL` (what the
+docker-compose `demo` profile does).
+"""
+
+import argparse
 import asyncio
+import json
+import logging
 import os
 import secrets
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
 
+import httpx
 import uvicorn
 from sqlalchemy import select, update
 
@@ -31,6 +46,11 @@ def demo_catalog(sim: SimServer) -> dict:
                 "dialect": "exascale",
                 "api_key": "sim",
             },
+            "sim-genesis": {
+                "base_url": sim.base_url("genesis"),
+                "dialect": "genesis",
+                "api_key": "sim",
+            },
         },
         "models": [
             {
@@ -48,6 +68,14 @@ def demo_catalog(sim: SimServer) -> dict:
                 "upstream_model": "MiniMaxAI/MiniMax-M2.1",
                 "input_usd_per_mtok": "0.30",
                 "output_usd_per_mtok": "1.20",
+                "max_output_tokens": 16384,
+            },
+            {
+                "name": "minimax-m2.5",
+                "provider": "sim-genesis",
+                "upstream_model": "MiniMax-M2.5",
+                "input_usd_per_mtok": "0.27",
+                "output_usd_per_mtok": "0.95",
                 "max_output_tokens": 16384,
             },
         ],
@@ -89,11 +117,196 @@ async def demo_token(url: str) -> str:
         await db.dispose()
 
 
+# --- demo traffic ----------------------------------------------------------------------------
+
+# Teams and users made (or found again) by name; limits are decimal strings, as in the API.
+DEMO_TEAMS = {
+    "demo-platform": ("25.00", "monthly"),
+    "demo-research": ("10.00", "weekly"),
+    "demo-support": ("0.50", "daily"),
+}
+DEMO_USERS = {
+    "alice@demo.example": ("Alice", "demo-platform", None, "never"),
+    "bob@demo.example": ("Bob", "demo-platform", None, "never"),
+    "carol@demo.example": ("Carol", "demo-research", "5.00", "monthly"),
+    "dave@demo.example": ("Dave", "demo-support", "0.25", "12h"),
+}
+# Fresh tokens on every run (the earlier ones of the same name are revoked). "notebook" has a
+# small limit that the traffic brings close to, then past (one 402).
+DEMO_TOKENS = {
+    "ci-bot": ("alice@demo.example", None, "never"),
+    "notebook": ("alice@demo.example", "0.010", "daily"),
+    "backend": ("bob@demo.example", None, "never"),
+    "eval-runner": ("carol@demo.example", "1.00", "monthly"),
+    "helpdesk": ("dave@demo.example", None, "never"),
+}
+# A long system prompt, so that prompts have tokens for the upstream to report as cached.
+LONG_CONTEXT = " ".join(
+    "The ledger records every request with its tokens, its price and its cost." for _ in range(60)
+)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One chat completion of the demo traffic."""
+
+    token: str
+    model: str
+    directives: str
+    stream: bool = False
+    max_tokens: int | None = None
+    context: bool = False  # send LONG_CONTEXT as a system message
+
+
+def demo_calls() -> list[Call]:
+    """Several teams, users, models and providers; streamed and not; reasoning and cached
+    tokens; a budget brought near its limit; a few failures of each kind."""
+    calls = [
+        *(
+            Call("ci-bot", "gpt-sim", f"sim:tokens={n} sim:cached=512", context=True)
+            for n in (300, 420, 510)
+        ),
+        Call(
+            "ci-bot",
+            "gpt-sim",
+            "sim:tokens=350 sim:cached=512 sim:chunks=6 sim:delay_ms=40",
+            stream=True,
+            context=True,
+        ),
+        Call("notebook", "minimax-m2.1", "sim:tokens=1800 sim:reasoning=600", max_tokens=1800),
+        Call("notebook", "minimax-m2.1", "sim:tokens=1800 sim:reasoning=500", True, 1800),
+        Call("notebook", "minimax-m2.1", "sim:tokens=1800", max_tokens=1800),
+        Call("notebook", "minimax-m2.1", "sim:tokens=1800 sim:chunks=8", True, 1800),
+        Call("notebook", "minimax-m2.1", "sim:tokens=1800", max_tokens=1800),  # 402: near limit
+        *(Call("backend", "minimax-m2.5", f"sim:tokens={n}") for n in (500, 640, 380)),
+        Call("backend", "minimax-m2.5", "sim:tokens=450 sim:chunks=5 sim:delay_ms=60", True),
+        Call("backend", "minimax-m2.5", "sim:fault=http500"),  # 502 upstream_error
+        *(
+            Call("eval-runner", "minimax-m2.1", f"sim:tokens=1200 sim:reasoning={n}", n % 2 == 0)
+            for n in (800, 650, 900, 725)
+        ),
+        Call("eval-runner", "gpt-sim", "sim:tokens=600 sim:cached=700", context=True),
+        Call("eval-runner", "gpt-sim", "sim:tokens=400 sim:fault=stream_error", stream=True),
+        *(Call("helpdesk", "gpt-sim", f"sim:tokens={n}") for n in (60, 80, 95, 120, 70)),
+        Call("helpdesk", "minimax-m2.5", "sim:tokens=200", stream=True),
+        Call("helpdesk", "gpt-sim", "sim:fault=http400"),  # the upstream's own 400
+    ]
+    return calls
+
+
+class Admin:
+    """The admin API over HTTP: find-or-create for the demo's teams, users and tokens."""
+
+    def __init__(self, http: httpx.Client) -> None:
+        self.http = http
+
+    def call(self, method: str, path: str, **kwargs) -> dict:
+        response = self.http.request(method, path, **kwargs)
+        response.raise_for_status()
+        return response.json() if response.content else {}
+
+    def listing(self, path: str) -> list[dict]:
+        out: list[dict] = []
+        after = None
+        while True:
+            params = {"limit": 1000, **({"after": after} if after else {})}
+            page = self.call("GET", path, params=params)["data"]
+            out.extend(page)
+            if len(page) < 1000:
+                return out
+            after = page[-1]["id"]
+
+    def teams(self) -> dict[str, str]:
+        found = {t["name"]: t["id"] for t in self.listing("/v1/teams")}
+        for name, (limit, interval) in DEMO_TEAMS.items():
+            if name not in found:
+                body = {"name": name, "credit_limit": limit, "reset_interval": interval}
+                found[name] = self.call("POST", "/v1/teams", json=body)["id"]
+        return found
+
+    def users(self, teams: dict[str, str]) -> dict[str, str]:
+        found = {u["email"]: u["id"] for u in self.listing("/v1/users")}
+        for email, (name, team, limit, interval) in DEMO_USERS.items():
+            if email not in found:
+                body = {
+                    "email": email,
+                    "name": name,
+                    "team_id": teams[team],
+                    "credit_limit": limit,
+                    "reset_interval": interval,
+                }
+                found[email] = self.call("POST", "/v1/users", json=body)["id"]
+        return found
+
+    def tokens(self, users: dict[str, str]) -> dict[str, str]:
+        """A fresh secret per demo token name; the earlier ones of that name are revoked."""
+        secrets_by_name = {}
+        for name, (email, limit, interval) in DEMO_TOKENS.items():
+            user_id = users[email]
+            for token in self.call("GET", f"/v1/users/{user_id}/tokens")["data"]:
+                if token["name"] == name:
+                    self.call("DELETE", f"/v1/tokens/{token['id']}")
+            body = {"name": name, "credit_limit": limit, "reset_interval": interval}
+            made = self.call("POST", f"/v1/users/{user_id}/tokens", json=body)
+            secrets_by_name[name] = made["token"]
+        return secrets_by_name
+
+
+def _send(http: httpx.Client, secret: str, call: Call) -> int:
+    messages = [{"role": "user", "content": f"Tell me about metering. {call.directives}"}]
+    if call.context:
+        messages.insert(0, {"role": "system", "content": LONG_CONTEXT})
+    body: dict = {"model": call.model, "messages": messages, "stream": call.stream}
+    if call.max_tokens:
+        body["max_tokens"] = call.max_tokens
+    if call.stream and call.model == "gpt-sim":
+        body["stream_options"] = {"include_usage": True}
+    headers = {"authorization": f"Bearer {secret}"}
+    with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
+        for _ in response.iter_bytes():
+            pass  # read the whole answer, as a client would
+        return response.status_code
+
+
+def generate_traffic(base_url: str, admin_key: str) -> Counter:
+    """Sends the demo traffic through the proxy at base_url; answers the statuses it got."""
+    with httpx.Client(
+        base_url=base_url, timeout=30, headers={"authorization": f"Bearer {admin_key}"}
+    ) as http:
+        admin = Admin(http)
+        teams = admin.teams()
+        users = admin.users(teams)
+        tokens = admin.tokens(users)
+        statuses: Counter = Counter()
+        for call in demo_calls():
+            statuses[_send(http, tokens[call.token], call)] += 1
+    return statuses
+
+
+def wait_until_ready(base_url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{base_url} did not become ready in {timeout:.0f} s")
+        time.sleep(0.2)
+
+
+def describe(statuses: Counter) -> str:
+    counts = ", ".join(f"{n} x {status}" for status, n in sorted(statuses.items()))
+    return f"{sum(statuses.values())} requests ({counts})"
+
+
 def banner(base: str, token: str, admin_key: str, url: str) -> str:
     return f"""
 metering demo
   database      {url}
-  proxy         {base}/v1   (models: gpt-sim, minimax-m2.1, served by a simulated upstream)
+  proxy         {base}/v1   (models: gpt-sim, minimax-m2.1, minimax-m2.5, from a simulated upstream)
+  dashboard     {base}/dashboard   (open it and paste the admin key or the demo token)
   admin key     {admin_key}
   demo token    {token}
 
@@ -109,6 +322,34 @@ print(c.chat.completions.create(model="gpt-sim", messages=[{{"role": "user", "co
 """
 
 
+def traffic_in_background(
+    server: uvicorn.Server, base_url: str, admin_key: str
+) -> threading.Thread:
+    """Once the server is up, sends the demo traffic and says in one line how it went."""
+
+    def run() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            time.sleep(0.05)
+        try:
+            statuses = generate_traffic(base_url, admin_key)
+        except (httpx.HTTPError, RuntimeError) as exc:
+            print(f"demo traffic failed: {exc}", file=sys.stderr, flush=True)
+            return
+        print(f"demo traffic sent: {describe(statuses)}", flush=True)
+
+    thread = threading.Thread(target=run, name="demo-traffic", daemon=True)
+    thread.start()
+    return thread
+
+
+def local_url(host: str, port: int) -> str:
+    """Where a client on this machine reaches a server bound to host."""
+    reachable = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{reachable}:{port}"
+
+
 def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
     admin_key = os.environ.get("METERING_ADMIN_KEY") or "demo-admin-" + secrets.token_hex(8)
     settings = Settings(admin_key=admin_key)
@@ -117,7 +358,8 @@ def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
     try:
         catalog = parse_catalog(demo_catalog(sim))
         token = asyncio.run(demo_token(settings.database_url))
-        print(banner(f"http://{host}:{port}", token, admin_key, settings.database_url), flush=True)
+        base = local_url(host, port)
+        print(banner(base, token, admin_key, settings.database_url), flush=True)
         config = uvicorn.Config(
             create_app(settings, catalog),
             host=host,
@@ -125,6 +367,31 @@ def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
             log_level="warning",
             access_log=False,
         )
-        uvicorn.Server(config).run()
+        server = uvicorn.Server(config)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per demo request
+        traffic_in_background(server, base, admin_key)
+        server.run()
     finally:
         sim.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m metering.demo --url URL`: the demo traffic, sent to a server already running
+    with the demo catalog (the models of demo_catalog), e.g. docker-compose's `demo` profile."""
+    parser = argparse.ArgumentParser(prog="python -m metering.demo", description=main.__doc__)
+    parser.add_argument("--url", default="http://127.0.0.1:8080", help="the metering server")
+    parser.add_argument("--wait-s", type=float, default=120, help="how long to wait for /readyz")
+    args = parser.parse_args(argv)
+    admin_key = os.environ.get("METERING_ADMIN_KEY")
+    if not admin_key:
+        print("python -m metering.demo: set METERING_ADMIN_KEY", file=sys.stderr)
+        return 2
+    base = args.url.rstrip("/")
+    wait_until_ready(base, args.wait_s)
+    statuses = generate_traffic(base, admin_key)
+    print(json.dumps({"sent": describe(statuses), "dashboard": f"{base}/dashboard"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

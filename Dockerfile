@@ -1,0 +1,26 @@
+# The metering service. `docker compose up` runs it with PostgreSQL and Grafana (README.md,
+# "Dashboard and deployment"); alone: docker build -t metering . && docker run -p 8080:8080 \
+#   -e METERING_DATABASE_URL=postgresql://... -e METERING_ADMIN_KEY=... metering
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+
+# Installed the way the README installs it: `pip install .` (the package, its migrations and
+# the dashboard's static files), from only what the build needs.
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY metering ./metering
+COPY migrations ./migrations
+RUN pip install . && rm -rf /src
+
+RUN useradd --system --uid 10001 --create-home --home-dir /app metering
+WORKDIR /app
+USER metering
+
+EXPOSE 8080
+# `metering serve` applies pending migrations first (under an advisory lock on PostgreSQL, so
+# replicas may start together), then serves. Health: GET /readyz (the database is reachable).
+CMD ["metering", "serve", "--host", "0.0.0.0", "--port", "8080"]

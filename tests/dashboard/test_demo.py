@@ -1,0 +1,127 @@
+"""`metering demo`'s traffic: varied enough that every panel shows something, sent through the
+real proxy; the command itself serves the page and says where it is."""
+
+import contextlib
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from decimal import Decimal
+
+import httpx
+
+from metering.demo import DEMO_TEAMS, DEMO_TOKENS, banner, main
+from metering.testing import free_port
+from tests.dashboard.conftest import ADMIN_KEY
+
+
+def test_the_traffic_answers_with_each_kind_of_outcome(site):
+    assert site.statuses[200] >= 20
+    assert {400, 402, 502} <= set(site.statuses)
+
+
+def test_the_traffic_covers_every_panel(site):
+    def groups(key: str) -> set:
+        return {row[f"{key}_id" if key == "team" else key] for row in spend(key)}
+
+    def spend(group_by: str) -> list[dict]:
+        return site.get("/v1/spend", group_by=group_by)["rows"]
+
+    names = {t["id"]: t["name"] for t in site.get("/v1/teams")["data"]}
+    assert {names[t] for t in groups("team")} == set(DEMO_TEAMS)
+    assert groups("model") == {"gpt-sim", "minimax-m2.1", "minimax-m2.5"}
+    assert groups("provider") == {"sim-openai", "sim-exascale", "sim-genesis"}
+    assert len({r["user_id"] for r in spend("user")}) == 4
+    tokens = {
+        t["id"]: t["name"]
+        for u in site.get("/v1/users")["data"]
+        for t in site.get(f"/v1/users/{u['id']}/tokens", include_revoked="true")["data"]
+    }
+    assert {tokens[r["token_id"]] for r in spend("token")} >= set(DEMO_TOKENS)
+    events = site.get("/v1/usage", limit=200)["data"]
+    assert {e["stream"] for e in events} == {True, False}
+    assert any(e["completion_tokens_details"]["reasoning_tokens"] for e in events)
+    assert any(e["prompt_tokens_details"]["cached_tokens"] for e in events)
+    assert {"ok", "upstream_error", "stream_error"} <= {e["status"] for e in events}
+    assert {"reported", "estimated"} <= {e["usage_source"] for e in events}
+
+
+def test_a_budget_ends_near_its_limit(site):
+    alice = next(u for u in site.get("/v1/users")["data"] if u["email"] == "alice@demo.example")
+    [notebook] = [
+        t for t in site.get(f"/v1/users/{alice['id']}/tokens")["data"] if t["name"] == "notebook"
+    ]
+    budget = site.get(f"/v1/tokens/{notebook['id']}/budget")
+    used = Decimal(budget["spent"]) / Decimal(budget["credit_limit"])
+    assert Decimal("0.75") <= used < 1
+
+
+def test_sending_it_again_reuses_teams_and_users(site, monkeypatch, capsys):
+    before = {
+        "teams": len(site.get("/v1/teams")["data"]),
+        "users": len(site.get("/v1/users")["data"]),
+    }
+    monkeypatch.setenv("METERING_ADMIN_KEY", ADMIN_KEY)
+    assert main(["--url", site.url]) == 0
+    assert f'"dashboard": "{site.url}/dashboard"' in capsys.readouterr().out
+    assert len(site.get("/v1/teams")["data"]) == before["teams"]
+    assert len(site.get("/v1/users")["data"]) == before["users"]
+    for user in site.get("/v1/users")["data"]:
+        active = [t["name"] for t in site.get(f"/v1/users/{user['id']}/tokens")["data"]]
+        demo = [n for n in active if n in DEMO_TOKENS]
+        assert len(demo) == len(set(demo))  # the earlier token of each name was revoked
+
+
+def test_the_banner_gives_the_dashboard_url():
+    text = banner("http://127.0.0.1:8080", "mtr_x", "admin", "sqlite:///x.db")
+    assert "http://127.0.0.1:8080/dashboard" in text
+
+
+def test_metering_demo_serves_the_page_and_sends_its_traffic(tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "METERING_DATABASE_URL": f"sqlite:///{tmp_path / 'demo.db'}",
+        "METERING_ADMIN_KEY": "demo-test-admin",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "metering.cli", "demo", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        output = read_until(process, re.compile(r"demo traffic (sent|failed).*"), timeout=60)
+        assert f"http://127.0.0.1:{port}/dashboard" in output
+        assert "demo traffic sent" in output, output
+        page = httpx.get(f"http://127.0.0.1:{port}/dashboard")
+        assert page.status_code == 200 and "metering" in page.text
+        totals = httpx.get(
+            f"http://127.0.0.1:{port}/v1/spend",
+            headers={"authorization": "Bearer demo-test-admin"},
+        ).json()["total"]
+        assert totals["requests"] >= 20 and Decimal(totals["cost"]) > 0
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def read_until(process: subprocess.Popen, pattern: re.Pattern, timeout: float) -> str:
+    """The process's output up to the first line matching pattern (read by a thread)."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(
+        target=lambda: [lines.put(line) for line in process.stdout], daemon=True
+    ).start()
+    output = ""
+    deadline = time.monotonic() + timeout
+    while not pattern.search(output):
+        assert time.monotonic() < deadline, f"timed out; output so far:\n{output}"
+        assert process.poll() is None, f"exited {process.returncode}:\n{output}"
+        with contextlib.suppress(queue.Empty):
+            output += lines.get(timeout=0.5)
+    return output
