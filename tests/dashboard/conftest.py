@@ -109,10 +109,12 @@ def pg_site(sites) -> Site:
     return sites.get("postgresql")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
     """Debian's Chromium under Playwright. Without it the browser tests skip on a developer's
-    machine, and fail in CI (CI set), where .ci/run installs it."""
+    machine, and fail in CI (CI set), where .ci/run installs it. Module-scoped: Playwright's sync
+    API runs an event loop in this thread while it is open, which would break asyncio.run() in
+    the tests of other modules."""
     missing = None
     try:
         from playwright.sync_api import sync_playwright

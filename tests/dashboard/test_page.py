@@ -2,7 +2,9 @@
 what /v1/spend, /v1/usage and the budget endpoints say, exactly; a user's token sees its own
 data only; the key stays in sessionStorage; no console errors."""
 
+import random
 import re
+import uuid
 from collections import Counter
 from datetime import datetime
 from decimal import Decimal
@@ -282,4 +284,54 @@ def test_the_page_refreshes_itself(dashboard, site):
     tab.page.wait_for_selector(READY)
     assert int(tab.page.text_content("#total-requests").replace(",", "")) == before + 1
     assert tab.attrs("#recent-body tr", "data-id")[0] == (answer.headers["x-request-id"],)
+    assert tab.errors == []
+
+
+def test_money_in_the_page_is_exact(dashboard):
+    page = dashboard().page
+    rng = random.Random(7)
+    amounts = [f"{rng.randrange(10**6)}.{rng.randrange(10**12):012d}" for _ in range(2000)]
+    amounts += ["0.1", "0.2", "0.000360", "7", "0.000000000001"] * 100
+    total = page.evaluate("a => Money.plain(Money.sum(a))", amounts)
+    assert Decimal(total) == sum(Decimal(a) for a in amounts)
+    assert page.evaluate("Money.plain(Money.sum(['0.1', '0.2']))") == "0.3"
+    formatted = page.evaluate(
+        "xs => xs.map(x => Money.format(Money.parse(x)))",
+        ["1234567.5", "0.00036", "0", "12.000000000001"],
+    )
+    assert formatted == ["$1,234,567.50", "$0.00036", "$0.00", "$12.000000000001"]
+    assert page.evaluate("Money.plain(Money.niceStep(Money.parse('0.0173'), 4))") == "0.005"
+    for bad in ("1e-5", "0.0000000000001", "abc"):
+        assert page.evaluate(
+            "x => { try { Money.parse(x); return false } catch { return true } }", bad
+        )
+
+
+def test_a_user_without_requests_sees_empty_panels(dashboard, site):
+    team = site.http.post(
+        "/v1/teams",
+        json={
+            "name": f"quiet-{uuid.uuid4().hex[:6]}",
+            "credit_limit": "1.00",
+            "reset_interval": "daily",
+        },
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+    ).json()
+    user = site.http.post(
+        "/v1/users",
+        json={
+            "email": f"quiet-{uuid.uuid4().hex[:6]}@example.com",
+            "name": "Quiet",
+            "team_id": team["id"],
+            "credit_limit": None,
+            "reset_interval": "never",
+        },
+        headers={"authorization": f"Bearer {ADMIN_KEY}"},
+    ).json()
+    _, token = user_token(site, user["email"])
+    tab = dashboard().sign_in(token)
+    for chart in ("spend", "top-tokens", "token-kinds", "budgets"):
+        assert tab.chart(chart)["points" if chart != "spend" else "series"] == 0, chart
+    assert tab.page.locator("#recent").get_attribute("data-rows") == "0"
+    assert "no usage yet" in tab.page.text_content("#budgets-chart")
     assert tab.errors == []
