@@ -268,17 +268,26 @@ def _send(http: httpx.Client, secret: str, call: Call) -> int:
         return response.status_code
 
 
-def generate_traffic(base_url: str, admin_key: str) -> Counter:
-    """Sends the demo traffic through the proxy at base_url; answers the statuses it got."""
+# With the printed demo token too, so that pasting it into the dashboard shows something.
+DEMO_TOKEN_CALLS = (
+    Call("demo", "gpt-sim", "sim:tokens=120"),
+    Call("demo", "minimax-m2.1", "sim:tokens=300 sim:reasoning=120", stream=True),
+)
+
+
+def generate_traffic(base_url: str, admin_key: str, demo_token: str | None = None) -> Counter:
+    """Sends the demo traffic through the proxy at base_url (and a little with demo_token, if
+    given); answers the statuses it got."""
     with httpx.Client(
         base_url=base_url, timeout=30, headers={"authorization": f"Bearer {admin_key}"}
     ) as http:
         admin = Admin(http)
         teams = admin.teams()
         users = admin.users(teams)
-        tokens = admin.tokens(users)
+        tokens = {**admin.tokens(users), "demo": demo_token}
+        calls = [*demo_calls(), *(DEMO_TOKEN_CALLS if demo_token else ())]
         statuses: Counter = Counter()
-        for call in demo_calls():
+        for call in calls:
             statuses[_send(http, tokens[call.token], call)] += 1
     return statuses
 
@@ -323,7 +332,7 @@ print(c.chat.completions.create(model="gpt-sim", messages=[{{"role": "user", "co
 
 
 def traffic_in_background(
-    server: uvicorn.Server, base_url: str, admin_key: str
+    server: uvicorn.Server, base_url: str, admin_key: str, demo_token: str
 ) -> threading.Thread:
     """Once the server is up, sends the demo traffic and says in one line how it went."""
 
@@ -333,7 +342,7 @@ def traffic_in_background(
                 return
             time.sleep(0.05)
         try:
-            statuses = generate_traffic(base_url, admin_key)
+            statuses = generate_traffic(base_url, admin_key, demo_token)
         except (httpx.HTTPError, RuntimeError) as exc:
             print(f"demo traffic failed: {exc}", file=sys.stderr, flush=True)
             return
@@ -369,7 +378,7 @@ def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
         )
         server = uvicorn.Server(config)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per demo request
-        traffic_in_background(server, base, admin_key)
+        traffic_in_background(server, base, admin_key, token)
         server.run()
     finally:
         sim.stop()

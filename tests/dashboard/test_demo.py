@@ -13,7 +13,7 @@ from decimal import Decimal
 
 import httpx
 
-from metering.demo import DEMO_TEAMS, DEMO_TOKENS, banner, main
+from metering.demo import DEMO_TEAMS, DEMO_TOKEN_CALLS, DEMO_TOKENS, banner, main
 from metering.testing import free_port
 from tests.dashboard.conftest import ADMIN_KEY
 
@@ -106,6 +106,11 @@ def test_metering_demo_serves_the_page_and_sends_its_traffic(tmp_path):
             headers={"authorization": "Bearer demo-test-admin"},
         ).json()["total"]
         assert totals["requests"] >= 20 and Decimal(totals["cost"]) > 0
+        token = re.search(r"demo token\s+(mtr_\S+)", output).group(1)
+        own = httpx.get(
+            f"http://127.0.0.1:{port}/v1/spend", headers={"authorization": f"Bearer {token}"}
+        ).json()["total"]
+        assert own["requests"] == len(DEMO_TOKEN_CALLS)  # the printed token shows something too
     finally:
         process.terminate()
         process.wait(timeout=15)
