@@ -14,10 +14,10 @@ its total is kept in budget_windows, then spent restarts at 0. Outstanding holds
 stay reserved across the roll, and a request is charged to the window it settles in.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import bindparam, case, delete, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -144,11 +144,35 @@ def _literal(value: datetime | None):
     return bindparam(None, value, type_=UTCDateTime)
 
 
-async def load(session: AsyncSession, subject_ids: list[str]) -> dict[str, Budget]:
-    """Budget rows as plain rows (not tracked objects): the UPDATEs below are the writes."""
+async def load(
+    session: AsyncSession, subject_ids: list[str], *, lock: bool = False
+) -> dict[str, Budget]:
+    """Budget rows as plain rows (not tracked objects): the UPDATEs below are the writes.
+    With `lock`, the rows are locked in key order, the one order every writer here uses, so
+    concurrent transactions on the same budgets queue instead of deadlocking."""
     table = Budget.__table__
-    rows = await session.execute(select(table).where(table.c.subject_id.in_(subject_ids)))
+    query = select(table).where(table.c.subject_id.in_(subject_ids)).order_by(table.c.subject_id)
+    if lock:
+        query = query.with_for_update()
+    rows = await session.execute(query)
     return {row.subject_id: row for row in rows}
+
+
+def add_to_budgets(subject_ids: list[str], **values):
+    """One UPDATE of several budgets that first locks them in key order (see `load`)."""
+    locked = (
+        select(Budget.subject_id)
+        .where(Budget.subject_id.in_(subject_ids))
+        .order_by(Budget.subject_id)
+        .with_for_update()
+        .subquery()
+    )
+    return (
+        update(Budget)
+        .where(Budget.subject_id == locked.c.subject_id)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +222,15 @@ class Reservation:
     amount: int
     max_tokens: int  # what goes upstream
     clamped: bool
+    # subject -> (reset_interval, anchor, window start) as reserved: settle needs no re-read
+    # of the budgets unless a window has ended since.
+    windows: dict = field(default_factory=dict)
+
+    def window_unchanged(self, now: datetime) -> bool:
+        return bool(self.windows) and all(
+            window_for(parse_interval(interval), anchor, now)[0] <= start
+            for interval, anchor, start in self.windows.values()
+        )
 
 
 def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
@@ -217,28 +250,33 @@ def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
 
 
 async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl_s: int):
-    budgets = await load(session, spec.subjects)
+    budgets = await load(session, spec.subjects, lock=True)
     ordered = [budgets[s] for s in spec.subjects if s in budgets]
     views = [view(b, now) for b in ordered]
     output_tokens, clamped = _plan(spec, views)
     amount = spec.amount(output_tokens)
+    starts = {}
     for budget in ordered:
         await roll(session, budget, now)
-        start, _ = current_window(budget, now)
-        result = await session.execute(
-            update(Budget)
-            .where(
-                Budget.subject_id == budget.subject_id,
-                Budget.window_start >= start,
-                (Budget.credit_limit.is_(None))
-                | (Budget.spent + Budget.reserved + amount <= Budget.credit_limit),
-            )
-            .values(reserved=Budget.reserved + amount)
+        starts[budget.subject_id] = current_window(budget, now)[0]
+    # One conditional write for all three budgets (locked above): it matches every row or the
+    # hold fails and the transaction is rolled back.
+    result = await session.execute(
+        update(Budget)
+        .where(
+            Budget.subject_id.in_(list(starts)),
+            Budget.window_start
+            >= case({k: _literal(v) for k, v in starts.items()}, value=Budget.subject_id),
+            (Budget.credit_limit.is_(None))
+            | (Budget.spent + Budget.reserved + amount <= Budget.credit_limit),
         )
-        if result.rowcount != 1:
-            return None
-    session.add(
-        Hold(
+        .values(reserved=Budget.reserved + amount)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount != len(starts):
+        return None
+    await session.execute(
+        insert(Hold).values(
             id=spec.hold_id,
             token_id=spec.token_id,
             user_id=spec.user_id,
@@ -255,8 +293,8 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
             expires_at=now + timedelta(seconds=ttl_s),
         )
     )
-    await session.flush()
-    return Reservation(spec.hold_id, amount, output_tokens, clamped)
+    windows = {b.subject_id: (b.reset_interval, b.anchor_at, starts[b.subject_id]) for b in ordered}
+    return Reservation(spec.hold_id, amount, output_tokens, clamped, windows)
 
 
 async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
@@ -285,32 +323,39 @@ async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
     raise BudgetShortfall(Shortfall(min(limited, key=lambda v: v.remaining)))
 
 
-async def settle(db: Database, hold_id: str, event: dict) -> bool:
+async def settle(
+    db: Database, hold_id: str, event: dict, reservation: Reservation | None = None
+) -> bool:
     """Turn a hold into its ledger event; False when it was already settled (or expired)."""
     async with db.transaction() as session:
-        return await settle_in(session, hold_id, event)
+        return await settle_in(session, hold_id, event, reservation)
 
 
-async def settle_in(session: AsyncSession, hold_id: str, event: dict) -> bool:
+async def settle_in(
+    session: AsyncSession, hold_id: str, event: dict, reservation: Reservation | None = None
+) -> bool:
     hold = (
-        await session.execute(delete(Hold).where(Hold.id == hold_id).returning(Hold))
-    ).scalar_one_or_none()
+        await session.execute(
+            delete(Hold)
+            .where(Hold.id == hold_id)
+            .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
+        )
+    ).first()
     if hold is None:
         return False
     now = event["created_at"]
-    cost = event["cost"]
     subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
-    budgets = await load(session, subjects)
-    for subject in subjects:
-        budget = budgets.get(subject)
-        if budget is None:
-            continue
-        await roll(session, budget, now)
-        await session.execute(
-            update(Budget)
-            .where(Budget.subject_id == subject)
-            .values(spent=Budget.spent + cost, reserved=Budget.reserved - hold.amount)
+    if reservation is None or not reservation.window_unchanged(now):
+        # A window may have ended while the request ran: close it before charging.
+        for budget in (await load(session, subjects, lock=True)).values():
+            await roll(session, budget, now)
+    await session.execute(
+        add_to_budgets(
+            subjects,
+            spent=Budget.spent + event["cost"],
+            reserved=Budget.reserved - hold.amount,
         )
+    )
     await session.execute(insert(LedgerEvent).values(**event))
     await rollup.add_event(session, event)  # same transaction: the rollup equals the ledger
     return True
@@ -330,14 +375,13 @@ async def release(db: Database, hold_id: str) -> None:
     """Give a hold back untouched: the request never reached an upstream."""
     async with db.transaction() as session:
         hold = (
-            await session.execute(delete(Hold).where(Hold.id == hold_id).returning(Hold))
-        ).scalar_one_or_none()
+            await session.execute(
+                delete(Hold)
+                .where(Hold.id == hold_id)
+                .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
+            )
+        ).first()
         if hold is None:
             return
-        for subject in (hold.token_id, hold.user_id, hold.team_id):
-            if subject:
-                await session.execute(
-                    update(Budget)
-                    .where(Budget.subject_id == subject)
-                    .values(reserved=Budget.reserved - hold.amount)
-                )
+        subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
+        await session.execute(add_to_budgets(subjects, reserved=Budget.reserved - hold.amount))

@@ -157,6 +157,7 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
         started_at=utcnow(),
         t0=t0,
         headers=headers,
+        reservation=reservation,
     )
     try:
         # Built under the try: a body that cannot be sent must give its hold back too.

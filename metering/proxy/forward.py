@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from metering import metrics
 from metering.budgets import service as budgets
-from metering.budgets.service import HoldSpec
+from metering.budgets.service import HoldSpec, Reservation
 from metering.errors import MeteringError, error_body
 from metering.proxy.assemble import CompletionAssembler
 from metering.proxy.dialects import Dialect
@@ -68,6 +68,7 @@ class Attempt:
     headers: dict  # response headers we add (x-request-id, x-max-tokens-clamped)
 
     last_extended: float = 0.0
+    reservation: Reservation | None = None
 
     def elapsed_ms(self) -> int:
         return int((time.perf_counter() - self.t0) * 1000)
@@ -94,7 +95,9 @@ async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
     )
     with anyio.CancelScope(shield=True):
         try:
-            settled = await budgets.settle(state.db, attempt.spec.hold_id, event)
+            settled = await budgets.settle(
+                state.db, attempt.spec.hold_id, event, attempt.reservation
+            )
         except Exception:
             # The hold stays; the sweeper charges it as unsettled, so nothing is lost.
             log.exception(
