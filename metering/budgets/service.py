@@ -17,7 +17,7 @@ stay reserved across the roll, and a request is charged to the window it settles
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, case, delete, insert, select, update
+from sqlalchemy import bindparam, delete, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -144,25 +144,30 @@ def _literal(value: datetime | None):
     return bindparam(None, value, type_=UTCDateTime)
 
 
+def _ids():
+    return bindparam("ids", expanding=True)
+
+
+# The hot path's statements are built once: building one costs more than running it.
+_LOAD = select(Budget.__table__).where(Budget.subject_id.in_(_ids())).order_by(Budget.subject_id)
+_LOAD_LOCKED = _LOAD.with_for_update()
+
+
 async def load(
     session: AsyncSession, subject_ids: list[str], *, lock: bool = False
 ) -> dict[str, Budget]:
     """Budget rows as plain rows (not tracked objects): the UPDATEs below are the writes.
     With `lock`, the rows are locked in key order, the one order every writer here uses, so
     concurrent transactions on the same budgets queue instead of deadlocking."""
-    table = Budget.__table__
-    query = select(table).where(table.c.subject_id.in_(subject_ids)).order_by(table.c.subject_id)
-    if lock:
-        query = query.with_for_update()
-    rows = await session.execute(query)
+    rows = await session.execute(_LOAD_LOCKED if lock else _LOAD, {"ids": subject_ids})
     return {row.subject_id: row for row in rows}
 
 
-def add_to_budgets(subject_ids: list[str], **values):
+def _add_to_budgets(**values):
     """One UPDATE of several budgets that first locks them in key order (see `load`)."""
     locked = (
         select(Budget.subject_id)
-        .where(Budget.subject_id.in_(subject_ids))
+        .where(Budget.subject_id.in_(_ids()))
         .order_by(Budget.subject_id)
         .with_for_update()
         .subquery()
@@ -173,6 +178,30 @@ def add_to_budgets(subject_ids: list[str], **values):
         .values(**values)
         .execution_options(synchronize_session=False)
     )
+
+
+_CHARGE = _add_to_budgets(
+    spent=Budget.spent + bindparam("cost"), reserved=Budget.reserved - bindparam("amount")
+)
+_RELEASE = _add_to_budgets(reserved=Budget.reserved - bindparam("amount"))
+# Conditional write: matches every budget only while each can still cover the hold.
+_RESERVE = (
+    update(Budget)
+    .where(
+        Budget.subject_id.in_(_ids()),
+        (Budget.credit_limit.is_(None))
+        | (Budget.spent + Budget.reserved + bindparam("amount") <= Budget.credit_limit),
+    )
+    .values(reserved=Budget.reserved + bindparam("amount"))
+    .execution_options(synchronize_session=False)
+)
+_TAKE_HOLD = (
+    delete(Hold)
+    .where(Hold.id == bindparam("hold_id"))
+    .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
+)
+_INSERT_HOLD = insert(Hold)
+_INSERT_EVENT = insert(LedgerEvent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,39 +288,28 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
     for budget in ordered:
         await roll(session, budget, now)
         starts[budget.subject_id] = current_window(budget, now)[0]
-    # One conditional write for all three budgets (locked above): it matches every row or the
-    # hold fails and the transaction is rolled back.
-    result = await session.execute(
-        update(Budget)
-        .where(
-            Budget.subject_id.in_(list(starts)),
-            Budget.window_start
-            >= case({k: _literal(v) for k, v in starts.items()}, value=Budget.subject_id),
-            (Budget.credit_limit.is_(None))
-            | (Budget.spent + Budget.reserved + amount <= Budget.credit_limit),
-        )
-        .values(reserved=Budget.reserved + amount)
-        .execution_options(synchronize_session=False)
-    )
+    # The rows are locked and in their current windows; the write still checks every limit.
+    result = await session.execute(_RESERVE, {"ids": list(starts), "amount": amount})
     if result.rowcount != len(starts):
         return None
     await session.execute(
-        insert(Hold).values(
-            id=spec.hold_id,
-            token_id=spec.token_id,
-            user_id=spec.user_id,
-            team_id=spec.team_id,
-            amount=amount,
-            model=spec.model,
-            provider=spec.provider,
-            upstream_model=spec.upstream_model,
-            stream=spec.stream,
-            input_price=spec.input_price,
-            cached_price=spec.cached_price,
-            output_price=spec.output_price,
-            created_at=now,
-            expires_at=now + timedelta(seconds=ttl_s),
-        )
+        _INSERT_HOLD,
+        {
+            "id": spec.hold_id,
+            "token_id": spec.token_id,
+            "user_id": spec.user_id,
+            "team_id": spec.team_id,
+            "amount": amount,
+            "model": spec.model,
+            "provider": spec.provider,
+            "upstream_model": spec.upstream_model,
+            "stream": spec.stream,
+            "input_price": spec.input_price,
+            "cached_price": spec.cached_price,
+            "output_price": spec.output_price,
+            "created_at": now,
+            "expires_at": now + timedelta(seconds=ttl_s),
+        },
     )
     windows = {b.subject_id: (b.reset_interval, b.anchor_at, starts[b.subject_id]) for b in ordered}
     return Reservation(spec.hold_id, amount, output_tokens, clamped, windows)
@@ -334,13 +352,7 @@ async def settle(
 async def settle_in(
     session: AsyncSession, hold_id: str, event: dict, reservation: Reservation | None = None
 ) -> bool:
-    hold = (
-        await session.execute(
-            delete(Hold)
-            .where(Hold.id == hold_id)
-            .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
-        )
-    ).first()
+    hold = (await session.execute(_TAKE_HOLD, {"hold_id": hold_id})).first()
     if hold is None:
         return False
     now = event["created_at"]
@@ -349,14 +361,8 @@ async def settle_in(
         # A window may have ended while the request ran: close it before charging.
         for budget in (await load(session, subjects, lock=True)).values():
             await roll(session, budget, now)
-    await session.execute(
-        add_to_budgets(
-            subjects,
-            spent=Budget.spent + event["cost"],
-            reserved=Budget.reserved - hold.amount,
-        )
-    )
-    await session.execute(insert(LedgerEvent).values(**event))
+    await session.execute(_CHARGE, {"ids": subjects, "cost": event["cost"], "amount": hold.amount})
+    await session.execute(_INSERT_EVENT, event)
     await rollup.add_event(session, event)  # same transaction: the rollup equals the ledger
     return True
 
@@ -374,14 +380,8 @@ async def extend(db: Database, hold_id: str, ttl_s: int) -> None:
 async def release(db: Database, hold_id: str) -> None:
     """Give a hold back untouched: the request never reached an upstream."""
     async with db.transaction() as session:
-        hold = (
-            await session.execute(
-                delete(Hold)
-                .where(Hold.id == hold_id)
-                .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
-            )
-        ).first()
+        hold = (await session.execute(_TAKE_HOLD, {"hold_id": hold_id})).first()
         if hold is None:
             return
         subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
-        await session.execute(add_to_budgets(subjects, reserved=Budget.reserved - hold.amount))
+        await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})

@@ -46,16 +46,22 @@ def row_for(event: dict) -> dict:
     }
 
 
-async def add_event(session: AsyncSession, event: dict) -> None:
-    """Add one ledger event to its hour's row: one upsert, in the caller's transaction."""
-    insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
-    statement = insert(SpendHourly).values(**row_for(event))
+def _upsert(insert):
+    statement = insert(SpendHourly)
     table = SpendHourly.__table__
-    statement = statement.on_conflict_do_update(
+    return statement.on_conflict_do_update(
         index_elements=list(KEY),
         set_={name: table.c[name] + statement.excluded[name] for name in ("requests", *SUMS)},
     )
-    await session.execute(statement)
+
+
+# Built once per dialect: settle runs it for every request.
+_UPSERTS = {"postgresql": _upsert(pg_insert), "sqlite": _upsert(sqlite_insert)}
+
+
+async def add_event(session: AsyncSession, event: dict) -> None:
+    """Add one ledger event to its hour's row: one upsert, in the caller's transaction."""
+    await session.execute(_UPSERTS[session.bind.dialect.name], row_for(event))
 
 
 def hour_text(column, dialect: str):
