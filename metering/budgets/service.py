@@ -148,7 +148,8 @@ def _ids():
     return bindparam("ids", expanding=True)
 
 
-# The hot path's statements are built once: building one costs more than running it.
+# The hot path's statements are built once, on the tables (not the ORM classes, whose
+# statements take the ORM's bulk paths): building a statement costs more than running it.
 _LOAD = select(Budget.__table__).where(Budget.subject_id.in_(_ids())).order_by(Budget.subject_id)
 _LOAD_LOCKED = _LOAD.with_for_update()
 
@@ -173,7 +174,7 @@ def _add_to_budgets(**values):
         .subquery()
     )
     return (
-        update(Budget)
+        update(Budget.__table__)
         .where(Budget.subject_id == locked.c.subject_id)
         .values(**values)
         .execution_options(synchronize_session=False)
@@ -186,7 +187,7 @@ _CHARGE = _add_to_budgets(
 _RELEASE = _add_to_budgets(reserved=Budget.reserved - bindparam("amount"))
 # Conditional write: matches every budget only while each can still cover the hold.
 _RESERVE = (
-    update(Budget)
+    update(Budget.__table__)
     .where(
         Budget.subject_id.in_(_ids()),
         (Budget.credit_limit.is_(None))
@@ -196,12 +197,12 @@ _RESERVE = (
     .execution_options(synchronize_session=False)
 )
 _TAKE_HOLD = (
-    delete(Hold)
+    delete(Hold.__table__)
     .where(Hold.id == bindparam("hold_id"))
     .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
 )
-_INSERT_HOLD = insert(Hold)
-_INSERT_EVENT = insert(LedgerEvent)
+_INSERT_HOLD = insert(Hold.__table__)
+_INSERT_EVENT = insert(LedgerEvent.__table__)
 
 
 @dataclass(frozen=True, slots=True)

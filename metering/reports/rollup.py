@@ -47,8 +47,8 @@ def row_for(event: dict) -> dict:
 
 
 def _upsert(insert):
-    statement = insert(SpendHourly)
     table = SpendHourly.__table__
+    statement = insert(table)
     return statement.on_conflict_do_update(
         index_elements=list(KEY),
         set_={name: table.c[name] + statement.excluded[name] for name in ("requests", *SUMS)},
