@@ -72,6 +72,12 @@ def sync_url(url: str) -> str:
     raise ValueError(f"unsupported database {backend!r}: use sqlite:///PATH or postgresql://...")
 
 
+def dialect_name(executor) -> str:
+    """The dialect behind a Session or a Connection."""
+    bind = getattr(executor, "bind", None)
+    return (bind.dialect if bind is not None else executor.dialect).name
+
+
 def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
@@ -113,6 +119,10 @@ class Database:
         """One unit of work: commits on success, rolls back on error."""
         async with self.sessions() as session, session.begin():
             yield session
+
+    def begin(self):
+        """A Core connection in a transaction, for the proxy's hot path: lighter than a Session."""
+        return self.engine.begin()
 
     async def dispose(self) -> None:
         await self.engine.dispose()

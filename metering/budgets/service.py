@@ -23,7 +23,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.budgets.windows import parse_interval, window_for
-from metering.db import Database, UTCDateTime, utcnow
+from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
 from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
 from metering.reports import rollup
@@ -89,7 +89,7 @@ def new_budget(
 
 
 def _upsert_ignore(session: AsyncSession):
-    return pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+    return pg_insert if dialect_name(session) == "postgresql" else sqlite_insert
 
 
 async def roll(session: AsyncSession, budget: Budget, now: datetime) -> None:
@@ -320,16 +320,12 @@ async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
     """Reserve the request's worst case against every budget at once, or raise BudgetShortfall."""
     for _ in range(RESERVE_ATTEMPTS):
         now = utcnow()
-        session = db.sessions()
-        try:
-            async with session.begin():
-                reservation = await _try_reserve(session, spec, now, ttl_s)
-                if reservation is None:
-                    await session.rollback()
-                    continue
-            return reservation
-        finally:
-            await session.close()
+        async with db.begin() as conn:
+            reservation = await _try_reserve(conn, spec, now, ttl_s)
+            if reservation is None:
+                await conn.rollback()
+                continue
+        return reservation
     # Lost every race to concurrent requests: what is left is genuinely too little.
     async with db.transaction() as session:
         budgets = await load(session, spec.subjects)
@@ -346,7 +342,7 @@ async def settle(
     db: Database, hold_id: str, event: dict, reservation: Reservation | None = None
 ) -> bool:
     """Turn a hold into its ledger event; False when it was already settled (or expired)."""
-    async with db.transaction() as session:
+    async with db.begin() as session:
         return await settle_in(session, hold_id, event, reservation)
 
 
@@ -370,7 +366,7 @@ async def settle_in(
 
 async def extend(db: Database, hold_id: str, ttl_s: int) -> None:
     """Push a live request's hold expiry out: only holds whose request died are swept."""
-    async with db.transaction() as session:
+    async with db.begin() as session:
         await session.execute(
             update(Hold)
             .where(Hold.id == hold_id)
@@ -380,7 +376,7 @@ async def extend(db: Database, hold_id: str, ttl_s: int) -> None:
 
 async def release(db: Database, hold_id: str) -> None:
     """Give a hold back untouched: the request never reached an upstream."""
-    async with db.transaction() as session:
+    async with db.begin() as session:
         hold = (await session.execute(_TAKE_HOLD, {"hold_id": hold_id})).first()
         if hold is None:
             return

@@ -13,6 +13,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from metering.db import dialect_name
 from metering.models import SpendHourly
 
 KEY = ("hour", "team_id", "user_id", "token_id", "model", "provider")
@@ -61,7 +62,7 @@ _UPSERTS = {"postgresql": _upsert(pg_insert), "sqlite": _upsert(sqlite_insert)}
 
 async def add_event(session: AsyncSession, event: dict) -> None:
     """Add one ledger event to its hour's row: one upsert, in the caller's transaction."""
-    await session.execute(_UPSERTS[session.bind.dialect.name], row_for(event))
+    await session.execute(_UPSERTS[dialect_name(session)], row_for(event))
 
 
 def hour_text(column, dialect: str):
