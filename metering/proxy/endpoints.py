@@ -66,7 +66,7 @@ async def chat_completions(
     catalog = state.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)
     routes = candidates(
-        catalog, target, chat.body, estimate_prompt_tokens(chat.body), chat.max_tokens
+        catalog, target, chat.body, lambda: estimate_prompt_tokens(chat.body), chat.max_tokens
     )
     routes = usable_routes(routes, catalog, chat, target)
     request_id = request.scope["state"]["request_id"]

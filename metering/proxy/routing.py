@@ -8,6 +8,7 @@ where expected output is the client's max_tokens, else EXPECTED_OUTPUT tokens.
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -53,7 +54,11 @@ def expected_cost(route: ModelRoute, prompt_tokens: int, output_tokens: int) -> 
 
 
 def candidates(
-    catalog: Catalog, target: Target, body: dict, prompt_tokens: int, max_tokens: int | None
+    catalog: Catalog,
+    target: Target,
+    body: dict,
+    prompt_tokens: int | Callable[[], int],
+    max_tokens: int | None,
 ) -> list[ModelRoute]:
     routes = catalog.routes(target.name)
     if not routes:
@@ -76,6 +81,10 @@ def candidates(
             f"no provider of {target.name!r} meets the price caps in this request",
             param=CAP_FIELDS[0] if max_in is not None else CAP_FIELDS[1],
         )
+    if len(affordable) == 1:
+        return affordable
+    if callable(prompt_tokens):  # estimated only when there is a choice to make
+        prompt_tokens = prompt_tokens()
     output = max_tokens if max_tokens is not None else EXPECTED_OUTPUT
     return sorted(affordable, key=lambda r: (expected_cost(r, prompt_tokens, output), r.provider))
 

@@ -1,6 +1,7 @@
 """One pooled HTTP client per upstream provider, made at startup, and how its failures read."""
 
 import asyncio
+from http.cookiejar import DefaultCookiePolicy
 
 import aiohttp
 import httpx
@@ -22,9 +23,13 @@ class Upstreams:
         """A client for every provider of the catalog (a reload may add providers)."""
         for name in catalog.providers:
             if name not in self.clients:
-                self.clients[name] = HttpxAiohttpClient(
+                client = HttpxAiohttpClient(
                     limits=self.limits, trust_env=False, follow_redirects=False
                 )
+                # One client serves every user: a cookie one upstream answer sets must never be
+                # sent with another user's request.
+                client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+                self.clients[name] = client
 
     def client(self, provider: str) -> httpx.AsyncClient:
         return self.clients[provider]
