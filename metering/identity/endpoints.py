@@ -174,6 +174,17 @@ async def team_budget(
     return budget_out(await service.get_budget(session, team_id))
 
 
+@router.get("/me")
+async def whoami(principal: Principal = Depends(any_principal)) -> dict:
+    """Who this credential is: what a script or the dashboard needs to find its own objects."""
+    return {
+        "kind": principal.kind,
+        "user_id": principal.user_id,
+        "team_id": principal.team_id,
+        "token_id": principal.token_id,
+    }
+
+
 # Users (admin; self for reads)
 
 

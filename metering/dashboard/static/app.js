@@ -18,7 +18,6 @@ const MAX_SERIES = 8; // more groups than this are drawn as one "other" series
 const MAX_BUDGETS = 100; // per scope, for the admin
 const PARALLEL = 6;
 const DIRECTORY_TTL_MS = 5 * 60 * 1000;
-const USER_PREFIXES = /^(mtr|mat)_/; // API tokens and access tokens; anything else is the admin key
 
 const $ = (id) => document.getElementById(id);
 const { html } = Charts;
@@ -97,24 +96,9 @@ async function everything(path) {
 // --- who is looking ----------------------------------------------------------------------------
 
 async function identify() {
-  if (!USER_PREFIXES.test(state.key)) {
-    try {
-      await api("/v1/teams?limit=1");
-      return { mode: "admin" };
-    } catch (error) {
-      if (error.status !== 403) throw error;
-    }
-  }
-  // A user's credential: its own events and spend name its user and team.
-  const usage = await api(`/v1/usage?${query({ limit: 1 })}`);
-  let row = usage.data[0];
-  if (!row) {
-    const spend = await api(
-      `/v1/spend?${query({ start: "1970-01-01T00:00:00Z", group_by: "user,team" })}`,
-    );
-    row = spend.rows[0];
-  }
-  return { mode: "user", me: row ? { user_id: row.user_id, team_id: row.team_id } : null };
+  const me = await api("/v1/me");
+  if (me.kind === "admin") return { mode: "admin" };
+  return { mode: "user", me: { user_id: me.user_id, team_id: me.team_id } };
 }
 
 /** Names for ids: teams, users and tokens the credential may see. */
@@ -337,10 +321,7 @@ function drawTopTokens(report, directory) {
 }
 
 function drawBudgets(rows) {
-  const empty = state.who.mode === "user" && !state.who.me
-    ? "no usage yet: budgets appear after this credential's first request"
-    : "no budgets with a limit";
-  Charts.budgets($("budgets-chart"), { rows, when, empty });
+  Charts.budgets($("budgets-chart"), { rows, when, empty: "no budgets with a limit" });
 }
 
 function drawRecent(events, directory) {
@@ -392,7 +373,7 @@ function draw() {
   const me = state.who.me;
   $("who").textContent = state.who.mode === "admin"
     ? "admin: everything"
-    : me ? `${userName(directory, me.user_id)}: own data only` : "user: no usage yet";
+    : `${userName(directory, me.user_id)}: own data only`;
   document.body.dataset.mode = state.who.mode;
   document.body.dataset.start = range.start;
 }
