@@ -14,6 +14,7 @@ from metering.db import utcnow
 from metering.errors import InvalidRequest, MeteringError
 from metering.money import format_usd
 from metering.proxy import forward
+from metering.proxy.attempt import Attempt, release
 from metering.proxy.dialects import dialect_for
 from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_bound
 from metering.proxy.forward import FailedBeforeAnswer
@@ -148,7 +149,7 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
         headers["x-max-tokens-clamped"] = str(reservation.max_tokens)
     # The hold is per choice-token; the ledger charges the real output price.
     spec = replace(spec, output_price=route.output_micro)
-    attempt = forward.Attempt(
+    attempt = Attempt(
         spec=spec,
         chat=chat,
         provider=provider,
@@ -168,7 +169,7 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
         return await forward.complete(state, attempt)
     except BaseException:
         # Whatever went wrong, the hold is never left behind by this request.
-        await forward.release(state, attempt)
+        await release(state, attempt)
         raise
 
 

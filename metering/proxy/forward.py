@@ -3,35 +3,26 @@
 No database transaction or pooled connection is held while waiting on the upstream.
 """
 
-import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
-from datetime import datetime
 
 import anyio
 import httpx
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
-from metering import metrics
-from metering.budgets import service as budgets
-from metering.budgets.service import HoldSpec, Reservation
 from metering.errors import MeteringError, error_body
 from metering.proxy.assemble import CompletionAssembler
-from metering.proxy.dialects import Dialect
-from metering.proxy.ledger import Outcome, event_for
-from metering.proxy.request import ChatRequest
+from metering.proxy.attempt import Attempt, keep_hold, release, settle
+from metering.proxy.ledger import Outcome
 from metering.proxy.sse import SSEParser
+from metering.proxy.stream import MeteredStream
 from metering.proxy.upstreams import failure_kind
 from metering.proxy.usage import (
     StreamObserver,
-    is_usage_only_chunk,
     parse_json_object,
     summarize_completion,
 )
-from metering.settings import Provider
 
 log = logging.getLogger("metering.proxy")
 
@@ -54,66 +45,6 @@ class FailedBeforeAnswer(Exception):  # noqa: N818 - a signal to try the next pr
     def __init__(self, answer: Response | MeteringError) -> None:
         super().__init__(str(answer))
         self.answer = answer
-
-
-@dataclass(slots=True)
-class Attempt:
-    spec: HoldSpec
-    chat: ChatRequest
-    provider: Provider
-    dialect: Dialect
-    upstream_body: bytes
-    started_at: datetime
-    t0: float
-    headers: dict  # response headers we add (x-request-id, x-max-tokens-clamped)
-
-    last_extended: float = 0.0
-    reservation: Reservation | None = None
-
-    def elapsed_ms(self) -> int:
-        return int((time.perf_counter() - self.t0) * 1000)
-
-
-async def keep_hold(state, attempt: Attempt) -> None:
-    """A request still streaming keeps its hold from being swept as unsettled."""
-    ttl = state.settings.hold_ttl_s
-    now = time.monotonic()
-    if not attempt.last_extended:
-        attempt.last_extended = now
-    elif now - attempt.last_extended > ttl / 3:
-        attempt.last_extended = now
-        try:
-            await budgets.extend(state.db, attempt.spec.hold_id, ttl)
-        except Exception:
-            log.warning("could not extend hold %s", attempt.spec.hold_id, exc_info=True)
-
-
-async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
-    """Write the attempt's one ledger event. Shielded: a client going away must not cancel it."""
-    event = event_for(
-        attempt.spec, attempt.chat.body, attempt.started_at, attempt.elapsed_ms(), outcome
-    )
-    with anyio.CancelScope(shield=True):
-        try:
-            settled = await budgets.settle(
-                state.db, attempt.spec.hold_id, event, attempt.reservation
-            )
-        except Exception:
-            # The hold stays; the sweeper charges it as unsettled, so nothing is lost.
-            log.exception(
-                "settle failed for %s; its hold will be charged on expiry", attempt.spec.hold_id
-            )
-        else:
-            if settled:
-                metrics.observe_event(event)
-
-
-async def release(state, attempt: Attempt) -> None:
-    with anyio.CancelScope(shield=True):
-        try:
-            await budgets.release(state.db, attempt.spec.hold_id)
-        except Exception:
-            log.exception("release failed for %s", attempt.spec.hold_id)
 
 
 async def open_upstream(state, attempt: Attempt) -> httpx.Response:
@@ -316,135 +247,3 @@ async def stream(state, attempt: Attempt) -> Response:
         )
         return Response(raw, upstream.status_code, headers=_headers(attempt, upstream))
     return MeteredStream(state, attempt, upstream)
-
-
-class MeteredStream(Response):
-    """Relays SSE events byte for byte, reading usage on the side, and settles exactly once."""
-
-    def __init__(self, state, attempt: Attempt, upstream: httpx.Response) -> None:
-        self.status_code = upstream.status_code
-        self.background = None
-        self.state, self.attempt, self.upstream = state, attempt, upstream
-        self.observer = StreamObserver()
-        self.outcome = Outcome(http_status=upstream.status_code)
-        headers = {
-            "content-type": upstream.headers.get("content-type", "text/event-stream"),
-            "cache-control": "no-cache",
-            "x-accel-buffering": "no",
-            **attempt.headers,
-        }
-        # No content-length: the body is a stream of unknown length.
-        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        self.client_gone = False
-        self.done_seen = False
-        self.done_raw = DONE
-        self.error_seen = False
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as group:
-
-                async def relay() -> None:
-                    await self._relay(send)
-                    group.cancel_scope.cancel()
-
-                group.start_soon(relay)
-                await self._wait_for_disconnect(receive)
-                self.client_gone = True
-                group.cancel_scope.cancel()
-        finally:
-            await self._finish(send)
-
-    async def _wait_for_disconnect(self, receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    async def _send(self, send: Send, body: bytes, more: bool = True) -> None:
-        try:
-            await send({"type": "http.response.body", "body": body, "more_body": more})
-        except OSError:
-            self.client_gone = True
-            raise
-
-    async def _relay(self, send: Send) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        parser = SSEParser()
-        try:
-            async for chunk in self.upstream.aiter_raw():
-                await keep_hold(self.state, self.attempt)
-                out = self._select(parser.feed(chunk))
-                if out:
-                    await self._first_byte()
-                    await self._send(send, out)
-                if self.done_seen:
-                    break
-            else:
-                out = self._select(parser.flush())
-                if out:
-                    await self._send(send, out)
-        except (httpx.HTTPError, OSError) as exc:
-            if self.client_gone:
-                return
-            self.outcome.status = failure_kind(exc)
-            self.outcome.error = repr(exc)
-        if not self.done_seen and not self.error_seen and self.outcome.status == "ok":
-            self.outcome.status = "upstream_disconnected"
-
-    async def _first_byte(self) -> None:
-        if self.outcome.ttft_ms is None:
-            self.outcome.ttft_ms = self.attempt.elapsed_ms()
-
-    def _select(self, events) -> bytes:
-        """The raw bytes to pass on: everything but a usage chunk the client did not ask for.
-        The [DONE] event is held back until the event is settled."""
-        out = []
-        for event in events:
-            data = event.data
-            if data is not None:
-                if data == "[DONE]":
-                    self.done_seen, self.done_raw = True, event.raw
-                    break
-                obj = self.observer.observe(data)
-                if (
-                    not self.attempt.chat.wants_usage
-                    and obj is not None
-                    and is_usage_only_chunk(obj)
-                ):
-                    continue
-                if self.observer.error is not None and not self.error_seen:
-                    self.error_seen = True
-            out.append(event.raw)
-        return b"".join(out)
-
-    def _outcome(self) -> Outcome:
-        outcome, observer = self.outcome, self.observer
-        if self.client_gone and not self.done_seen:
-            outcome.status = "client_disconnected"
-        elif self.error_seen:
-            outcome.status = "stream_error"
-            outcome.error = json.dumps(observer.error)[:2000]
-        outcome.usage = observer.usage
-        outcome.finish_reason = observer.finish_reason
-        outcome.upstream_id = observer.upstream_id
-        outcome.delivered_text = observer.delivered_text()
-        return outcome
-
-    async def _finish(self, send: Send) -> None:
-        with anyio.CancelScope(shield=True):
-            try:
-                await self.upstream.aclose()
-            except Exception:
-                log.debug("closing upstream stream failed", exc_info=True)
-            await settle(self.state, self.attempt, self._outcome())
-            if self.client_gone:
-                return
-            tail = self.done_raw
-            if self.outcome.status in ("upstream_disconnected", "timeout"):
-                error = error_body(502, "upstream_error", "the upstream stream ended early")
-                tail = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE
-            with contextlib.suppress(OSError):
-                await send({"type": "http.response.body", "body": tail, "more_body": False})
