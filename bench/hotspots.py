@@ -55,7 +55,12 @@ def summarize(path: str) -> tuple[int, Counter, Counter, Counter]:
             if not stack or not count.isdigit():
                 continue
             n = int(count)
-            frames = [frame_name(frame) for frame in stack.split(";") if frame.strip()]
+            # py-spy --subprocesses puts a "process PID:CMDLINE" frame at the root.
+            frames = [
+                frame_name(frame)
+                for frame in stack.split(";")
+                if frame.strip() and not frame.startswith("process ")
+            ]
             frames = frames or ["<no Python frame: native code, GC>"]
             total += n
             own[frames[-1]] += n

@@ -116,8 +116,17 @@ async def _drive(session: aiohttp.ClientSession, target: Target, n: int, c: int)
     return result
 
 
+class Stalled(RuntimeError):
+    """A batch did not finish in time: the server under test is stuck or crawling."""
+
+
 async def run_load(
-    target: Target, requests: int, concurrency: int, warmup: int, on_measure=None
+    target: Target,
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    on_measure=None,
+    deadline_s: float | None = None,
 ) -> tuple[LoadResult, LoadResult | None]:
     """Warm up (opens the keep-alive connections, fills caches), then measure.
 
@@ -128,16 +137,30 @@ async def run_load(
     async with aiohttp.ClientSession(
         connector=connector, timeout=timeout, auto_decompress=False
     ) as session:
-        warm = await _drive(session, target, warmup, concurrency) if warmup else None
-        if on_measure:
-            on_measure("start")
-        measured = await _drive(session, target, requests, concurrency)
+        try:
+            async with asyncio.timeout(deadline_s):
+                warm = await _drive(session, target, warmup, concurrency) if warmup else None
+                if on_measure:
+                    on_measure("start")
+                measured = await _drive(session, target, requests, concurrency)
+        except TimeoutError:
+            raise Stalled(
+                f"{warmup} + {requests} requests at C={concurrency} to {target.url} did not "
+                f"finish in {deadline_s:.0f} s"
+            ) from None
         if on_measure:
             on_measure("end")
     return measured, warm
 
 
-def run(target: Target, requests: int, concurrency: int, warmup: int, on_measure=None):
+def run(
+    target: Target,
+    requests: int,
+    concurrency: int,
+    warmup: int,
+    on_measure=None,
+    deadline_s: float | None = None,
+):
     """Synchronous entry point, on uvloop when it is there (a cheaper client)."""
     try:
         import uvloop
@@ -145,4 +168,4 @@ def run(target: Target, requests: int, concurrency: int, warmup: int, on_measure
         runner = uvloop.run
     except ImportError:  # pragma: no cover
         runner = asyncio.run
-    return runner(run_load(target, requests, concurrency, warmup, on_measure))
+    return runner(run_load(target, requests, concurrency, warmup, on_measure, deadline_s))

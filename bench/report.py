@@ -99,7 +99,7 @@ def backend_section(result: dict) -> str:
 def markdown(meta: dict, results: list[dict]) -> str:
     parts = [
         f"Command: `{meta['command']}`  ",
-        f"Date: {meta['date']}  ",
+        f"Date: {meta['date']}, commit {meta['revision']}  ",
         f"Machine: {meta['nproc']} CPUs ({meta['cpu_model']}), Linux {meta['kernel']}, "
         f"Python {meta['python']}, PostgreSQL {meta['postgres']}; load average "
         f"{meta['loadavg']} at the start (a shared machine: compare rows of one run, not runs).  ",

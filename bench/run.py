@@ -71,10 +71,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="split each scenario into this many batches, the scenarios of one kind and "
         "concurrency taking turns (default 3)",
     )
+    p.add_argument(
+        "--batch-timeout",
+        type=float,
+        default=600,
+        help="give up (exit 1) when one batch takes longer than this many seconds",
+    )
     p.add_argument("--modes", default="direct,off,on", help="subset of direct,off,on")
     p.add_argument("--kinds", default="json,stream", help="subset of json,stream")
     p.add_argument("--tokens", type=int, default=20, help="completion tokens per answer")
     p.add_argument("--chunks", type=int, default=20, help="content chunks per streamed answer")
+    p.add_argument(
+        "--delay-ms",
+        type=int,
+        default=0,
+        help="the sim's pause between stream chunks (default 0: the proxy's cost stands alone)",
+    )
     p.add_argument(
         "--pg",
         default=os.environ.get(
@@ -141,10 +153,12 @@ max_output_tokens = 4096
 """
 
 
-def chat_body(stream: bool, tokens: int, chunks: int, direct: bool) -> bytes:
+def chat_body(stream: bool, tokens: int, chunks: int, direct: bool, delay_ms: int = 0) -> bytes:
     text = f"Benchmark request, please answer. sim:tokens={tokens}"
     if stream:
         text += f" sim:chunks={chunks}"
+        if delay_ms:
+            text += f" sim:delay_ms={delay_ms}"
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": text}],
@@ -235,13 +249,17 @@ def pg_backend_pids(admin_dsn: str, dbname: str) -> list[int]:
     return [row[0] for row in rows]
 
 
-def pg_sessions(admin_dsn: str, dbname: str) -> int:
-    """Connections ever opened to the database (PostgreSQL 14+), to see pool churn."""
+def pg_stat(admin_dsn: str, dbname: str, column: str) -> int:
+    """A counter of pg_stat_database: `sessions` (PostgreSQL 14+) for pool churn, `deadlocks`."""
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         row = conn.execute(
-            "SELECT sessions FROM pg_stat_database WHERE datname = %s", (dbname,)
+            f"SELECT {column} FROM pg_stat_database WHERE datname = %s", (dbname,)
         ).fetchone()
     return int(row[0]) if row and row[0] is not None else 0
+
+
+def pg_sessions(admin_dsn: str, dbname: str) -> int:
+    return pg_stat(admin_dsn, dbname, "sessions")
 
 
 def postgres_version(admin_dsn: str) -> str:
@@ -288,6 +306,27 @@ class Sampler:
         d["server"] += server - self.start["server"]
         d["sim"] += sim - self.start["sim"]
         d["pg"] = d["pg"] + pg if self.pg else None
+
+
+def stop_profiler(profiler: subprocess.Popen) -> None:
+    """py-spy writes its file on SIGINT."""
+    if profiler.poll() is None:
+        profiler.send_signal(signal.SIGINT)
+        try:
+            profiler.wait(60)
+        except subprocess.TimeoutExpired:
+            profiler.kill()
+
+
+def lock_waits(admin_dsn: str, dbname: str) -> str:
+    """What the database's sessions are waiting on, for a stalled run's error message."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT state, coalesce(wait_event_type || ':' || wait_event, 'running'), count(*)"
+            " FROM pg_stat_activity WHERE datname = %s GROUP BY 1, 2 ORDER BY 3 DESC",
+            (dbname,),
+        ).fetchall()
+    return ", ".join(f"{n} {state} ({wait})" for state, wait, n in rows)
 
 
 def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stack) -> dict:
@@ -340,6 +379,7 @@ def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stac
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        stack.callback(stop_profiler, profiler)
         time.sleep(1)
 
     request_ids: dict[str, list[str]] = {"off": [], "on": []}
@@ -357,7 +397,7 @@ def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stac
                     target = load.Target(
                         f"http://127.0.0.1:{sim_port}/openai/v1/chat/completions",
                         {"authorization": "Bearer sim-key", "content-type": "application/json"},
-                        chat_body(stream, args.tokens, args.chunks, direct=True),
+                        chat_body(stream, args.tokens, args.chunks, True, args.delay_ms),
                         stream,
                     )
                 else:
@@ -365,7 +405,7 @@ def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stac
                     target = load.Target(
                         f"{base}/v1/chat/completions",
                         {"authorization": f"Bearer {token}", "content-type": "application/json"},
-                        chat_body(stream, args.tokens, args.chunks, direct=False),
+                        chat_body(stream, args.tokens, args.chunks, False, args.delay_ms),
                         stream,
                     )
                 targets[mode] = target
@@ -375,7 +415,21 @@ def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stac
             results: dict[str, load.LoadResult] = {}
             for batch in batches:
                 for mode, target in targets.items():
-                    measured, warm = load.run(target, batch, c, warmup, on_measure=samplers[mode])
+                    try:
+                        measured, warm = load.run(
+                            target,
+                            batch,
+                            c,
+                            warmup,
+                            on_measure=samplers[mode],
+                            deadline_s=args.batch_timeout,
+                        )
+                    except load.Stalled as exc:
+                        where = f"; PostgreSQL sessions: {lock_waits(*pg)}" if pg else ""
+                        raise SystemExit(
+                            f"[{label}] {kind} {mode} C={c}: {exc}{where}\n"
+                            f"server log tail:\n{server.log_tail()}"
+                        ) from None
                     results[mode] = results[mode].add(measured) if mode in results else measured
                     if mode != "direct":
                         for result in (warm, measured):
@@ -428,12 +482,15 @@ def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stac
                 )
 
     if profiler is not None:
-        profiler.send_signal(signal.SIGINT)
-        profiler.wait(60)
+        stop_profiler(profiler)
 
     server_cpu = tree_cpu_seconds(server.pid) - cpu_before
     rss_after = tree_rss_kib(server.pid)
     checks = check(admin, principals, request_ids, failed, server)
+    if pg:
+        time.sleep(1.5)  # backends publish their statistics about once a second
+        deadlocks = pg_stat(*pg, "deadlocks")
+        checks.append((deadlocks == 0, f"PostgreSQL deadlocks in the bench database: {deadlocks}"))
     server.stop()
     proxied = sum(len(ids) for ids in request_ids.values())
     return {
@@ -498,6 +555,23 @@ def check(admin: Admin, principals: dict, request_ids: dict, failed: dict, serve
 # --- main --------------------------------------------------------------------------------------
 
 
+def revision() -> str:
+    """The commit measured, and whether the product's files differed from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "metering", "migrations", "pyproject.toml"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{head} (with uncommitted changes)" if dirty else head or "unknown"
+
+
 def machine(args) -> dict:
     cpu_model = "unknown CPU"
     with contextlib.suppress(OSError):
@@ -526,15 +600,22 @@ def main(argv=None) -> int:
     meta = {
         "command": "python -m bench.run" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "revision": revision(),
         **machine(args),
         "workload": (
             f"{', '.join(f'{n} requests at C={c}' for c, n in zip(args.concurrency, args.requests, strict=True))}"
-            f" per scenario, in {args.rounds} batches (the scenarios of one kind and "
+            f" per scenario, in {args.rounds} batch{'es' if args.rounds > 1 else ''} (the scenarios of one kind and "
             f"concurrency take turns batch by batch), each after a warm-up of "
             f"{args.warmup if args.warmup is not None else 'max(30, 4*C)'} requests; one short "
             f"user message, answers of {args.tokens} completion tokens, streams in "
-            f"{args.chunks} content chunks; the sim answers at once (no generation delay), so "
-            "the direct row is the floor and every added millisecond is the proxy's."
+            f"{args.chunks} content chunks"
+            + (
+                f" {args.delay_ms} ms apart"
+                if args.delay_ms
+                else "; the sim answers at once (no generation delay), so the direct row is the "
+                "floor and every added millisecond is the proxy's"
+            )
+            + "."
         ),
     }
     results = []
