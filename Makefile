@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test lint bench postgres
+.PHONY: demo test lint bench postgres chromium
 
 $(BIN)/metering: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ postgres:
 	@for i in $$(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && exit 0; sleep 1; done; \
 		echo "PostgreSQL is not accepting connections on 127.0.0.1:5432" >&2; exit 1
 
-test: $(BIN)/metering postgres
+# The dashboard's browser tests drive Debian's Chromium (Playwright cannot download its own here).
+chromium:
+	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
+
+test: $(BIN)/metering postgres chromium
 	$(BIN)/pytest -q --junitxml=test-output/junit.xml
 
 lint: $(BIN)/metering
