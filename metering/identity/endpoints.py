@@ -6,6 +6,7 @@ from sqlalchemy import select
 from metering.auth.principal import Principal, admin_only, any_principal
 from metering.budgets.service import view
 from metering.db import utcnow
+from metering.errors import Forbidden
 from metering.identity import service
 from metering.identity.schemas import (
     TeamCreate,
@@ -167,8 +168,6 @@ async def team_budget(
     session=Depends(unit_of_work, scope="function"),
 ):
     if not principal.is_admin and principal.team_id != team_id:
-        from metering.errors import Forbidden
-
         raise Forbidden("this credential may only read its own team's budget")
     await service.get_team(session, team_id)
     return budget_out(await service.get_budget(session, team_id))
