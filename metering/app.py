@@ -66,8 +66,18 @@ def _ledger_unavailable(request: Request, exc: Exception) -> JSONResponse:
 _UNSTORABLE_TEXT = frozenset({"22021", "22P05"})
 
 
+# The server went away, is shutting down or starting up, or has no connection left: asyncpg's
+# errors for these reach us as a plain DBAPIError, not an OperationalError.
+_UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
+
+
 def _database_error(request: Request, exc: Exception) -> JSONResponse:
-    if getattr(getattr(exc, "orig", None), "sqlstate", None) in _UNSTORABLE_TEXT:
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
+    if getattr(exc, "connection_invalidated", False) or (
+        sqlstate.startswith("08") or sqlstate in _UNREACHABLE
+    ):
+        return _ledger_unavailable(request, exc)
+    if sqlstate in _UNSTORABLE_TEXT:
         return error_response(400, "invalid_request", "text must not contain NUL characters")
     log.error("database error", exc_info=exc)
     return error_response(500, "internal_error", "the request failed; retry later")
