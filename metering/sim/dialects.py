@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 
 from starlette.responses import JSONResponse
 
+from metering.sim import checks
+from metering.sim.checks import RequestRules
 from metering.sim.text import Answer
 
 NIM_FUNCTION_ID = "da9660c1-f121-46f7-ae2a-9ae22b727284"
@@ -42,10 +44,9 @@ class Dialect:
     """The plain OpenAI-compatible shape; each provider below states how it differs."""
 
     models: tuple[str, ...] = ()
-    roles = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+    rules: RequestRules = checks.OPENAI
     reasons = True  # sim:reasoning yields reasoning_content
     caches = False  # sim:cached shows as prompt_tokens_details.cached_tokens
-    requires_model = True
     invalid_status = 400
     bills_partial_streams = False
     error_kinds = {
@@ -64,7 +65,7 @@ class Dialect:
         return requested
 
     def validate(self, body: dict) -> str | None:
-        return _check_common(body, self.roles, self.requires_model)
+        return self.rules.check(body)
 
     def error(self, status: int, message: str) -> JSONResponse:
         kind, code = self.error_kinds[status]
@@ -160,6 +161,7 @@ class ExascaleDialect(Dialect):
     """MiniMax on Exascale: named messages, reasoning details, sla_metrics, usage always."""
 
     models = ("MiniMaxAI/MiniMax-M2.1",)
+    rules = checks.EXASCALE
     model_name = "MiniMax AI"
 
     def new_id(self) -> str:
@@ -228,11 +230,8 @@ class GenesisDialect(Dialect):
     """Genesis: text blocks checked, usage without details, streams without id or usage."""
 
     models = ("MiniMax-M2.5",)
-    roles = frozenset({"system", "user", "assistant"})
+    rules = checks.GENESIS
     reasons = False
-
-    def validate(self, body: dict) -> str | None:
-        return super().validate(body) or _check_text_blocks(body["messages"])
 
     def error(self, status: int, message: str) -> JSONResponse:
         code = {429: "rate_limit", 500: "server_error"}.get(status, "invalid_request")
@@ -262,14 +261,9 @@ class TokenChangeDialect(Dialect):
     """TokenChange: streams only; usage on request, with cached tokens."""
 
     models = ("minimax/minimax-m2.5",)
+    rules = checks.TOKENCHANGE
     caches = True
     bills_partial_streams = True  # "Output delivered before the error is billed."
-
-    def validate(self, body: dict) -> str | None:
-        problem = super().validate(body)
-        if problem is None and body.get("stream") is not True:
-            return "stream must be true"
-        return problem
 
     def usage(self, answer: Answer, completion_tokens: int, reasoning_tokens: int) -> dict:
         usage = {
@@ -293,9 +287,8 @@ class NimDialect(Dialect):
     """NVIDIA NIM on NVCF: schema-checked requests, problem details, 202 and polling."""
 
     models = ("minimaxai/minimax-m2.5",)
-    roles = frozenset({"system", "user", "assistant"})
+    rules = checks.NIM
     reasons = False
-    requires_model = False
     invalid_status = 422
     problems = {
         400: ("bad-request", "Bad Request"),
@@ -311,9 +304,6 @@ class NimDialect(Dialect):
 
     def response_model(self, requested: str) -> str:
         return requested or self.models[0]
-
-    def validate(self, body: dict) -> str | None:
-        return super().validate(body) or _check_nim(body)
 
     def error(self, status: int, message: str) -> JSONResponse:
         slug, title = self.problems[status]
@@ -345,74 +335,3 @@ def _reasoning_detail(text: str) -> dict:
         "format": "openai-responses-v1",
         "index": 0,
     }
-
-
-# --- request checks -------------------------------------------------------------------------
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _check_common(body: dict, roles: frozenset[str], requires_model: bool) -> str | None:
-    if requires_model and not isinstance(body.get("model"), str):
-        return "missing required parameter: model"
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return "messages must be a non-empty list"
-    for message in messages:
-        if not isinstance(message, dict):
-            return "each message must be an object"
-        if message.get("role") not in roles:
-            return f"unsupported role: {message.get('role')!r}"
-    for name in ("max_tokens", "max_completion_tokens"):
-        if body.get(name) is not None and not _is_count(body[name]):
-            return f"{name} must be a positive integer"
-    return None
-
-
-def _check_text_blocks(messages: list[dict]) -> str | None:
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            for block in content:
-                if not isinstance(block, dict) or block.get("type") != "text":
-                    return "content blocks must have type text"
-                if not isinstance(block.get("text"), str) or not block["text"]:
-                    return "text blocks must have nonempty text"
-        elif content is not None and not isinstance(content, str):
-            return "content must be a string or a list of text blocks"
-    return None
-
-
-_NIM_RANGES = {
-    # name: (minimum, maximum, minimum excluded)
-    "temperature": (0, 1, False),
-    "top_p": (0, 1, True),
-    "frequency_penalty": (-2, 2, False),
-    "presence_penalty": (-2, 2, False),
-}
-
-
-def _check_nim(body: dict) -> str | None:
-    for name, (low, high, low_excluded) in _NIM_RANGES.items():
-        if name not in body:
-            continue
-        value = body[name]
-        if not _is_number(value) or value > high or value < low or (low_excluded and value == low):
-            return f"{name} must be a number in {'(' if low_excluded else '['}{low}, {high}]"
-    if (body.get("max_tokens") or 0) > 16384:
-        return "max_tokens must be an integer in [1, 16384]"
-    if "stream" in body and not isinstance(body["stream"], bool):
-        return "stream must be a boolean"
-    messages = body["messages"]
-    if any(message["role"] == "system" for message in messages[1:]):
-        return "a system message must be the very first message"
-    for message in messages:
-        if "content" not in message or not isinstance(message["content"], str | None):
-            return "message content must be a string or null"
-    return None
