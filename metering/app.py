@@ -1,5 +1,6 @@
 """create_app(): routers, error handlers, and the lifespan (database, upstream clients, jobs)."""
 
+import asyncio
 import logging
 import uuid
 from contextlib import asynccontextmanager
@@ -8,28 +9,36 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering import jobs
 from metering.auth.endpoints import router as auth_router
+from metering.auth.failures import FailedCredentials
 from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
 from metering.catalog import CatalogStore, record_prices
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
+from metering.encoding import ContentEncoding
 from metering.errors import error_response, install_error_handlers
 from metering.identity.endpoints import router as identity_router
 from metering.metrics import router as metrics_router
 from metering.proxy.endpoints import router as proxy_router
+from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
+from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reconciliation_router
 from metering.reports.spend import router as spend_router
 from metering.reports.usage import router as usage_router
 from metering.settings import Catalog, Settings, load_catalog
 
 log = logging.getLogger("metering")
+
+# Routes whose (decoded) bodies may be larger than METERING_MAX_BODY_BYTES.
+LARGER_BODIES = {"/v1/reconciliations": MAX_EXPORT_BYTES}
 
 
 class RequestId:
@@ -83,6 +92,11 @@ def _database_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "internal_error", "the request failed; retry later")
 
 
+def _client_gone(request: Request, exc: Exception) -> JSONResponse:
+    # The client left before its body arrived (or its body deadline passed): nobody reads this.
+    return error_response(400, "client_closed", "the client closed the request")
+
+
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     # Only reached by a bug; the error shape holds even then (the exception is still logged).
     # This runs outside RequestId's middleware, so it adds the header itself.
@@ -108,9 +122,15 @@ def create_app(
         state.db = Database(settings.database_url, settings.db_pool_size)
         state.upstreams = Upstreams(catalog, settings.upstream_max_connections)
         state.passwords = Passwords()
+        state.credential_failures = FailedCredentials(settings.auth_failures_per_minute)
         state.breakers = Breakers(settings.breaker_failures, settings.breaker_cooldown_s)
         state.signer = Signer(settings.secret)
         await record_prices(state.db, catalog)
+        # The holds of the requests being served here, extended while they run.
+        state.live_holds = LiveHolds()
+        keep_alive = asyncio.create_task(
+            state.live_holds.keep_alive(state.db, settings.hold_ttl_s)
+        )
 
         async def watch_catalog() -> None:
             if await store.reload_if_changed(state.db):
@@ -135,13 +155,20 @@ def create_app(
         try:
             yield
         finally:
+            keep_alive.cancel()
             if scheduler is not None:
                 scheduler.shutdown(wait=False)
             await state.upstreams.close()
             await state.db.dispose()
 
+    openapi = settings.openapi_enabled
     app = FastAPI(
-        title="metering", version="0.1.0", lifespan=lifespan, docs_url="/docs", redoc_url=None
+        title="metering",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url="/docs" if openapi else None,
+        openapi_url="/openapi.json" if openapi else None,
+        redoc_url=None,
     )
     install_error_handlers(app)
     for error in (
@@ -152,6 +179,7 @@ def create_app(
     ):
         app.add_exception_handler(error, _ledger_unavailable)
     app.add_exception_handler(sa_exc.DBAPIError, _database_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(proxy_router)
     app.include_router(identity_router)
@@ -172,6 +200,7 @@ def create_app(
             await conn.execute(text("SELECT 1"))
         return {"status": "ready"}
 
+    app.add_middleware(ContentEncoding, limit=settings.max_body_bytes, limits=LARGER_BODIES)
     app.add_middleware(RequestId)
     app.add_middleware(RefreshedTokenHeaders)
     return app

@@ -12,27 +12,51 @@ import tempfile
 from pathlib import Path
 
 import uvicorn
+from pydantic import ValidationError
+from uvicorn.supervisors import Multiprocess
 
 from metering import migrate
 from metering.errors import InvalidRequest
+from metering.server import server_config
 from metering.settings import Settings
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
 
 
-def serve(args: argparse.Namespace) -> None:
-    settings = Settings()
+def serve(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    if settings is None:
+        return 2
     migrate.upgrade(settings.database_url)
+    config = server_config(
+        "metering.app:create_app",
+        settings,
+        host=args.host,
+        port=args.port,
+        factory=True,
+        workers=args.workers,
+        log_level=args.log_level,
+    )
+    server = uvicorn.Server(config)
     with metrics_dir(args.workers):
-        uvicorn.run(
-            "metering.app:create_app",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            log_level=args.log_level,
-            access_log=False,
-        )
+        if config.workers > 1:
+            Multiprocess(config, sockets=[config.bind_socket()]).run()
+        else:
+            server.run()
+    return 0 if server.started or config.workers > 1 else 1
+
+
+def load_settings() -> Settings | None:
+    """The settings, or None after saying on stderr which are wrong."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        for error in exc.errors():
+            where = ".".join(str(p) for p in error["loc"])
+            name = f"METERING_{where.upper()}" if where else "settings"
+            message = str(error["msg"]).removeprefix("Value error, ")
+            print(f"metering: {name}: {message}", file=sys.stderr)
+        return None
 
 
 @contextlib.contextmanager
@@ -82,10 +106,13 @@ def reconcile(args: argparse.Namespace) -> int:
     return 0
 
 
-def db_upgrade(_: argparse.Namespace) -> None:
-    settings = Settings()
+def db_upgrade(_: argparse.Namespace) -> int:
+    settings = load_settings()
+    if settings is None:
+        return 2
     migrate.upgrade(settings.database_url)
     print("database is at the latest schema")
+    return 0
 
 
 def demo(args: argparse.Namespace) -> None:

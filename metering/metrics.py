@@ -7,7 +7,6 @@ them all. The open-holds gauge is read from the database at scrape time, so it i
 whichever worker answers. Metrics are floats, for dashboards; the ledger stays the exact record.
 """
 
-import hmac
 import logging
 import os
 from decimal import Decimal
@@ -26,6 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
 from metering.auth.principal import open_access
+from metering.auth.tokens import digest, same
 from metering.errors import Unauthorized
 from metering.models import Hold
 
@@ -47,6 +47,16 @@ TOKENS = Counter(
     [*ROUTE, "kind"],
 )
 COST = Counter("metering_cost_usd", "Cost charged to budgets, USD", list(ROUTE))
+USAGE_ANOMALIES = Counter(
+    "metering_usage_anomalies",
+    "Ledger events whose reported usage was not taken as it came, by reason (usage_anomaly)",
+    [*ROUTE, "reason"],
+)
+UNCHARGED = Counter(
+    "metering_uncharged_usd",
+    "Cost of reported usage above what the request allowed, not charged to budgets, USD",
+    list(ROUTE),
+)
 BUDGET_REJECTIONS = Counter(
     "metering_budget_rejections",
     "Requests refused with 402 budget_exceeded, by the scope that could not cover them",
@@ -81,6 +91,10 @@ def observe_event(event: dict) -> None:
         for kind, count in kinds.items():
             TOKENS.labels(*route, kind).inc(count)
         COST.labels(*route).inc(float(Decimal(event["cost"]) / PICO))
+        if event.get("usage_anomaly"):
+            USAGE_ANOMALIES.labels(*route, event["usage_anomaly"]).inc()
+        if event.get("uncharged"):
+            UNCHARGED.labels(*route).inc(float(Decimal(event["uncharged"]) / PICO))
         if event.get("latency_ms") is not None:
             LATENCY.labels(*route).observe(event["latency_ms"] / 1000)
         if event.get("ttft_ms") is not None:
@@ -127,7 +141,8 @@ def _check_key(request: Request) -> None:
     if not key:
         return
     scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), key.encode()):
+    # Digests first: equal lengths, so not even the key's length leaks through timing.
+    if scheme.lower() != "bearer" or not same(digest(value.strip()), digest(key)):
         raise Unauthorized("/metrics wants Authorization: Bearer <METERING_METRICS_KEY>")
 
 

@@ -5,12 +5,14 @@ import tomllib
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
+from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from metering.money import MoneyError, parse_usd, price_to_micro
 
+ADMIN_KEY_MIN_CHARS = 32
 DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
 
 
@@ -19,10 +21,31 @@ class Settings(BaseSettings):
 
     database_url: str = "sqlite:///./metering.db"
     admin_key: str | None = None
+    admin_key_min_chars: ClassVar[int] = ADMIN_KEY_MIN_CHARS
     config: str | None = None
     secret: str | None = None
     hold_ttl_s: int = 900
+    # Bounds on one upstream answer: an SSE event (or line), the whole body or stream, and how
+    # long a request may run (seconds, from its arrival). Beyond: 502/504 or an error event.
+    max_sse_event_bytes: int = Field(default=1024 * 1024, ge=1024)
+    max_response_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    max_response_s: float = Field(default=3600.0, gt=0)
+    # How long a settle (or release) is retried while the database cannot be reached.
+    settle_retry_s: float = Field(default=30.0, ge=0)
     max_body_bytes: int = 4 * 1024 * 1024
+    # Slow and hostile clients (metering.server): deadlines for a request's headers (from the
+    # connection's opening) and body (from the end of its headers), the size of the request line
+    # and headers, and the open connections one process accepts (beyond: 503).
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    max_connections: int = Field(default=1000, ge=1)
+    # Proxies trusted to give the client's address in X-Forwarded-For (comma-separated, or *).
+    forwarded_allow_ips: str = "127.0.0.1"
+    # Failed bearer credentials one client address may present per minute (then 429).
+    auth_failures_per_minute: int = Field(default=600, ge=1)
+    # GET /docs and /openapi.json; false closes both (404).
+    openapi_enabled: bool = True
     access_token_ttl_s: int = 900
     refresh_token_ttl_s: int = 2_592_000
     metrics_key: str | None = None
@@ -36,6 +59,18 @@ class Settings(BaseSettings):
     breaker_cooldown_s: float = Field(default=30.0, gt=0)
     # Events older than this many days move to ledger_events_archive; None keeps all hot.
     retention_days: int | None = Field(default=None, ge=1)
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_long_enough(cls, value: str | None) -> str | None:
+        if not value:
+            return None  # empty is unset: the admin API answers 401
+        if len(value) < cls.admin_key_min_chars:
+            raise ValueError(
+                f"METERING_ADMIN_KEY must be at least {cls.admin_key_min_chars} characters "
+                f"(it has {len(value)}): make one with `openssl rand -hex 32`"
+            )
+        return value
 
     def config_path(self) -> Path | None:
         if self.config:

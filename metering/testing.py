@@ -8,6 +8,7 @@ import time
 import uvicorn
 
 from metering.app import create_app
+from metering.server import server_config
 from metering.settings import Catalog, Settings
 
 
@@ -20,15 +21,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ServerThread:
     """uvicorn serving one app in a background thread, with its own event loop."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None) -> None:
+    def __init__(
+        self,
+        app,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        settings: Settings | None = None,
+    ) -> None:
         self.host, self.port = host, port or free_port(host)
-        config = uvicorn.Config(
+        config = server_config(
             app,
+            settings or Settings(_env_file=None),
             host=self.host,
             port=self.port,
             log_level="warning",
-            access_log=False,
-            lifespan="on",
             timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(config)
@@ -56,4 +62,4 @@ class ServerThread:
 
 
 def metering_server(settings: Settings, catalog: Catalog, **kwargs) -> ServerThread:
-    return ServerThread(create_app(settings, catalog, **kwargs)).start()
+    return ServerThread(create_app(settings, catalog, **kwargs), settings=settings).start()

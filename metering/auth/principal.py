@@ -122,6 +122,17 @@ def _is_admin_key(token: str, admin_key: str | None) -> bool:
 
 async def authenticate(request: Request) -> Principal:
     token = bearer(request)
+    failures = request.app.state.credential_failures
+    address = request.client.host if request.client else ""
+    failures.check(address)
+    try:
+        return await _principal(request, token)
+    except Unauthorized:
+        failures.failed(address)
+        raise
+
+
+async def _principal(request: Request, token: str) -> Principal:
     if _is_admin_key(token, request.app.state.settings.admin_key):
         return Principal("admin")
     if token.startswith(TOKEN_PREFIX):
