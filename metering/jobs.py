@@ -17,7 +17,8 @@ RETENTION_EVERY_S = 600
 
 
 def unsettled_event(hold: Hold, now) -> dict:
-    """A hold whose request never settled (its replica died) is charged in full."""
+    """A hold whose request never settled (its replica died) is charged in full. Should the
+    request settle after all, its real outcome replaces this event (budgets.settle_in)."""
     return {
         "id": hold.id,
         "created_at": now,
@@ -45,10 +46,12 @@ def unsettled_event(hold: Hold, now) -> dict:
         "accepted_prediction_tokens": None,
         "rejected_prediction_tokens": None,
         "usage_source": "unsettled",
+        "usage_anomaly": None,
         "input_price": hold.input_price,
         "cached_price": hold.cached_price,
         "output_price": hold.output_price,
         "cost": hold.amount,
+        "uncharged": 0,
         "ttft_ms": None,
         "latency_ms": None,
         "error": "the request never settled: its hold was charged in full",

@@ -115,7 +115,9 @@ class Hold(Base):
 
 
 class LedgerEvent(Base):
-    """One request that reached an upstream. Append-only: never updated, never deleted."""
+    """One request that reached an upstream. Append-only: never deleted, and never updated but
+    in one case: an `unsettled` placeholder (its hold was swept while the request still ran)
+    is replaced by the request's real outcome when it settles after all."""
 
     __tablename__ = "ledger_events"
     __table_args__ = (
@@ -151,10 +153,14 @@ class LedgerEvent(Base):
     accepted_prediction_tokens: Mapped[int | None] = mapped_column(BigInteger)
     rejected_prediction_tokens: Mapped[int | None] = mapped_column(BigInteger)
     usage_source: Mapped[str] = mapped_column(String(16))
+    # Why the reported usage was not taken as it came (see metering.proxy.usage), or None.
+    usage_anomaly: Mapped[str | None] = mapped_column(String(40))
     input_price: Mapped[int] = mapped_column(BigInteger)
     cached_price: Mapped[int] = mapped_column(BigInteger)
     output_price: Mapped[int] = mapped_column(BigInteger)
-    cost: Mapped[int] = mapped_column(Pico)
+    cost: Mapped[int] = mapped_column(Pico)  # what the budgets were charged
+    # The reported usage's cost above what was charged (the charge stops at the hold).
+    uncharged: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
     ttft_ms: Mapped[int | None] = mapped_column(Integer)
     latency_ms: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
@@ -247,6 +253,7 @@ class SpendHourly(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger)
     reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[int] = mapped_column(Pico)
+    uncharged: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
 
 
 class LedgerEventArchive(Base):
@@ -256,7 +263,13 @@ class LedgerEventArchive(Base):
         "ledger_events_archive",
         Base.metadata,
         *(
-            Column(c.name, c.type, primary_key=c.primary_key, nullable=c.nullable)
+            Column(
+                c.name,
+                c.type,
+                primary_key=c.primary_key,
+                nullable=c.nullable,
+                server_default=c.server_default.arg if c.server_default is not None else None,
+            )
             for c in LedgerEvent.__table__.columns
         ),
         Index("ix_ledger_events_archive_created", "created_at", "id"),

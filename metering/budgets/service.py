@@ -9,6 +9,13 @@ limit. settle(): one short transaction that deletes the hold (a retried settle
 finds nothing and does nothing), moves `hold` from reserved and `cost` to spent,
 and appends the ledger event.
 
+settle() charges at most the hold: a cost above it (usage the upstream reported beyond what
+the request allowed) moves to the event's `uncharged`. A request that settles after its hold
+was swept (charged in full as an `unsettled` event, see metering.jobs) replaces that event
+with its real outcome in one transaction: the budgets and the rollup get back the difference.
+That placeholder is the one ledger row that is ever updated; it keeps its id and created_at,
+so it stays in the same budget window and rollup hour.
+
 A window rolls when the first request after its end touches it (no job needed):
 its total is kept in budget_windows, then spent restarts at 0. Outstanding holds
 stay reserved across the roll, and a request is charged to the window it settles in.
@@ -27,6 +34,9 @@ from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
 from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
 from metering.reports import rollup
+
+# The uncharged amount kept per event (see metering.proxy.ledger).
+MAX_UNCHARGED = 10**15
 
 SCOPES = ("token", "user", "team")
 RESERVE_ATTEMPTS = 4
@@ -351,7 +361,10 @@ async def settle_in(
 ) -> bool:
     hold = (await session.execute(_TAKE_HOLD, {"hold_id": hold_id})).first()
     if hold is None:
-        return False
+        if event["status"] == "unsettled":
+            return False  # the sweeper, after the request settled: nothing to do
+        return await _replace_unsettled(session, hold_id, event)
+    _cap(event, hold.amount)
     now = event["created_at"]
     subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
     if reservation is None or not reservation.window_unchanged(now):
@@ -364,12 +377,73 @@ async def settle_in(
     return True
 
 
-async def extend(db: Database, hold_id: str, ttl_s: int) -> None:
-    """Push a live request's hold expiry out: only holds whose request died are swept."""
-    async with db.begin() as session:
-        await session.execute(
-            update(Hold)
-            .where(Hold.id == hold_id)
+def _cap(event: dict, amount: int) -> None:
+    """A charge never exceeds what was held: the rest is recorded as uncharged."""
+    event.setdefault("uncharged", 0)
+    if event["cost"] > amount:
+        excess = event["cost"] - amount
+        event["cost"] = amount
+        event["uncharged"] = min(event["uncharged"] + excess, MAX_UNCHARGED)
+
+
+_UNSETTLED = select(
+    LedgerEvent.created_at,
+    LedgerEvent.cost,
+    LedgerEvent.token_id,
+    LedgerEvent.user_id,
+    LedgerEvent.team_id,
+).where(LedgerEvent.id == bindparam("id"), LedgerEvent.status == "unsettled")
+# Columns a late settle replaces: all but the identity and the moment it was charged.
+_KEPT = ("id", "created_at", "token_id", "user_id", "team_id", "model", "provider")
+
+
+async def _replace_unsettled(session: AsyncSession, hold_id: str, event: dict) -> bool:
+    """The request settled after its hold was swept: its real usage replaces the `unsettled`
+    charge, in the same window and rollup hour. False when there is no such placeholder
+    (the request was settled already)."""
+    old = (await session.execute(_UNSETTLED, {"id": hold_id})).first()
+    if old is None:
+        return False
+    _cap(event, old.cost)  # the placeholder charged the whole hold
+    values = {k: v for k, v in event.items() if k not in _KEPT}
+    replaced = await session.execute(
+        update(LedgerEvent.__table__)
+        .where(LedgerEvent.id == hold_id, LedgerEvent.status == "unsettled")
+        .values(**values)
+    )
+    if replaced.rowcount != 1:
+        return False  # replaced meanwhile by a concurrent settle of the same request
+    at, delta = old.created_at, event["cost"] - old.cost
+    event["created_at"] = at
+    subjects = [s for s in (old.token_id, old.user_id, old.team_id) if s]
+    # The charge was made in the window that held `at`: the current one, or a closed one.
+    # The two conditions are exclusive, so each budget is corrected once.
+    await session.execute(
+        _add_to_budgets(spent=Budget.spent + bindparam("delta")).where(
+            Budget.window_start <= bindparam("at")
+        ),
+        {"ids": subjects, "delta": delta, "at": at},
+    )
+    await session.execute(
+        update(BudgetWindow.__table__)
+        .where(
+            BudgetWindow.subject_id.in_(subjects),
+            BudgetWindow.window_start <= at,
+            (BudgetWindow.window_end.is_(None)) | (BudgetWindow.window_end > at),
+        )
+        .values(spent=BudgetWindow.spent + delta)
+    )
+    await rollup.add_event(session, event, requests=0, cost=delta)
+    return True
+
+
+async def extend(db: Database, hold_ids: list[str], ttl_s: int) -> None:
+    """Push live requests' hold expiry out in one statement: only holds whose request died
+    are swept."""
+    async with db.begin() as conn:
+        await conn.execute(
+            update(Hold.__table__)
+            .where(Hold.id.in_(hold_ids))
             .values(expires_at=utcnow() + timedelta(seconds=ttl_s))
         )
 

@@ -43,6 +43,16 @@ the prompt tokens. Media parts (images, audio, files) are priced by the model,
 not by their bytes: a URL of a few dozen bytes can cost hundreds of tokens, so
 each gets a fixed allowance. That allowance is generous for images; it is not a
 proof for long audio or documents referenced by id.
+
+Bounded work
+------------
+No estimate does more than linear work, and the regular expressions run over a bounded
+amount of text: ``EXACT_TEXT_CHARS`` characters of generated text (per response) and
+``EXACT_PROMPT_CHARS`` characters of a request's text fields. Beyond that the text is priced
+at the rate the exactly-estimated part had, from its length alone, so the estimate of a
+4 MiB prompt costs less than parsing its JSON. Generated text is counted as it arrives
+(``TextTokens``): only the last unfinished run of letters, digits or blanks is kept between
+parts, so a stream's text is never held in memory.
 """
 
 import json
@@ -51,6 +61,7 @@ import re
 from typing import Any
 
 __all__ = [
+    "TextTokens",
     "estimate_text_tokens",
     "estimate_prompt_tokens",
     "prompt_tokens_upper_bound",
@@ -76,27 +87,121 @@ _BLANK = re.compile(r"\s{2,}|[^\S ]")
 
 # Content part types that are not media (the rest are priced as images).
 _TEXT_PART_TYPES = (None, "text", "input_text", "output_text", "refusal")
+# The text whose runs follow one another: reversed, its first run is the text's last.
+_RUN = re.compile(r"[^\W\d_]+|\d+|\s+")
+_MAX_CARRY = 256  # a run longer than this (a "word" of 256 letters) is split: a few tokens more
+EXACT_TEXT_CHARS = 1 << 16  # generated text estimated exactly, per response
+EXACT_PROMPT_CHARS = 1 << 15  # request text estimated exactly, per request
+DEFAULT_TOKENS_PER_CHAR = 0.25  # for text priced by length before any was estimated exactly
 _WORD_CHARS_PER_TOKEN = 4
 _TOKENS_PER_WORD = 4 / 3
 _DIGITS_PER_TOKEN = 3
+
+
+def _counts(text: str) -> tuple[int, int, int, int, int]:
+    """(word bytes, words, digits, symbols, blank runs) of a text whose CJK characters have
+    been replaced by stand-ins (see _text_cost). Each is a sum over runs, so the counts of a
+    text cut between two runs are the sums of its pieces' counts."""
+    words = _WORD.findall(text)
+    word_bytes = len("".join(words).encode("utf-8", "surrogatepass"))
+    digits = sum(map(len, _DIGITS.findall(text)))
+    return word_bytes, len(words), digits, len(_SYMBOL.findall(text)), len(_BLANK.findall(text))
+
+
+def _cost(word_bytes: int, words: int, digits: int, symbols: int, blanks: int) -> float:
+    word_tokens = ((word_bytes + words) / _WORD_CHARS_PER_TOKEN + words * _TOKENS_PER_WORD) / 2
+    return word_tokens + digits / _DIGITS_PER_TOKEN + symbols + blanks
+
+
+def _stand_ins(text: str) -> str:
+    # Stand-ins that the symbol count prices at one token each, like a CJK character.
+    return text if text.isascii() else _CJK.sub("\x00", text)
 
 
 def _text_cost(text: str) -> float:
     """Unrounded estimate; sums of these are rounded once."""
     if not text:
         return 0.0
-    if not text.isascii():
-        # Stand-ins that the symbol count prices at one token each, like a CJK character.
-        text = _CJK.sub("\x00", text)
-    words = _WORD.findall(text)
-    word_bytes = len("".join(words).encode("utf-8", "surrogatepass"))
-    word_tokens = (
-        (word_bytes + len(words)) / _WORD_CHARS_PER_TOKEN + len(words) * _TOKENS_PER_WORD
-    ) / 2
-    digits = sum(map(len, _DIGITS.findall(text)))
-    symbols = len(_SYMBOL.findall(text))
-    blanks = len(_BLANK.findall(text))
-    return word_tokens + digits / _DIGITS_PER_TOKEN + symbols + blanks
+    return _cost(*_counts(_stand_ins(text)))
+
+
+class TextTokens:
+    """estimate_text_tokens of a text given in parts (a stream's deltas), in bounded memory.
+
+    Each part is counted when it comes, but for its last run of letters, digits or blanks,
+    which the next part may continue: that run is carried over (at most _MAX_CARRY
+    characters). The first ``exact_chars`` characters are estimated exactly; the rest is priced
+    by length at the rate the exact part had.
+    """
+
+    __slots__ = ("_counts", "_carry", "_left", "_exact_chars", "_extra_chars")
+
+    def __init__(self, exact_chars: int = EXACT_TEXT_CHARS) -> None:
+        self._counts = [0, 0, 0, 0, 0]
+        self._carry = ""
+        self._left = exact_chars
+        self._exact_chars = 0
+        self._extra_chars = 0
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        if len(text) > self._left:
+            self._extra_chars += len(text) - self._left
+            text = text[: self._left]
+            if not text:
+                return
+        self._left -= len(text)
+        self._exact_chars += len(text)
+        text = self._carry + _stand_ins(text)
+        tail = text[-_MAX_CARRY:]
+        run = _RUN.match(tail[::-1])
+        keep = run.end() if run else 0
+        if keep == len(tail) and len(text) >= _MAX_CARRY:
+            keep = 0  # one run fills the whole window: count it now
+        self._carry = text[len(text) - keep :]
+        counted = text[: len(text) - keep]
+        if counted:
+            for i, n in enumerate(_counts(counted)):
+                self._counts[i] += n
+
+    def cost(self) -> float:
+        counts = self._counts
+        if self._carry:
+            counts = [a + b for a, b in zip(counts, _counts(self._carry), strict=True)]
+        exact = _cost(*counts)
+        if not self._extra_chars:
+            return exact
+        rate = exact / self._exact_chars if self._exact_chars else DEFAULT_TOKENS_PER_CHAR
+        return exact + self._extra_chars * rate
+
+    def total(self) -> int:
+        cost = self.cost()
+        return max(1, _round(cost)) if cost else 0
+
+
+class _PromptCost:
+    """Sums the cost of a request's text fields, the first EXACT_PROMPT_CHARS characters
+    exactly and the rest by length at the rate the exact part had."""
+
+    __slots__ = ("exact", "exact_chars", "extra_chars", "left")
+
+    def __init__(self, exact_chars: int) -> None:
+        self.exact, self.exact_chars, self.extra_chars, self.left = 0.0, 0, 0, exact_chars
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        if len(text) > self.left:
+            self.extra_chars += len(text) - self.left
+            text = text[: self.left]
+        self.left -= len(text)
+        self.exact_chars += len(text)
+        self.exact += _text_cost(text)
+
+    def cost(self) -> float:
+        rate = self.exact / self.exact_chars if self.exact_chars else DEFAULT_TOKENS_PER_CHAR
+        return self.exact + self.extra_chars * rate
 
 
 def _round(cost: float) -> int:
@@ -105,8 +210,9 @@ def _round(cost: float) -> int:
 
 def estimate_text_tokens(text: str) -> int:
     """Estimated tokens of a text under a typical BPE vocabulary."""
-    cost = _text_cost(text)
-    return max(1, _round(cost)) if cost else 0
+    tokens = TextTokens()
+    tokens.add(text)
+    return tokens.total()
 
 
 def _messages(body: Any) -> list[dict]:
@@ -143,29 +249,32 @@ def _media_parts(body: Any) -> int:
     )
 
 
-def _json_cost(value: Any) -> float:
+def _json_text(value: Any) -> str:
     if value is None:
-        return 0.0
+        return ""
     try:
-        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError):
-        return 0.0
-    return _text_cost(text)
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return ""
 
 
-def estimate_prompt_tokens(body: dict) -> int:
-    """Estimated prompt tokens of a chat completion request body."""
-    cost = float(REPLY_PRIMING)
+def estimate_prompt_tokens(body: dict, exact_chars: int = EXACT_PROMPT_CHARS) -> int:
+    """Estimated prompt tokens of a chat completion request body (bounded work: see the module
+    docstring)."""
+    text = _PromptCost(exact_chars)
+    overhead = REPLY_PRIMING
     for message in _messages(body):
-        cost += MESSAGE_OVERHEAD + _text_cost(_content_text(message.get("content")))
+        overhead += MESSAGE_OVERHEAD
+        text.add(_content_text(message.get("content")))
         name = message.get("name")
         if isinstance(name, str):
-            cost += _text_cost(name)
+            text.add(name)
         # An assistant turn's tool calls are replayed to the model as text.
-        cost += _json_cost(message.get("tool_calls"))
+        text.add(_json_text(message.get("tool_calls")))
     if isinstance(body, dict):
-        cost += _json_cost(body.get("tools")) + _json_cost(body.get("functions"))
-    return _round(cost) + _media_parts(body) * MEDIA_PART_ESTIMATE
+        text.add(_json_text(body.get("tools")))
+        text.add(_json_text(body.get("functions")))
+    return _round(overhead + text.cost()) + _media_parts(body) * MEDIA_PART_ESTIMATE
 
 
 def prompt_tokens_upper_bound(body_bytes_len: int, body: dict) -> int:

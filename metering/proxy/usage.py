@@ -1,16 +1,28 @@
 """Reading token usage, finish reason and delivered text out of upstream responses.
 
 Upstreams are not trusted to be well formed: every reader here tolerates missing
-fields, nulls, wrong types and garbage, and never raises. A count is accepted
-only as a non-negative ``int`` (``bool`` is an ``int`` subclass, so it is
-excluded explicitly); anything else is treated as "not reported".
+fields, nulls, wrong types and garbage, and never raises.
+
+Every count is parsed with bounds. A count is a JSON integer (``bool`` is an ``int``
+subclass and is refused explicitly; a float only when it is integral, e.g. ``12.0``)
+from 0 to ``COUNT_CEILING``. A count above the ceiling is kept at the ceiling, so no
+column can overflow; anything else (a string, a negative or fractional number) is
+invalid. Then the counts are checked against each other (cached and the other prompt
+details within prompt_tokens, each completion detail within completion_tokens). What
+was found is the usage's ``anomaly``, a short reason code; usage whose prompt or
+completion count is invalid or missing is not ``usable`` and the ledger estimates
+instead. The checks against what the request allowed are the ledger's (metering.proxy.ledger).
 """
 
 import json
 from dataclasses import dataclass
 from typing import Any
 
+from metering.proxy.estimate import TextTokens
+
 __all__ = [
+    "ANOMALIES",
+    "COUNT_CEILING",
     "Usage",
     "StreamObserver",
     "usage_from_json",
@@ -18,6 +30,34 @@ __all__ = [
     "is_usage_only_chunk",
     "summarize_completion",
 ]
+
+COUNT_CEILING = 10**9  # tokens in one count: far above any model's context or output
+
+# Reason codes, most serious first: an event records the first that applies.
+INVALID_COUNT = "invalid_count"  # a count that is not a whole number >= 0
+MISSING_COUNT = "missing_count"  # usage with prompt_tokens or completion_tokens absent
+INVALID_DETAIL = "invalid_detail"  # total_tokens or a detail that is not a whole number >= 0
+COUNT_ABOVE_CEILING = "count_above_ceiling"
+PROMPT_ABOVE_BOUND = "prompt_above_bound"
+COMPLETION_ABOVE_MAX_TOKENS = "completion_above_max_tokens"
+CACHED_ABOVE_PROMPT = "cached_above_prompt"
+DETAILS_ABOVE_PROMPT = "details_above_prompt"
+DETAILS_ABOVE_COMPLETION = "details_above_completion"
+ESTIMATE_ABOVE_HOLD = "estimate_above_hold"  # no usage reported; the estimate exceeds the hold
+ANOMALIES = (
+    INVALID_COUNT,
+    MISSING_COUNT,
+    COUNT_ABOVE_CEILING,
+    PROMPT_ABOVE_BOUND,
+    COMPLETION_ABOVE_MAX_TOKENS,
+    CACHED_ABOVE_PROMPT,
+    DETAILS_ABOVE_PROMPT,
+    DETAILS_ABOVE_COMPLETION,
+    INVALID_DETAIL,
+    ESTIMATE_ABOVE_HOLD,
+)
+# Usage with these cannot be used at all: the event is estimated.
+UNUSABLE = (INVALID_COUNT, MISSING_COUNT)
 
 _DETAIL_FIELDS = (
     "text_tokens",
@@ -28,6 +68,13 @@ _DETAIL_FIELDS = (
     "accepted_prediction_tokens",
     "rejected_prediction_tokens",
 )
+_MAX_PROMPT_DETAILS = 32  # prompt_tokens_details entries looked at
+
+
+def first_anomaly(found) -> str | None:
+    """The most serious of the reason codes found (see ANOMALIES), or None."""
+    found = set(found) - {None}
+    return next((code for code in ANOMALIES if code in found), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +82,7 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    cached_tokens: int = 0  # prompt_tokens_details.cached_tokens, within [0, prompt_tokens]
+    cached_tokens: int = 0  # prompt_tokens_details.cached_tokens as reported (see anomaly)
     # completion_tokens_details.*; None when the upstream did not report the field.
     text_tokens: int | None = None
     reasoning_tokens: int | None = None
@@ -44,45 +91,106 @@ class Usage:
     video_tokens: int | None = None
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    anomaly: str | None = None  # what was wrong with the usage as reported (see ANOMALIES)
+
+    @property
+    def usable(self) -> bool:
+        return self.anomaly not in UNUSABLE
 
 
-def _count(value: Any) -> int | None:
-    return value if type(value) is int and value >= 0 else None
+def parse_count(value: Any) -> tuple[int | None, str | None]:
+    """(count, anomaly) of one reported count: None (not reported) gives (None, None); a count
+    above the ceiling is kept at the ceiling; anything not a whole number >= 0 is invalid."""
+    if value is None:
+        return None, None
+    if type(value) is float and value.is_integer():  # inf and nan are not integers
+        value = int(value)
+    if type(value) is not int or value < 0:
+        return None, INVALID_COUNT
+    if value > COUNT_CEILING:
+        return COUNT_CEILING, COUNT_ABOVE_CEILING
+    return value, None
+
+
+def _detail(problem: str | None) -> str | None:
+    """A detail's problem: an invalid detail is dropped, the usage is still used."""
+    return INVALID_DETAIL if problem == INVALID_COUNT else problem
 
 
 def usage_from_json(obj: Any) -> Usage | None:
-    """A ``usage`` object as Usage; None when it reports neither prompt nor completion."""
+    """A ``usage`` object as Usage, its anomaly found; None when it reports neither prompt nor
+    completion."""
     if not isinstance(obj, dict):
         return None
-    prompt = _count(obj.get("prompt_tokens"))
-    completion = _count(obj.get("completion_tokens"))
-    if prompt is None and completion is None:
+    if obj.get("prompt_tokens") is None and obj.get("completion_tokens") is None:
         return None
-    prompt = prompt or 0
-    completion = completion or 0
-    total = _count(obj.get("total_tokens"))
+    prompt, prompt_problem = parse_count(obj.get("prompt_tokens"))
+    completion, completion_problem = parse_count(obj.get("completion_tokens"))
+    if INVALID_COUNT in (prompt_problem, completion_problem):
+        return Usage(anomaly=INVALID_COUNT)
+    if prompt is None or completion is None:
+        return Usage(anomaly=MISSING_COUNT)
+    found = [prompt_problem, completion_problem]
+    total, problem = parse_count(obj.get("total_tokens"))
+    found.append(_detail(problem))
+    cached = 0
     prompt_details = obj.get("prompt_tokens_details")
-    cached = None
     if isinstance(prompt_details, dict):
-        cached = _count(prompt_details.get("cached_tokens"))
+        for i, (name, value) in enumerate(prompt_details.items()):
+            if i == _MAX_PROMPT_DETAILS:
+                break
+            count, problem = parse_count(value)
+            found.append(_detail(problem))
+            if name == "cached_tokens":
+                cached = count or 0
+                if cached > prompt:
+                    found.append(CACHED_ABOVE_PROMPT)
+            elif count is not None and count > prompt:
+                found.append(DETAILS_ABOVE_PROMPT)
     completion_details = obj.get("completion_tokens_details")
     if not isinstance(completion_details, dict):
         completion_details = {}
+    details = {}
+    for name in _DETAIL_FIELDS:
+        count, problem = parse_count(completion_details.get(name))
+        found.append(_detail(problem))
+        if count is not None and count > completion:
+            found.append(DETAILS_ABOVE_COMPLETION)
+        details[name] = count
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion if total is None else total,
-        cached_tokens=min(cached or 0, prompt),
-        **{name: _count(completion_details.get(name)) for name in _DETAIL_FIELDS},
+        cached_tokens=cached,
+        anomaly=first_anomaly(found),
+        **details,
     )
 
 
+def _bounded_int(text: str) -> int:
+    """A JSON integer; one with more digits than Python converts (4300) stands for a number far
+    above any ceiling (or below zero), so its document is still read."""
+    if len(text) <= 4000:
+        return int(text)
+    return -1 if text.startswith("-") else COUNT_CEILING + 1
+
+
 def parse_json_object(data: str | bytes) -> dict | None:
-    """The JSON object in ``data``; None if it is not valid JSON or not an object."""
+    """The JSON object in ``data``; None if it is not valid JSON or not an object.
+
+    Bytes that are not valid UTF-8 are read with the bad bytes replaced (U+FFFD): the usage of
+    an answer with one broken character in its text is still found. An integer too long for
+    Python to convert does not make the document unreadable (see _bounded_int).
+    """
     try:
         obj = json.loads(data)
+    except UnicodeDecodeError:
+        return parse_json_object(data.decode("utf-8", "replace"))
     except (ValueError, TypeError, RecursionError):
-        return None
+        try:
+            obj = json.loads(data, parse_int=_bounded_int)
+        except (ValueError, TypeError, RecursionError):
+            return None
     return obj if isinstance(obj, dict) else None
 
 
@@ -151,7 +259,11 @@ def _error(obj: dict) -> dict | None:
 
 
 class StreamObserver:
-    """Reads the JSON of each SSE data payload of a chat completion stream."""
+    """Reads the JSON of each SSE data payload of a chat completion stream.
+
+    The delivered text is not kept: each part is counted as it comes (see TextTokens), so memory
+    stays flat however long the stream runs.
+    """
 
     __slots__ = (
         "usage",
@@ -161,7 +273,7 @@ class StreamObserver:
         "delivered_chars",
         "chunks",
         "malformed",
-        "_text",
+        "_tokens",
     )
 
     def __init__(self) -> None:
@@ -172,7 +284,7 @@ class StreamObserver:
         self.delivered_chars = 0  # characters of generated text delivered so far
         self.chunks = 0  # data payloads parsed as JSON objects
         self.malformed = 0  # data payloads that were not JSON objects
-        self._text: list[str] = []
+        self._tokens = TextTokens()
 
     def observe(self, data: str | None) -> dict | None:
         """Take one event's data; returns the parsed object so callers parse it once.
@@ -212,39 +324,40 @@ class StreamObserver:
             if isinstance(text := choice.get("text"), str) and text:
                 parts.append(text)
             for part in parts:
-                self._text.append(part)
+                self._tokens.add(part)
                 self.delivered_chars += len(part)
 
-    def delivered_text(self) -> str:
-        """All generated text delivered so far (content, reasoning, tool calls)."""
-        if len(self._text) > 1:
-            self._text[:] = ["".join(self._text)]
-        return self._text[0] if self._text else ""
+    def delivered_tokens(self) -> int:
+        """Estimated tokens of the generated text delivered so far (content, reasoning, tool
+        calls), as estimate_text_tokens would give for all of it."""
+        return self._tokens.total()
 
 
-def summarize_completion(body: bytes) -> tuple[Usage | None, str | None, str | None, str]:
-    """(usage, finish_reason, upstream id, generated text) of a non-streaming response.
+def summarize_completion(body: bytes) -> tuple[Usage | None, str | None, str | None, int]:
+    """(usage, finish_reason, upstream id, estimated tokens of the generated text) of a
+    non-streaming response.
 
     finish_reason is choice 0's, or else the last non-null one. Garbage gives
-    ``(None, None, None, "")``.
+    ``(None, None, None, 0)``.
     """
     obj = parse_json_object(body)
     if obj is None:
-        return None, None, None, ""
+        return None, None, None, 0
     upstream_id = obj.get("id")
     if not isinstance(upstream_id, str) or not upstream_id:
         upstream_id = None
     choices = _choices(obj)
-    texts: list[str] = []
+    tokens = TextTokens()
     for choice in choices:
         message = choice.get("message")
         if isinstance(message, dict):
-            texts += _output_text(message)
+            for part in _output_text(message):
+                tokens.add(part)
         if isinstance(text := choice.get("text"), str):
-            texts.append(text)
+            tokens.add(text)
     reasons = [r for c in choices if isinstance(r := c.get("finish_reason"), str) and r]
     first = choices[0].get("finish_reason") if choices else None
     finish_reason = (
         first if isinstance(first, str) and first else (reasons[-1] if reasons else None)
     )
-    return usage_from_json(obj.get("usage")), finish_reason, upstream_id, "".join(texts)
+    return usage_from_json(obj.get("usage")), finish_reason, upstream_id, tokens.total()

@@ -2,13 +2,14 @@
 and provider, kept equal to the ledger's sums.
 
 settle appends each ledger event and calls add_event() in the same transaction, so the rollup
-can never disagree with the ledger: both are committed or neither is. Reports read whole hours
+can never disagree with the ledger: both are committed or neither is. A late settle that
+replaces an `unsettled` placeholder adds the difference (no new request) to the same hour. Reports read whole hours
 from here and only the partial hours at a range's edges from the ledger.
 """
 
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import String, func, literal_column, select
+from sqlalchemy import String, case, func, literal_column, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -17,7 +18,16 @@ from metering.db import dialect_name
 from metering.models import SpendHourly
 
 KEY = ("hour", "team_id", "user_id", "token_id", "model", "provider")
-SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost")
+SUMS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "completion_tokens",
+    "reasoning_tokens",
+    "cost",
+    "uncharged",
+)
+# Sums that saturate instead of overflowing: uncharged is what upstreams claimed beyond the holds.
+SATURATED = {"uncharged": 2**63 - 1}
 
 
 def floor_hour(value: datetime) -> datetime:
@@ -29,8 +39,9 @@ def ceil_hour(value: datetime) -> datetime:
     return floor if floor == value else floor + timedelta(hours=1)
 
 
-def row_for(event: dict) -> dict:
-    """The rollup increment one ledger event makes."""
+def row_for(event: dict, **override) -> dict:
+    """The rollup increment one ledger event makes (`override`: e.g. requests=0 and the cost
+    difference, when an event replaces a placeholder already counted)."""
     return {
         "hour": floor_hour(event["created_at"]),
         "team_id": event["team_id"],
@@ -44,15 +55,24 @@ def row_for(event: dict) -> dict:
         "completion_tokens": event["completion_tokens"],
         "reasoning_tokens": event.get("reasoning_tokens") or 0,
         "cost": event["cost"],
+        "uncharged": event.get("uncharged") or 0,
+        **override,
     }
 
 
 def _upsert(insert):
     table = SpendHourly.__table__
     statement = insert(table)
+
+    def added(name: str):
+        column, more = table.c[name], statement.excluded[name]
+        if name in SATURATED:
+            most = SATURATED[name]
+            return case((column > most - more, most), else_=column + more)
+        return column + more
+
     return statement.on_conflict_do_update(
-        index_elements=list(KEY),
-        set_={name: table.c[name] + statement.excluded[name] for name in ("requests", *SUMS)},
+        index_elements=list(KEY), set_={name: added(name) for name in ("requests", *SUMS)}
     )
 
 
@@ -60,9 +80,9 @@ def _upsert(insert):
 _UPSERTS = {"postgresql": _upsert(pg_insert), "sqlite": _upsert(sqlite_insert)}
 
 
-async def add_event(session: AsyncSession, event: dict) -> None:
+async def add_event(session: AsyncSession, event: dict, **override) -> None:
     """Add one ledger event to its hour's row: one upsert, in the caller's transaction."""
-    await session.execute(_UPSERTS[dialect_name(session)], row_for(event))
+    await session.execute(_UPSERTS[dialect_name(session)], row_for(event, **override))
 
 
 def hour_text(column, dialect: str):
@@ -103,6 +123,7 @@ def rebuild_statement(source, dialect: str):
         func.sum(source.c.completion_tokens),
         func.sum(func.coalesce(source.c.reasoning_tokens, 0)),
         func.sum(source.c.cost),
+        func.sum(source.c.uncharged),
     ).group_by(*keys)
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
     return insert(SpendHourly).from_select([*KEY, "requests", *SUMS], query)

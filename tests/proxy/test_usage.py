@@ -3,7 +3,9 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
+from metering.proxy.estimate import estimate_text_tokens
 from metering.proxy.usage import (
+    COUNT_CEILING,
     StreamObserver,
     Usage,
     is_usage_only_chunk,
@@ -41,31 +43,75 @@ def test_full_usage_object():
     assert usage.text_tokens is None and usage.image_tokens is None
 
 
-def test_tolerant_usage_parsing():
+def test_usage_parsing_never_trusts_a_count_blindly():
     assert usage_from_json(None) is None
     assert usage_from_json([1, 2]) is None
     assert usage_from_json({}) is None
-    assert usage_from_json({"prompt_tokens": "10", "completion_tokens": 2.0}) is None
-    assert usage_from_json({"prompt_tokens": True, "completion_tokens": -1}) is None
+    assert usage_from_json({"total_tokens": 5}) is None  # neither prompt nor completion
+    # Unusable: the ledger estimates instead.
+    for bad in (
+        {"prompt_tokens": "10", "completion_tokens": 2},
+        {"prompt_tokens": True, "completion_tokens": 1},
+        {"prompt_tokens": 9, "completion_tokens": -500},
+        {"prompt_tokens": 9, "completion_tokens": 2.5},
+        {"prompt_tokens": 9, "completion_tokens": float("inf")},
+        {"prompt_tokens": [9], "completion_tokens": 1},
+    ):
+        usage = usage_from_json(bad)
+        assert usage == Usage(anomaly="invalid_count") and not usage.usable, bad
+    for missing in ({"prompt_tokens": 10}, {"prompt_tokens": 10, "completion_tokens": None}):
+        assert usage_from_json(missing) == Usage(anomaly="missing_count")
+    # Integral floats are whole numbers.
+    assert usage_from_json({"prompt_tokens": 10.0, "completion_tokens": 2}) == Usage(
+        prompt_tokens=10, completion_tokens=2, total_tokens=12
+    )
+    # A broken detail or total is dropped and flagged; the counts that matter are still used.
     usage = usage_from_json(
         {
             "prompt_tokens": 10,
-            "completion_tokens": None,
+            "completion_tokens": 0,
+            "total_tokens": "x",
             "prompt_tokens_details": None,
             "completion_tokens_details": {"reasoning_tokens": False, "text_tokens": -3},
         }
     )
-    assert usage == Usage(prompt_tokens=10, total_tokens=10)
-    assert usage_from_json({"completion_tokens": 7, "total_tokens": "x"}) == Usage(
-        completion_tokens=7, total_tokens=7
+    assert usage == Usage(prompt_tokens=10, total_tokens=10, anomaly="invalid_detail")
+    assert usage.usable
+
+
+def test_counts_above_the_ceiling_are_kept_at_the_ceiling():
+    for huge in (10**12, 10**20, 10**400, 1e300):
+        usage = usage_from_json({"prompt_tokens": huge, "completion_tokens": 5})
+        assert usage == Usage(
+            prompt_tokens=COUNT_CEILING,
+            completion_tokens=5,
+            total_tokens=COUNT_CEILING + 5,
+            anomaly="count_above_ceiling",
+        )
+        assert usage.usable
+
+
+def test_inconsistent_details_are_flagged_and_kept():
+    usage = usage_from_json(
+        {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 9}, "completion_tokens": 1}
     )
-
-
-def test_cached_tokens_clamped_to_prompt():
-    usage = usage_from_json({"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 9}})
-    assert usage.cached_tokens == 5
-    usage = usage_from_json({"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": -1}})
-    assert usage.cached_tokens == 0
+    assert usage.cached_tokens == 9 and usage.anomaly == "cached_above_prompt"
+    usage = usage_from_json(
+        {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"audio_tokens": 6}}
+    )
+    assert usage.anomaly == "details_above_prompt"
+    usage = usage_from_json(
+        {
+            "prompt_tokens": 5,
+            "completion_tokens": 4,
+            "completion_tokens_details": {"reasoning_tokens": 5, "accepted_prediction_tokens": 4},
+        }
+    )
+    assert usage.reasoning_tokens == 5 and usage.anomaly == "details_above_completion"
+    usage = usage_from_json(
+        {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": -1}}
+    )
+    assert usage.cached_tokens == 0 and usage.anomaly == "invalid_detail"
 
 
 @given(
@@ -89,6 +135,11 @@ def test_parse_json_object():
     assert parse_json_object("nope") is None
     assert parse_json_object("[" * 100_000) is None
     assert parse_json_object(b"\xff{") is None
+    # Invalid UTF-8 inside a string does not hide the rest of the document.
+    assert parse_json_object(b'{"a": "\xff\xfe", "n": 1}') == {"a": "\ufffd\ufffd", "n": 1}
+    # An integer beyond Python's conversion limit reads as one above the count ceiling.
+    assert parse_json_object('{"n": ' + "9" * 5000 + "}") == {"n": COUNT_CEILING + 1}
+    assert parse_json_object('{"n": -' + "9" * 5000 + "}") == {"n": -1}
 
 
 def test_is_usage_only_chunk():
@@ -122,7 +173,7 @@ def test_stream_observer():
     assert observer.upstream_id == "chatcmpl-1"
     assert observer.finish_reason == "stop"
     assert observer.usage == Usage(prompt_tokens=9, completion_tokens=4, total_tokens=13)
-    assert observer.delivered_text() == "Hmm. Héllo"
+    assert observer.delivered_tokens() == estimate_text_tokens("Hmm. Héllo")
     assert observer.delivered_chars == 10
     assert observer.error is None
     assert observer.observe(None) is None
@@ -136,7 +187,7 @@ def test_stream_observer_reasoning_tool_calls_and_errors():
     call = {"index": 0, "function": {"name": "f", "arguments": '{"x":'}}
     observer.observe(chunk(choices=[{"delta": {"tool_calls": [call]}}]))
     observer.observe(json.dumps({"error": {"message": "overloaded", "type": "server_error"}}))
-    assert observer.delivered_text() == 'abcdf{"x":'
+    assert observer.delivered_tokens() == estimate_text_tokens('abcdf{"x":')
     assert observer.delivered_chars == len('abcdf{"x":')
     assert observer.error == {"message": "overloaded", "type": "server_error"}
 
@@ -158,19 +209,27 @@ def test_summarize_completion():
         ],
         "usage": {"prompt_tokens": 3, "completion_tokens": 4},
     }
-    usage, finish, upstream_id, text = summarize_completion(json.dumps(body).encode())
+    usage, finish, upstream_id, tokens = summarize_completion(json.dumps(body).encode())
     assert usage == Usage(prompt_tokens=3, completion_tokens=4, total_tokens=7)
     assert finish == "length"
     assert upstream_id == "chatcmpl-9"
-    assert text == "Hi!think two"
+    assert tokens == estimate_text_tokens("Hi!think two")
+
+
+def test_summarize_completion_reads_usage_from_a_body_that_is_not_utf8():
+    body = b'{"choices": [{"message": {"content": "\xff\xfeHi"}}], '
+    body += b'"usage": {"prompt_tokens": 30, "completion_tokens": 700}}'
+    usage, _, _, tokens = summarize_completion(body)
+    assert usage == Usage(prompt_tokens=30, completion_tokens=700, total_tokens=730)
+    assert tokens == estimate_text_tokens("\ufffd\ufffdHi")
 
 
 def test_summarize_completion_falls_back_to_last_finish_reason():
     body = {"choices": [{"message": None}, {"finish_reason": "stop"}, {"finish_reason": None}]}
-    assert summarize_completion(json.dumps(body).encode()) == (None, "stop", None, "")
+    assert summarize_completion(json.dumps(body).encode()) == (None, "stop", None, 0)
 
 
 def test_summarize_completion_garbage():
     for body in (b"", b"garbage", b"[]", b"\xff\xfe", b'{"choices": 5, "id": 3}', b"null"):
-        assert summarize_completion(body)[1:] == (None, None, "")
+        assert summarize_completion(body)[1:] == (None, None, 0)
         assert summarize_completion(body)[0] is None
