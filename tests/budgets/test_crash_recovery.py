@@ -202,10 +202,13 @@ def test_expire_holds_charges_each_hold_once(fresh_db):
                 assert row.reserved == live.amount
             assert await _count(db, Hold) == 1  # the live one is left alone
 
-            # A late settle of a charged hold is a no-op: still one event, nothing moves.
+            # A late settle of a charged hold replaces its unsettled charge: still one event.
             late = _event(_spec(subjects), 3, id=expired[0].hold_id)
-            assert await settle(db, expired[0].hold_id, late) is False
+            assert await settle(db, expired[0].hold_id, late) is True
+            assert await settle(db, expired[0].hold_id, dict(late)) is False
             assert await _count(db, LedgerEvent) == len(expired)
+            for row in (await _budgets(db, subjects)).values():
+                assert row.spent == sum(amounts.values()) - amounts[late["id"]] + late["cost"]
         finally:
             for replica in replicas:
                 await replica.dispose()
