@@ -54,7 +54,13 @@ async def keep_hold(state, attempt: Attempt) -> None:
 async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
     """Write the attempt's one ledger event. Shielded: a client going away must not cancel it."""
     event = event_for(
-        attempt.spec, attempt.chat.body, attempt.started_at, attempt.elapsed_ms(), outcome
+        attempt.spec,
+        attempt.chat.body,
+        attempt.started_at,
+        attempt.elapsed_ms(),
+        outcome,
+        attempt.reservation,
+        attempt.chat.choices,
     )
     with anyio.CancelScope(shield=True):
         try:

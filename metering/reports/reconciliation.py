@@ -50,6 +50,8 @@ class Sums:
     cost: Decimal = Decimal(0)
     estimated: int = 0
     unsettled: int = 0
+    uncharged: Decimal = Decimal(0)  # part of cost the budgets were not charged
+    anomalies: int = 0  # events with a usage_anomaly
 
     def add(self, other: "Sums") -> None:
         self.requests += other.requests
@@ -58,6 +60,8 @@ class Sums:
         self.cost += other.cost
         self.estimated += other.estimated
         self.unsettled += other.unsettled
+        self.uncharged += other.uncharged
+        self.anomalies += other.anomalies
 
     def out(self) -> dict:
         return {
@@ -176,7 +180,10 @@ def _sums_columns(t) -> list:
         func.count().label("requests"),
         func.sum(t.c.prompt_tokens).label("prompt_tokens"),
         func.sum(t.c.completion_tokens).label("completion_tokens"),
-        func.sum(t.c.cost).label("cost"),
+        # What the upstream reported: the charged cost plus what the hold did not cover.
+        func.sum(t.c.cost + t.c.uncharged).label("cost"),
+        func.sum(t.c.uncharged).label("uncharged"),
+        func.sum(case((t.c.usage_anomaly.is_(None), 0), else_=1)).label("anomalies"),
         func.sum(case((t.c.usage_source == "estimated", 1), else_=0)).label("estimated"),
         func.sum(case((t.c.usage_source == "unsettled", 1), else_=0)).label("unsettled"),
     ]
@@ -190,6 +197,8 @@ def _sums(row) -> Sums:
         cost=Decimal(int(row.cost or 0)) / PICO,
         estimated=int(row.estimated or 0),
         unsettled=int(row.unsettled or 0),
+        uncharged=Decimal(int(row.uncharged or 0)) / PICO,
+        anomalies=int(row.anomalies or 0),
     )
 
 
@@ -298,6 +307,10 @@ def _compared(ledger: Sums | None, provider: Sums | None, tolerance: Decimal) ->
         "difference": _difference(ledger, provider),
         "estimated_events": ledger.estimated if ledger else 0,
         "unsettled_events": ledger.unsettled if ledger else 0,
+        # The ledger's cost is what the upstream reported; this much of it was above the
+        # requests' holds and not charged to budgets (see usage_anomaly in /v1/usage).
+        "uncharged": usd_text(ledger.uncharged if ledger else Decimal(0)),
+        "anomalous_events": ledger.anomalies if ledger else 0,
     }
 
 

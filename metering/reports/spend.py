@@ -45,6 +45,7 @@ METRICS = (
     "completion_tokens",
     "reasoning_tokens",
     "cost",
+    "uncharged",
 )
 FILTERS = ("team_id", "user_id", "token_id", "model", "provider")
 
@@ -119,6 +120,7 @@ def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime):
         t.c.completion_tokens.label("completion_tokens"),
         func.coalesce(t.c.reasoning_tokens, 0).label("reasoning_tokens"),
         t.c.cost.label("cost"),
+        t.c.uncharged.label("uncharged"),
     ).where(
         t.c.created_at >= start, t.c.created_at < end, *(t.c[k] == v for k, v in filters.items())
     )
@@ -156,7 +158,7 @@ def _row_out(row, keys: list[str]) -> dict:
 
 
 def _money(row: dict) -> dict:
-    return {**row, "cost": format_usd(row["cost"])}
+    return {**row, "cost": format_usd(row["cost"]), "uncharged": format_usd(row["uncharged"])}
 
 
 async def spend_rows(db, keys, filters, start, end) -> list[dict]:

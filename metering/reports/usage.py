@@ -39,7 +39,9 @@ CSV_COLUMNS = (
     "cached_tokens",
     *DETAIL_FIELDS,
     "usage_source",
+    "usage_anomaly",
     "cost",
+    "uncharged",
     "ttft_ms",
     "latency_ms",
 )
@@ -66,7 +68,9 @@ def event_out(e: LedgerEvent) -> dict:
         "prompt_tokens_details": {"cached_tokens": e.cached_tokens},
         "completion_tokens_details": {name: getattr(e, name) for name in DETAIL_FIELDS},
         "usage_source": e.usage_source,
+        "usage_anomaly": e.usage_anomaly,
         "cost": format_usd(e.cost),
+        "uncharged": format_usd(e.uncharged),
         "ttft_ms": e.ttft_ms,
         "latency_ms": e.latency_ms,
     }

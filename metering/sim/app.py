@@ -136,6 +136,10 @@ class Exchange:
     directives: Directives
     settings: SimSettings
     record: dict
+    # `sim:usage=<JSON>`: the usage object to report, verbatim (any number, however wrong).
+    usage_raw: str | None = None
+    # `sim:invalid_utf8=1`: a non-streamed answer's content starts with bytes that are not UTF-8.
+    invalid_utf8: bool = False
 
     @property
     def chunks(self) -> int | None:
@@ -204,7 +208,11 @@ async def _stream(exchange: Exchange) -> AsyncIterator[str]:
     billed = fault != "stream_error" or dialect.bills_partial_streams
     if billed and dialect.streams_usage(reply):
         usage = exchange.usage_of(sent)
-        yield framer.chunk({**dialect.chunk(reply, []), "usage": usage})
+        chunk = {**dialect.chunk(reply, []), "usage": usage}
+        if exchange.usage_raw is None:
+            yield framer.chunk(chunk)
+        else:
+            yield framer.event(_with_raw_usage(chunk, exchange.usage_raw).decode())
         record["usage"] = usage
     if fault == "stream_error":
         yield framer.chunk({"error": STREAM_ERROR})
@@ -301,8 +309,34 @@ def _broken_body(exchange: Exchange) -> Response:
     return _failed(exchange, 500)
 
 
+def _usage_override(text: str) -> str | None:
+    """The raw JSON after `sim:usage=`, or None. Numbers stay as written (no conversion)."""
+    at = text.find("sim:usage=")
+    if at < 0:
+        return None
+    start = at + len("sim:usage=")
+    try:
+        _, end = json.JSONDecoder(parse_int=str, parse_float=str).raw_decode(text, start)
+    except ValueError:
+        return None
+    return text[start:end]
+
+
+def _with_raw_usage(payload: dict, usage_raw: str, invalid_utf8: bool = False) -> bytes:
+    body = json.dumps({**payload, "usage": "\x00usage"}).encode()
+    body = body.replace(b'"\\u0000usage"', usage_raw.encode())
+    if invalid_utf8:
+        body = body.replace(b'"content": "', b'"content": "\xff\xfe', 1)
+    return body
+
+
 def _complete(request: Request, exchange: Exchange) -> Response:
     payload = exchange.dialect.completion(exchange.reply, exchange.answer)
+    if exchange.usage_raw is not None or exchange.invalid_utf8:
+        _deliver(exchange.record, payload)
+        usage_raw = exchange.usage_raw or json.dumps(payload.get("usage"))
+        body = _with_raw_usage(payload, usage_raw, exchange.invalid_utf8)
+        return Response(body, media_type="application/json")
     if not isinstance(exchange.dialect, NimDialect):
         _deliver(exchange.record, payload)
         return JSONResponse(payload)
@@ -377,7 +411,11 @@ async def chat(request: Request) -> Response:
         started=time.monotonic(),
     )
     settings = request.app.state.settings
-    return await _respond(request, Exchange(dialect, reply, answer, directives, settings, record))
+    text = last_user_text(body["messages"])
+    exchange = Exchange(dialect, reply, answer, directives, settings, record)
+    exchange.usage_raw = _usage_override(text)
+    exchange.invalid_utf8 = "sim:invalid_utf8=1" in text
+    return await _respond(request, exchange)
 
 
 async def models(request: Request) -> Response:
