@@ -5,7 +5,9 @@ micro-dollars per 1M tokens, and tokens x that number is the cost in
 picodollars: every cost is an exact integer, no rounding anywhere.
 """
 
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+
+from metering.numbers import NumberError, parse_decimal
 
 PICO = Decimal(10) ** 12
 MICRO = Decimal(10) ** 6
@@ -22,10 +24,11 @@ def parse_usd(value: object, *, places: int = 12, field: str = "amount") -> Deci
     if isinstance(value, bool) or not isinstance(value, (str, int, Decimal)):
         raise MoneyError(f'{field} must be a decimal string such as "10.00"')
     try:
-        amount = Decimal(value) if not isinstance(value, str) else Decimal(value.strip())
-    except InvalidOperation:
-        raise MoneyError(f'{field} must be a decimal string such as "10.00"') from None
-    if not amount.is_finite() or amount < 0:
+        # Checked as text first (length, digits, exponent): no arithmetic on unbounded input.
+        amount = parse_decimal(value, field, low=None, high=None)
+    except NumberError as exc:
+        raise MoneyError(str(exc)) from None
+    if amount < 0:
         raise MoneyError(f"{field} must be a finite amount >= 0")
     if amount > MAX_USD:
         raise MoneyError(f"{field} must be at most {MAX_USD}")

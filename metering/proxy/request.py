@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -11,6 +12,9 @@ from metering.errors import InvalidRequest, TooLarge
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_MESSAGES = 100_000
 MAX_CHOICES = 16
+MAX_MODEL_CHARS = 256
+# Control characters in a model name: NUL cannot be stored by PostgreSQL, none is a name.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(slots=True)
@@ -120,8 +124,12 @@ def validate(body: dict, size: int) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise InvalidRequest("model is required and must be a string", param="model")
-    if len(model) > 256:
-        raise InvalidRequest("model name is too long", param="model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise InvalidRequest(
+            f"model name is longer than {MAX_MODEL_CHARS} characters", param="model"
+        )
+    if _CONTROL.search(model):
+        raise InvalidRequest("model name must not contain control characters", param="model")
     _messages(body)
     stream = body.get("stream", False)
     if stream is None:

@@ -10,14 +10,18 @@ where expected output is the client's max_tokens, else EXPECTED_OUTPUT tokens.
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_FLOOR
 
 from metering.errors import InvalidRequest, ModelNotFound
-from metering.money import MICRO
+from metering.models import Hold
+from metering.money import MAX_USD, MICRO
+from metering.numbers import NumberError, parse_decimal
 from metering.settings import Catalog, ModelRoute
 
 EXPECTED_OUTPUT = 256
 CAP_FIELDS = ("max_input_usd_per_mtok", "max_output_usd_per_mtok")
+# `<upstream model>/ep/<endpoint>` is stored with the hold and the ledger event.
+UPSTREAM_MODEL_CHARS = Hold.__table__.c.upstream_model.type.length
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,19 +38,35 @@ def parse_model(model: str) -> Target:
 
 
 def price_cap(body: dict, key: str) -> int | None:
-    """A price cap from the body, in micro-USD per 1M tokens."""
+    """A price cap from the body, in micro-USD per 1M tokens: 0 to MAX_USD, checked as text
+    before any arithmetic (a short "1e500000" would otherwise cost seconds of CPU)."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise InvalidRequest(f"{key} must be a number or a decimal string", param=key)
     try:
-        cap = Decimal(str(value))
-    except InvalidOperation:
-        raise InvalidRequest(f"{key} must be a number or a decimal string", param=key) from None
-    if not cap.is_finite() or cap < 0:
-        raise InvalidRequest(f"{key} must be a finite price >= 0", param=key)
-    return int((cap * MICRO).to_integral_value(rounding="ROUND_FLOOR"))
+        cap = parse_decimal(value, key, low=0, high=MAX_USD, floats=True)
+    except NumberError as exc:
+        raise InvalidRequest(str(exc), param=key) from None
+    return int((cap * MICRO).to_integral_value(rounding=ROUND_FLOOR))
+
+
+def pinnable(routes: list[ModelRoute], target: Target) -> list[ModelRoute]:
+    """The routes whose `<upstream model>/ep/<endpoint>` fits where it is stored."""
+    if target.endpoint is None:
+        return routes
+    fits = [
+        r
+        for r in routes
+        if len(r.upstream_model) + 4 + len(target.endpoint) <= UPSTREAM_MODEL_CHARS
+    ]
+    if not fits:
+        longest = UPSTREAM_MODEL_CHARS - 4 - min(len(r.upstream_model) for r in routes)
+        raise InvalidRequest(
+            f"the endpoint after /ep/ is {len(target.endpoint)} characters; "
+            f"{target.name!r} allows at most {max(longest, 0)}",
+            param="model",
+        )
+    return fits
 
 
 def expected_cost(route: ModelRoute, prompt_tokens: int, output_tokens: int) -> int:
@@ -69,6 +89,7 @@ def candidates(
             raise ModelNotFound(
                 f"provider {target.provider!r} does not serve model {target.name!r}", param="model"
             )
+    routes = pinnable(routes, target)
     max_in, max_out = price_cap(body, CAP_FIELDS[0]), price_cap(body, CAP_FIELDS[1])
     affordable = [
         r

@@ -6,6 +6,7 @@ from starlette.datastructures import UploadFile
 from metering.auth.principal import Principal, admin_only
 from metering.errors import InvalidRequest, NotFound, TooLarge
 from metering.reports import reconciliation
+from metering.reports.usage import check_text
 
 router = APIRouter(prefix="/v1")
 
@@ -44,6 +45,7 @@ async def create_reconciliation(
     provider: str = Query(..., min_length=1, max_length=100),
     tolerance: str | None = Query(None, max_length=32),
 ) -> dict:
+    check_text(provider, "provider")
     parsed = reconciliation.parse_tolerance(tolerance)
     data = await read_export(request)
     return await reconciliation.reconcile(request.app.state.db, provider, parsed, data)
@@ -53,7 +55,9 @@ async def create_reconciliation(
 async def get_reconciliation(
     request: Request, reconciliation_id: str, _: Principal = Depends(admin_only)
 ) -> dict:
-    found = await reconciliation.load(request.app.state.db, reconciliation_id)
+    found = None
+    if len(reconciliation_id) <= 40 and "\x00" not in reconciliation_id:
+        found = await reconciliation.load(request.app.state.db, reconciliation_id)
     if found is None:
         raise NotFound(f"reconciliation {reconciliation_id} not found")
     return found

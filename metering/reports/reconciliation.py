@@ -7,6 +7,7 @@ and compared with the file's sums, and request by request where the file gives u
 Figures agree when they differ by at most `tolerance` relative to the larger of the two.
 """
 
+import asyncio
 import csv
 import io
 import json
@@ -14,7 +15,7 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -23,6 +24,7 @@ from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
 from metering.models import LedgerEvent, LedgerEventArchive, Reconciliation
 from metering.money import PICO, format_usd
+from metering.numbers import NumberError, parse_count, parse_decimal
 from metering.reports.rollup import day_text
 from metering.timefmt import parse_rfc3339, rfc3339
 
@@ -30,6 +32,11 @@ REQUIRED = ("date", "provider", "model", "prompt_tokens", "completion_tokens", "
 STATUSES = ("matched", "differs", "missing_in_ledger", "missing_in_provider")
 DEFAULT_TOLERANCE = Decimal("0.001")
 ID_CHUNK = 500
+# Bounds on one line of an export: far above any real request or day, far below what would
+# make the sums slow or their text unreadable.
+MAX_ROW_TOKENS = 10**15
+MAX_ROW_COST = Decimal(10) ** 12  # USD
+MAX_TEXT_CHARS = {"model": 200, "upstream_id": 200}
 NOTE = (
     "{estimated} ledger event(s) in these rows have estimated usage (the upstream reported "
     "none) and {unsettled} were charged as unsettled (their request never settled, so the "
@@ -90,36 +97,47 @@ def parse_tolerance(value: str | None) -> Decimal:
     if value is None:
         return DEFAULT_TOLERANCE
     try:
-        tolerance = Decimal(value.strip())
-    except InvalidOperation:
-        tolerance = Decimal("NaN")
-    if not tolerance.is_finite() or not 0 <= tolerance <= 1:
-        raise InvalidRequest("tolerance must be a number from 0 to 1", param="tolerance")
-    return tolerance
+        return parse_decimal(value, "tolerance", low=0, high=1)
+    except NumberError:
+        raise InvalidRequest("tolerance must be a number from 0 to 1", param="tolerance") from None
+
+
+FIRST_DAY, LAST_DAY = date(1970, 1, 1), date(9999, 12, 30)  # the day after must exist too
 
 
 def _day(value: str) -> date:
     value = value.strip()
-    if len(value) == 10:
-        return date.fromisoformat(value)
-    return parse_rfc3339(value).date()
+    day = date.fromisoformat(value) if len(value) == 10 else parse_rfc3339(value).date()
+    if not FIRST_DAY <= day <= LAST_DAY:
+        raise ValueError("date out of range")
+    return day
 
 
 def _count(value: str, name: str, line: int) -> int:
-    value = value.strip()
-    if not value.isdigit():
-        raise MalformedExport(f"line {line}: {name} must be a whole number >= 0, not {value!r}")
-    return int(value)
+    """ASCII digits only (int() would take "²"), bounded before int() reads them."""
+    try:
+        return parse_count(value, name, high=MAX_ROW_TOKENS)
+    except NumberError as exc:
+        raise MalformedExport(f"line {line}: {exc}", param=name) from None
 
 
 def _cost(value: str, line: int) -> Decimal:
     try:
-        cost = Decimal(value.strip())
-    except InvalidOperation:
-        cost = Decimal("NaN")
-    if not cost.is_finite() or cost < 0:
-        raise MalformedExport(f"line {line}: cost must be a decimal amount >= 0, not {value!r}")
-    return cost
+        return parse_decimal(value, "cost", low=0, high=MAX_ROW_COST)
+    except NumberError as exc:
+        raise MalformedExport(f"line {line}: {exc}", param="cost") from None
+
+
+def _text(row: list, at: dict, name: str, line: int) -> str:
+    """A text cell, as the ledger could hold it: bounded, no control characters (PostgreSQL
+    refuses NUL even as a query parameter)."""
+    value = row[at[name]].strip() if name in at else ""
+    limit = MAX_TEXT_CHARS.get(name, 100)
+    if len(value) > limit:
+        raise MalformedExport(f"line {line}: {name} is longer than {limit} characters", param=name)
+    if any(c < " " or c == "\x7f" for c in value):
+        raise MalformedExport(f"line {line}: {name} contains control characters", param=name)
+    return value
 
 
 def parse_export(data: bytes, provider: str) -> Export:
@@ -154,12 +172,14 @@ def _add_row(export: Export, row: list, width: int, at: dict, provider: str, lin
         day = _day(row[at["date"]])
     except (ValueError, OverflowError):
         raise MalformedExport(
-            f"line {line}: date {row[at['date']]!r} is not YYYY-MM-DD or an RFC 3339 timestamp"
+            f"line {line}: date {row[at['date']][:40]!r} is not YYYY-MM-DD or an RFC 3339 "
+            f"timestamp from {FIRST_DAY} to {LAST_DAY}",
+            param="date",
         ) from None
-    named = row[at["provider"]].strip()
+    named = _text(row, at, "provider", line)
     if named and named != provider:
         raise MalformedExport(f"line {line}: provider {named!r} is not {provider!r}")
-    model = row[at["model"]].strip()
+    model = _text(row, at, "model", line)
     if not model:
         raise MalformedExport(f"line {line}: model is empty")
     sums = Sums(
@@ -170,7 +190,7 @@ def _add_row(export: Export, row: list, width: int, at: dict, provider: str, lin
     )
     export.days.add(day)
     export.rows[(day.isoformat(), model)].add(sums)
-    upstream_id = row[at["upstream_id"]].strip() if "upstream_id" in at else ""
+    upstream_id = _text(row, at, "upstream_id", line)
     if upstream_id:
         export.requests[upstream_id].add(sums)
 
@@ -343,7 +363,8 @@ def compare(provider: str, tolerance: Decimal, export: Export, ledger: dict, req
 
 async def reconcile(db: Database, provider: str, tolerance: Decimal, data: bytes) -> dict:
     """Compare an export with the ledger, store the result and return it."""
-    export = parse_export(data, provider)
+    # Reading a file of up to 64 MiB is CPU work: in a worker thread, the proxy keeps serving.
+    export = await asyncio.to_thread(parse_export, data, provider)
     async with db.sessions() as session:
         ledger = await ledger_rows(session, provider, export.days)
         requests = (

@@ -5,29 +5,40 @@ Whole hours come from the hourly rollup (spend_hourly), which settle keeps equal
 only the partial hours at the range's edges are read from the ledger itself (and its archive),
 so a report over months reads a few thousand rollup rows, never millions of events, and is
 exact for any start and end.
+
+A report holds at most `limit` rows (default DEFAULT_ROWS, at most MAX_ROWS), ordered by its
+group keys; `page` walks the rest. Rows are read and written in chunks with the event loop
+free between them, so a large report never stalls the requests the proxy is serving.
 """
 
+import asyncio
 import csv
 import io
 import json
 from datetime import datetime, timedelta
+from functools import partial
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import StreamingResponse
 from sqlalchemy import func, literal, select, union_all
 
 from metering.auth.principal import Principal, any_principal
 from metering.db import utcnow
-from metering.errors import Forbidden, InvalidRequest
+from metering.errors import InvalidRequest
 from metering.models import LedgerEvent, LedgerEventArchive, SpendHourly
 from metering.money import format_usd
+from metering.reports.cells import row as csv_cells
 from metering.reports.rollup import ceil_hour, day_text, floor_hour, hour_text
-from metering.reports.usage import parse_time
+from metering.reports.usage import check_range, check_text, own_user, parse_time
 from metering.timefmt import rfc3339
 
 router = APIRouter(prefix="/v1")
 
 DEFAULT_DAYS = 30
+DEFAULT_ROWS = 10_000  # rows per page unless `limit` says otherwise
+MAX_ROWS = 100_000  # the largest `limit`
+MAX_PAGE = 1_000_000
+CHUNK = 1_000  # rows read or written between two turns of the event loop
 # group_by name -> the key it adds to each row
 GROUPS = {
     "team": "team_id",
@@ -146,6 +157,7 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
     return (
         select(*group, *(func.sum(source.c[m]).label(m) for m in METRICS))
         .group_by(*group)
+        .having(func.sum(source.c.requests) > 0)
         .order_by(*group)
     )
 
@@ -161,34 +173,77 @@ def _money(row: dict) -> dict:
     return {**row, "cost": format_usd(row["cost"]), "uncharged": format_usd(row["uncharged"])}
 
 
-async def spend_rows(db, keys, filters, start, end) -> list[dict]:
-    query = spend_query(db.dialect, keys, filters, start, end)
-    if query is None or "" in filters.values():  # no id, model or provider is empty
-        return []
+async def summary(db, query) -> tuple[int, dict]:
+    """(number of rows, sums over all of them) of a report, whatever page is asked for."""
+    zero = {m: 0 for m in METRICS}
+    if query is None:
+        return 0, zero
+    rows = query.order_by(None).subquery("report")
+    totals = select(func.count().label("rows"), *(func.sum(rows.c[m]).label(m) for m in METRICS))
     async with db.sessions() as session:
-        rows = [_row_out(r, keys) for r in await session.execute(query)]
-    return [r for r in rows if r["requests"]]
+        found = (await session.execute(totals)).one()
+    return int(found.rows), {m: int(getattr(found, m) or 0) for m in METRICS}
 
 
-def _csv(keys: list[str], rows: list[dict]):
+async def page_rows(db, query, keys: list[str], offset: int, limit: int) -> list[dict]:
+    """One page of a report, read in chunks with the event loop free between them."""
+    if query is None or limit <= 0:
+        return []
+    out: list[dict] = []
+    async with db.sessions() as session:
+        result = await session.stream(query.offset(offset).limit(limit))
+        async for part in result.partitions(CHUNK):
+            out.extend(_row_out(r, keys) for r in part)
+            await asyncio.sleep(0)
+    return out
+
+
+async def spend_rows(db, keys, filters, start, end) -> list[dict]:
+    """Every row of a report (for callers inside the service; the API pages)."""
+    query = None if "" in filters.values() else spend_query(db.dialect, keys, filters, start, end)
+    return await page_rows(db, query, keys, 0, MAX_ROWS * MAX_PAGE)
+
+
+def _dumps(value) -> str:
+    # Plain str/int values only: json.dumps directly, without FastAPI's per-value encoder walk.
+    return json.dumps(value, separators=(",", ":"))
+
+
+async def _json(head: dict, read_rows):
+    """The report as JSON, `rows` last: the head (totals, paging) leaves at once, then the rows
+    are read and written CHUNK at a time, the event loop free between two chunks."""
+    yield _dumps(head)[:-1].encode() + b',"rows":['
+    rows = await read_rows()
+    for start in range(0, len(rows), CHUNK):
+        text = ",".join(_dumps(_money(row)) for row in rows[start : start + CHUNK])
+        yield (b"," if start else b"") + text.encode()
+        await asyncio.sleep(0)
+    yield b"]}"
+
+
+async def _csv(keys: list[str], read_rows):
     buffer = io.StringIO()
     writer = csv.writer(buffer)
     writer.writerow([*keys, *METRICS])
-    for i, row in enumerate(rows, 1):
-        writer.writerow(["" if row[c] is None else row[c] for c in (*keys, *METRICS)])
-        if i % 1000 == 0:
-            yield buffer.getvalue().encode()
-            buffer.seek(0)
-            buffer.truncate()
     yield buffer.getvalue().encode()
+    columns = (*keys, *METRICS)
+    done = await read_rows()
+    for start in range(0, len(done), CHUNK):
+        buffer.seek(0)
+        buffer.truncate()
+        for row in done[start : start + CHUNK]:
+            money = _money(row)
+            writer.writerow(csv_cells(money[c] for c in columns))
+        yield buffer.getvalue().encode()
+        await asyncio.sleep(0)
 
 
 @router.get("/spend")
 async def spend(
     request: Request,
     principal: Principal = Depends(any_principal),
-    start: str | None = None,
-    end: str | None = None,
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
     group_by: str | None = Query(None, max_length=200),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),
@@ -196,36 +251,49 @@ async def spend(
     model: str | None = Query(None, max_length=200),
     provider: str | None = Query(None, max_length=100),
     format: str = Query("json", pattern="^(json|csv)$"),
+    limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
+    page: int = Query(1, ge=1, le=MAX_PAGE),
 ):
     end_at = parse_time(end, "end") or utcnow()
     start_at = parse_time(start, "start") or end_at - timedelta(days=DEFAULT_DAYS)
-    if start_at > end_at:
-        raise InvalidRequest("start must not be after end", param="start")
+    check_range(start_at, end_at)
     names = parse_group_by(group_by)
     keys = [GROUPS[n] for n in names]
     given = dict(
         team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
     )
     filters = {k: v for k, v in given.items() if v is not None}
+    for name, value in filters.items():
+        check_text(value, name)
+    own_user(principal, filters.get("user_id"))
     if not principal.is_admin:
-        if filters.get("user_id", principal.user_id) != principal.user_id:
-            raise Forbidden("this credential may only report its own spend")
         filters["user_id"] = principal.user_id
-    raw = await spend_rows(request.app.state.db, keys, filters, start_at, end_at)
-    rows = [_money(r) for r in raw]
+    db = request.app.state.db
+    query = spend_query(db.dialect, keys, filters, start_at, end_at)
+    if "" in filters.values():  # no id, model or provider is empty
+        query = None
+    count, total = await summary(db, query)
+    offset = (page - 1) * limit
+    next_page = page + 1 if offset + limit < count else None
+    # Read when the response starts: the first bytes leave before the rows are read.
+    rows = partial(page_rows, db, query, keys, offset, min(limit, max(count - offset, 0)))
+    paging = {"x-row-count": str(count), "x-page": str(page)}
+    if next_page is not None:
+        paging["x-next-page"] = str(next_page)
     if format == "csv":
         return StreamingResponse(
             _csv(keys, rows),
             media_type="text/csv",
-            headers={"content-disposition": 'attachment; filename="spend.csv"'},
+            headers={"content-disposition": 'attachment; filename="spend.csv"', **paging},
         )
-    body = {
+    head = {
         "start": rfc3339(start_at),
         "end": rfc3339(end_at),
         "group_by": names,
-        "rows": rows,
-        "total": _money({m: sum(r[m] for r in raw) for m in METRICS}),
+        "total": _money(total),
+        "row_count": count,
+        "page": page,
+        "limit": limit,
+        "next_page": next_page,
     }
-    # Plain str/int values only: json.dumps directly, without FastAPI's per-value encoder walk
-    # (seconds for a report of 100,000 rows).
-    return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+    return StreamingResponse(_json(head, rows), media_type="application/json", headers=paging)

@@ -1,5 +1,6 @@
 """GET /v1/usage: ledger events, newest first, cursor-paginated, JSON or CSV."""
 
+import asyncio
 import base64
 import csv
 import io
@@ -11,10 +12,11 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import and_, or_, select
 
 from metering.auth.principal import Principal, any_principal
-from metering.errors import InvalidRequest
+from metering.errors import Forbidden, InvalidRequest
 from metering.models import LedgerEvent
 from metering.money import format_usd
 from metering.proxy.ledger import DETAIL_FIELDS
+from metering.reports.cells import row as csv_cells
 from metering.timefmt import parse_rfc3339, rfc3339
 
 router = APIRouter(prefix="/v1")
@@ -79,7 +81,7 @@ def event_out(e: LedgerEvent) -> dict:
 def csv_row(e: LedgerEvent) -> list:
     out = event_out(e)
     flat = {**out, "cached_tokens": e.cached_tokens, **out["completion_tokens_details"]}
-    return ["" if flat[c] is None else flat[c] for c in CSV_COLUMNS]
+    return csv_cells(flat[c] for c in CSV_COLUMNS)
 
 
 def encode_cursor(e: LedgerEvent) -> str:
@@ -89,6 +91,7 @@ def encode_cursor(e: LedgerEvent) -> str:
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         created, _, event_id = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
+        check_text(event_id, "cursor")
         return parse_rfc3339(created), event_id
     except (ValueError, UnicodeDecodeError, OverflowError):
         raise InvalidRequest("cursor is not valid", param="cursor") from None
@@ -103,9 +106,30 @@ def parse_time(value: str | None, name: str) -> datetime | None:
         raise InvalidRequest(f"{name} must be an RFC 3339 timestamp", param=name) from None
 
 
+def check_text(value: str | None, name: str) -> None:
+    """A filter is compared with stored text: NUL (which PostgreSQL refuses in a parameter)
+    and other control characters are in no id or name."""
+    if value is not None and any(c < " " or c == "\x7f" for c in value):
+        raise InvalidRequest(f"{name} must not contain control characters", param=name)
+
+
+def check_range(start: datetime | None, end: datetime | None) -> None:
+    if start is not None and end is not None and start > end:
+        raise InvalidRequest("start must not be after end", param="start")
+
+
+def own_user(principal: Principal, user_id: str | None) -> None:
+    """A user's credential may filter on its own user only (the admin on anyone)."""
+    if not principal.is_admin and user_id is not None and user_id != principal.user_id:
+        raise Forbidden("this credential may only report its own usage and spend")
+
+
 def scoped_filters(principal: Principal, **filters) -> list:
     """Filters on the ledger; a user's credential only ever sees its own user's events."""
     conditions = []
+    for name, value in filters.items():
+        check_text(value, name)
+    own_user(principal, filters.get("user_id"))
     if not principal.is_admin:
         conditions.append(LedgerEvent.user_id == principal.user_id)
     for name, value in filters.items():
@@ -118,8 +142,8 @@ def scoped_filters(principal: Principal, **filters) -> list:
 async def list_usage(
     request: Request,
     principal: Principal = Depends(any_principal),
-    start: str | None = None,
-    end: str | None = None,
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),
     token_id: str | None = Query(None, max_length=40),
@@ -138,6 +162,7 @@ async def list_usage(
         provider=provider,
     )
     start_at, end_at = parse_time(start, "start"), parse_time(end, "end")
+    check_range(start_at, end_at)
     if start_at:
         conditions.append(LedgerEvent.created_at >= start_at)
     if end_at:
@@ -196,9 +221,12 @@ async def _csv(db, query, batch: int = 2000) -> AsyncIterator[bytes]:
             events = (await session.execute(page.limit(batch).with_only_columns(*COLUMNS))).all()
         if not events:
             return
-        buffer.seek(0)
-        buffer.truncate()
-        for e in events:
-            writer.writerow(csv_row(e))
-        yield buffer.getvalue().encode()
+        for start in range(0, len(events), 500):
+            buffer.seek(0)
+            buffer.truncate()
+            for e in events[start : start + 500]:
+                writer.writerow(csv_row(e))
+            yield buffer.getvalue().encode()
+            # A send that does not block does not yield: let the proxy's requests run.
+            await asyncio.sleep(0)
         last = events[-1]

@@ -215,7 +215,20 @@ def test_start_is_inclusive_and_end_exclusive(api, world):
         {"data": events[: len(events) - 1]}
     )
     assert ids_of(usage(api, team_id=world.team_a["id"], end=start)) == [oldest_first[0]["id"]]
-    assert usage(api, team_id=world.team_a["id"], start=end, end=start)["data"] == []
+    assert ids_of(usage(api, team_id=world.team_a["id"], start=start, end=start)) == []
+
+
+def test_a_reversed_range_is_400_as_in_spend(api, world):
+    events = usage(api, team_id=world.team_a["id"])["data"]
+    start, end = events[-1]["created_at"], events[0]["created_at"]
+    for path in ("/v1/usage", "/v1/spend"):
+        for fmt in ("json", "csv"):
+            params = {"start": end, "end": start, "format": fmt}
+            response = api.request("GET", path, params=params)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            assert (error["code"], error["param"]) == ("invalid_request", "start")
+            assert error["message"] == "start must not be after end"
 
 
 def test_start_in_another_offset_means_the_same_instant(api, world):
@@ -290,12 +303,22 @@ def test_user_token_sees_only_its_own_users_events(api, world):
     own = world.ids(lambda c: c.user is world.a1)
     assert ids_of(usage(api, key=key)) == own
     assert ids_of(usage(api, key=key, team_id=world.team_a["id"])) == own
-    assert usage(api, key=key, user_id=world.a2["id"])["data"] == []
+    assert ids_of(usage(api, key=key, user_id=world.a1["id"])) == own
     assert usage(api, key=key, token_id=world.tokens["a2"]["id"])["data"] == []
     assert usage(api, key=key, team_id=world.team_b["id"])["data"] == []
-    rows = read_csv(api, key=key, user_id=world.a2["id"])
-    assert rows == [CSV_HEADER]
     assert [row[0] for row in read_csv(api, key=key)[1:]] == own
+
+
+def test_another_users_filter_is_403_as_in_spend(api, world):
+    key = world.tokens["a1"]["token"]
+    for path in ("/v1/usage", "/v1/spend"):
+        for fmt in ("json", "csv"):
+            params = {"user_id": world.a2["id"], "format": fmt}
+            response = api.request("GET", path, key=key, params=params)
+            assert response.status_code == 403, (path, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "forbidden"
+            assert error["message"] == "this credential may only report its own usage and spend"
 
 
 def test_usage_needs_a_credential(api):
