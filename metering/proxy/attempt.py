@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 import anyio
+from sqlalchemy import exc as sa_exc
 
 from metering import metrics
 from metering.budgets import service as budgets
@@ -17,6 +18,8 @@ from metering.proxy.request import ChatRequest
 from metering.settings import Provider
 
 log = logging.getLogger("metering.proxy")
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
 
 
 @dataclass(slots=True)
@@ -30,29 +33,56 @@ class Attempt:
     t0: float
     headers: dict  # response headers we add (x-request-id, x-max-tokens-clamped)
 
-    last_extended: float = 0.0
     reservation: Reservation | None = None
 
     def elapsed_ms(self) -> int:
         return int((time.perf_counter() - self.t0) * 1000)
 
+    def deadline(self, max_s: float) -> float:
+        """When a request that may run max_s seconds must end, on anyio's clock."""
+        return anyio.current_time() + max_s - (time.perf_counter() - self.t0)
 
-async def keep_hold(state, attempt: Attempt) -> None:
-    """A request still streaming keeps its hold from being swept as unsettled."""
-    ttl = state.settings.hold_ttl_s
-    now = time.monotonic()
-    if not attempt.last_extended:
-        attempt.last_extended = now
-    elif now - attempt.last_extended > ttl / 3:
-        attempt.last_extended = now
+
+def database_unreachable(exc: BaseException) -> bool:
+    """A failure of the connection to the database (restarting, network, pool), not of the
+    statement: the same transaction may succeed once it is back."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated or isinstance(exc, sa_exc.InterfaceError):
+            return True
+        sqlstate = getattr(exc.orig, "sqlstate", None) or ""
+        return (
+            sqlstate.startswith("08")
+            or sqlstate in _UNREACHABLE
+            or (isinstance(exc, sa_exc.OperationalError) and not sqlstate)
+        )
+    return isinstance(exc, sa_exc.TimeoutError | OSError)
+
+
+# Server shutting down or starting up, too many connections.
+_UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
+
+
+async def _retrying(state, what: str, hold_id: str, write) -> bool | None:
+    """Run `write` until it commits, retrying while the database cannot be reached (for at
+    most settings.settle_retry_s); None when it never could."""
+    deadline = time.monotonic() + state.settings.settle_retry_s
+    pause = RETRY_FIRST_S
+    while True:
         try:
-            await budgets.extend(state.db, attempt.spec.hold_id, ttl)
-        except Exception:
-            log.warning("could not extend hold %s", attempt.spec.hold_id, exc_info=True)
+            return await write()
+        except Exception as exc:
+            if not database_unreachable(exc) or time.monotonic() + pause > deadline:
+                # The hold stays; the sweeper charges it as unsettled, so nothing is lost.
+                log.exception("%s failed for %s; its hold will be charged on expiry", what, hold_id)
+                return None
+            log.warning("%s of %s waits for the database: %s", what, hold_id, exc)
+        await anyio.sleep(pause)
+        pause = min(pause * 2, RETRY_MAX_S)
 
 
-async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
-    """Write the attempt's one ledger event. Shielded: a client going away must not cancel it."""
+async def settle(state, attempt: Attempt, outcome: Outcome) -> bool:
+    """Write the attempt's one ledger event. Shielded: a client going away must not cancel it.
+    False when it could not be written (the hold is left to the sweeper)."""
     event = event_for(
         attempt.spec,
         attempt.chat.body,
@@ -62,24 +92,26 @@ async def settle(state, attempt: Attempt, outcome: Outcome) -> None:
         attempt.reservation,
         attempt.chat.choices,
     )
+    hold_id = attempt.spec.hold_id
     with anyio.CancelScope(shield=True):
         try:
-            settled = await budgets.settle(
-                state.db, attempt.spec.hold_id, event, attempt.reservation
+            settled = await _retrying(
+                state,
+                "settle",
+                hold_id,
+                lambda: budgets.settle(state.db, hold_id, event, attempt.reservation),
             )
-        except Exception:
-            # The hold stays; the sweeper charges it as unsettled, so nothing is lost.
-            log.exception(
-                "settle failed for %s; its hold will be charged on expiry", attempt.spec.hold_id
-            )
-        else:
-            if settled:
-                metrics.observe_event(event)
+        finally:
+            state.live_holds.discard(hold_id)
+        if settled:
+            metrics.observe_event(event)
+        return settled is not None
 
 
 async def release(state, attempt: Attempt) -> None:
+    hold_id = attempt.spec.hold_id
     with anyio.CancelScope(shield=True):
         try:
-            await budgets.release(state.db, attempt.spec.hold_id)
-        except Exception:
-            log.exception("release failed for %s", attempt.spec.hold_id)
+            await _retrying(state, "release", hold_id, lambda: budgets.release(state.db, hold_id))
+        finally:
+            state.live_holds.discard(hold_id)

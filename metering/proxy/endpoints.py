@@ -144,6 +144,8 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
         reservation = await reserve(state.db, spec, state.settings.hold_ttl_s)
     except BudgetShortfall as exc:
         raise budget_exceeded(exc) from None
+    # From here until it settles or is released, this process keeps the hold from expiring.
+    state.live_holds.add(spec.hold_id)
     headers = {}
     if reservation.clamped:
         headers["x-max-tokens-clamped"] = str(reservation.max_tokens)

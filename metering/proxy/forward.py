@@ -13,8 +13,16 @@ from starlette.responses import Response
 
 from metering.errors import MeteringError, error_body
 from metering.proxy.assemble import CompletionAssembler
-from metering.proxy.attempt import Attempt, keep_hold, release, settle
+from metering.proxy.attempt import Attempt, release, settle
 from metering.proxy.ledger import Outcome
+from metering.proxy.limits import (
+    EVENT_TOO_LARGE,
+    RESPONSE_TOO_LARGE,
+    RESPONSE_TOO_LONG,
+    Limit,
+    bound_of,
+    text_of_cut_body,
+)
 from metering.proxy.sse import SSEParser
 from metering.proxy.stream import MeteredStream
 from metering.proxy.upstreams import failure_kind
@@ -49,28 +57,43 @@ class FailedBeforeAnswer(Exception):  # noqa: N818 - a signal to try the next pr
 
 async def open_upstream(state, attempt: Attempt) -> httpx.Response:
     """Send the request; on a failure before any answer, meter it (if it went out) and raise."""
-    client = state.upstreams.client(attempt.provider.name)
     timeout = httpx.Timeout(attempt.provider.timeout_s, connect=attempt.provider.connect_timeout_s)
     headers = attempt.dialect.headers(attempt.provider)
     headers["accept-encoding"] = "identity"
-    request = client.build_request(
+    request = state.upstreams.client(attempt.provider.name).build_request(
         "POST",
         attempt.dialect.url(attempt.provider),
         content=attempt.upstream_body,
         headers=headers,
         timeout=timeout,
     )
+    response = None
     try:
-        response = await client.send(request, stream=True)
-        if response.status_code == 202 and attempt.dialect.polls:
-            response = await _poll(client, attempt, response, headers)
-        return response
+        with anyio.CancelScope(deadline=attempt.deadline(state.settings.max_response_s)) as scope:
+            response = await state.upstreams.send(attempt.provider.name, request)
+            if response.status_code == 202 and attempt.dialect.polls:
+                response = await _poll(state, attempt, response, headers)
     except (httpx.HTTPError, OSError) as exc:
         await _fail_before_answer(state, attempt, exc)
         raise AssertionError("unreachable") from exc
+    if scope.cancelled_caught:
+        # The request's time ran out before an answer: it went out, nothing came back.
+        if response is not None:
+            await response.aclose()  # a pending 202, already closed
+        await settle(
+            state,
+            attempt,
+            Outcome(status=RESPONSE_TOO_LONG.status, billable=False, error="no answer in time"),
+        )
+        raise _limit_error(state, attempt, RESPONSE_TOO_LONG)
+    return response
 
 
-async def _poll(client, attempt: Attempt, pending: httpx.Response, headers: dict) -> httpx.Response:
+def _limit_error(state, attempt: Attempt, limit: Limit) -> MeteringError:
+    return limit.error(attempt.provider.name, bound_of(limit, state.settings))
+
+
+async def _poll(state, attempt: Attempt, pending: httpx.Response, headers: dict) -> httpx.Response:
     """NVCF answers 202 with NVCF-REQID while the result is being made: poll until it is there."""
     provider = attempt.provider
     deadline = time.monotonic() + provider.poll_timeout_s
@@ -86,16 +109,18 @@ async def _poll(client, attempt: Attempt, pending: httpx.Response, headers: dict
             raise httpx.ReadTimeout(f"no result after {provider.poll_timeout_s} s of polling")
         await anyio.sleep(provider.poll_interval_s)
         url = attempt.dialect.status_url(provider, request_id)
+        client = state.upstreams.client(provider.name)
         poll = client.build_request("GET", url, headers=headers, timeout=timeout)
-        pending = await client.send(poll, stream=True)
+        pending = await state.upstreams.send(provider.name, poll)
     return pending
 
 
 async def _fail_before_answer(
-    state, attempt: Attempt, exc: BaseException, answered: int | None = None
+    state, attempt: Attempt, exc: BaseException, answered: int | None = None, partial: bytes = b""
 ) -> None:
     """`answered`: the status the upstream had already sent when its body broke off; a 2xx
-    answer was generated (and billed upstream), so it is metered at an estimate, not for free."""
+    answer was generated (and billed upstream), so it is metered at an estimate of what
+    arrived (`partial`), not for free."""
     kind = failure_kind(exc)
     name = attempt.provider.name
     if kind == "unreached" and answered is None:
@@ -104,21 +129,58 @@ async def _fail_before_answer(
     if kind == "unreached":
         kind = "upstream_disconnected"
     billable = answered is not None and answered < 400
-    outcome = Outcome(status=kind, http_status=answered, billable=billable, error=repr(exc))
+    text = await text_of_cut_body(partial) if billable and partial else ""
+    outcome = Outcome(
+        status=kind, http_status=answered, billable=billable, error=repr(exc), delivered_text=text
+    )
     await settle(state, attempt, outcome)
     if kind == "timeout":
         raise FailedBeforeAnswer(UpstreamTimeout(f"provider {name} did not answer in time"))
-    raise UpstreamFailed(f"provider {name} closed the connection without an answer") from None
+    if answered is None:
+        raise UpstreamFailed(
+            f"provider {name} closed the connection after the request was sent, without an answer"
+        ) from None
+    raise UpstreamFailed(f"provider {name} closed the connection in the middle of its answer")
 
 
 async def read_all(state, attempt: Attempt, upstream: httpx.Response) -> bytes:
+    """The whole body, read within the response size and time limits."""
+    settings = state.settings
+    body = bytearray()
+    limit = None
     try:
-        return await upstream.aread()
+        with anyio.CancelScope(deadline=attempt.deadline(settings.max_response_s)) as scope:
+            async for chunk in upstream.aiter_bytes():
+                if len(body) + len(chunk) > settings.max_response_bytes:
+                    body += chunk[: settings.max_response_bytes - len(body)]
+                    limit = RESPONSE_TOO_LARGE
+                    break
+                body += chunk
+        if scope.cancelled_caught:
+            limit = RESPONSE_TOO_LONG
     except (httpx.HTTPError, OSError) as exc:
-        await _fail_before_answer(state, attempt, exc, answered=upstream.status_code)
+        await _fail_before_answer(
+            state, attempt, exc, answered=upstream.status_code, partial=bytes(body)
+        )
         raise AssertionError("unreachable") from exc
     finally:
         await upstream.aclose()
+    if limit is not None:
+        await _settle_limit(state, attempt, limit, upstream.status_code, bytes(body))
+    return bytes(body)
+
+
+async def _settle_limit(state, attempt: Attempt, limit: Limit, status: int, body: bytes) -> None:
+    billable = status < 400
+    outcome = Outcome(
+        status=limit.status,
+        http_status=status,
+        billable=billable,
+        delivered_text=await text_of_cut_body(body) if billable else "",
+        error=limit.message(attempt.provider.name, bound_of(limit, state.settings)),
+    )
+    await settle(state, attempt, outcome)
+    raise _limit_error(state, attempt, limit)
 
 
 def _headers(attempt: Attempt, upstream: httpx.Response) -> dict:
@@ -171,13 +233,13 @@ async def complete(state, attempt: Attempt) -> Response:
     raw = await read_all(state, attempt, upstream)
     if upstream.status_code >= 400:
         return await error_answer(state, attempt, upstream, raw)
-    usage, finish, upstream_id, text = summarize_completion(raw)
+    usage, finish, upstream_id, tokens = summarize_completion(raw)
     outcome = Outcome(
         http_status=upstream.status_code,
         usage=usage,
         finish_reason=finish,
         upstream_id=upstream_id,
-        delivered_text=text,
+        delivered_tokens=tokens,
         ttft_ms=attempt.elapsed_ms(),
     )
     if parse_json_object(raw.decode("utf-8", "replace")) is None:
@@ -195,27 +257,45 @@ async def complete_from_stream(state, attempt: Attempt) -> Response:
     if upstream.status_code >= 400:
         raw = await read_all(state, attempt, upstream)
         return await error_answer(state, attempt, upstream, raw)
-    observer, assembler, parser = StreamObserver(), CompletionAssembler(), SSEParser()
+    settings = state.settings
+    observer, assembler = StreamObserver(), CompletionAssembler()
+    parser = SSEParser(settings.max_sse_event_bytes)
     outcome = Outcome(http_status=upstream.status_code, status="upstream_disconnected")
+    limit, received = None, 0
     try:
-        async for chunk in upstream.aiter_raw():
-            await keep_hold(state, attempt)
-            for event in parser.feed(chunk):
-                if event.data == "[DONE]":
-                    outcome.status = "ok"
-                obj = observer.observe(event.data)
-                if obj is not None:
-                    assembler.add(obj)
+        with anyio.CancelScope(deadline=attempt.deadline(settings.max_response_s)) as scope:
+            async for chunk in upstream.aiter_raw():
+                received += len(chunk)
+                if received > settings.max_response_bytes:
+                    limit = RESPONSE_TOO_LARGE
+                    break
+                for event in parser.feed(chunk):
+                    if event.data == "[DONE]":
+                        outcome.status = "ok"
+                    obj = observer.observe(event.data)
+                    if obj is not None:
+                        assembler.add(obj)
+                if parser.too_large:
+                    limit = EVENT_TOO_LARGE
+                    break
+        if scope.cancelled_caught:
+            limit = RESPONSE_TOO_LONG
     except (httpx.HTTPError, OSError) as exc:
         outcome.status, outcome.error = failure_kind(exc), repr(exc)
     finally:
         await upstream.aclose()
     outcome.usage, outcome.finish_reason = observer.usage, observer.finish_reason
-    outcome.upstream_id, outcome.delivered_text = observer.upstream_id, observer.delivered_text()
+    outcome.upstream_id = observer.upstream_id
+    outcome.delivered_tokens = observer.delivered_tokens()
     outcome.ttft_ms = attempt.elapsed_ms()
     if observer.error is not None:
         outcome.status, outcome.error = "stream_error", json.dumps(observer.error)[:2000]
+    if limit is not None:
+        outcome.status = limit.status
+        outcome.error = limit.message(attempt.provider.name, bound_of(limit, settings))
     await settle(state, attempt, outcome)
+    if limit is not None:
+        raise _limit_error(state, attempt, limit)
     if outcome.status != "ok":
         message = (observer.error or {}).get("message") or "the upstream stream ended early"
         raise UpstreamFailed(f"provider {attempt.provider.name}: {message}")
@@ -232,7 +312,7 @@ async def stream(state, attempt: Attempt) -> Response:
     if "text/event-stream" not in content_type:
         # The upstream answered a stream request with one JSON body: pass it on as it came.
         raw = await read_all(state, attempt, upstream)
-        usage, finish, upstream_id, text = summarize_completion(raw)
+        usage, finish, upstream_id, tokens = summarize_completion(raw)
         await settle(
             state,
             attempt,
@@ -241,7 +321,7 @@ async def stream(state, attempt: Attempt) -> Response:
                 usage=usage,
                 finish_reason=finish,
                 upstream_id=upstream_id,
-                delivered_text=text,
+                delivered_tokens=tokens,
                 ttft_ms=attempt.elapsed_ms(),
             ),
         )

@@ -76,11 +76,18 @@ def _fields(body: bytes, strip_bom: bool) -> tuple[str | None, str | None]:
 
 
 class SSEParser:
-    """Feed it reads of an SSE stream; get back completed events in order."""
+    """Feed it reads of an SSE stream; get back completed events in order.
 
-    __slots__ = ("_buf", "_scan_from", "_lead", "_lf_pending", "_first")
+    With ``max_event_bytes``, an event (or a line, terminated or not) longer than that stops the
+    parser: ``too_large`` is set, the events before it are returned, its bytes are dropped and
+    every later read is ignored. So an upstream cannot make it buffer without bound.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_buf", "_scan_from", "_lead", "_lf_pending", "_first", "_max", "too_large")
+
+    def __init__(self, max_event_bytes: int | None = None) -> None:
+        self._max = max_event_bytes
+        self.too_large = False
         self._buf = bytearray()
         self._scan_from = 0  # where the terminator search resumes
         self._lead = 0  # 1 when _buf opens with the LF of a CRLF already dispatched
@@ -93,7 +100,7 @@ class SSEParser:
         return bytes(self._buf)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        if not chunk:
+        if not chunk or self.too_large:
             return []
         buf = self._buf
         if self._lf_pending:
@@ -118,14 +125,24 @@ class SSEParser:
                 if m is None:
                     break
                 end = m.end()
+            if self._max is not None and end - start > self._max:
+                return self._stop(events)
             events.append(self._event(bytes(buf[start:end]), self._lead))
             self._lead = 0
             start = scan = end
             if end == size and buf[end - 1] == _CR:
                 self._lf_pending = True  # the next read may open with this CR's LF
+        if self._max is not None and size - start > self._max:
+            return self._stop(events)
         if start:
             del buf[:start]
         self._scan_from = max(0, scan - start)
+        return events
+
+    def _stop(self, events: list[SSEEvent]) -> list[SSEEvent]:
+        self.too_large = True
+        self._buf = bytearray()
+        self._scan_from = self._lead = 0
         return events
 
     def flush(self) -> list[SSEEvent]:
@@ -134,7 +151,7 @@ class SSEParser:
         A browser would discard such an event; the proxy still forwards its
         bytes and may want its data (e.g. a usage chunk cut before its blank line).
         """
-        if not self._buf:
+        if not self._buf or self.too_large:
             return []
         event = self._event(bytes(self._buf), self._lead)
         self._buf.clear()

@@ -11,8 +11,15 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from metering.errors import error_body
-from metering.proxy.attempt import Attempt, keep_hold, settle
+from metering.proxy.attempt import Attempt, settle
 from metering.proxy.ledger import Outcome
+from metering.proxy.limits import (
+    EVENT_TOO_LARGE,
+    RESPONSE_TOO_LARGE,
+    RESPONSE_TOO_LONG,
+    Limit,
+    bound_of,
+)
 from metering.proxy.sse import SSEParser
 from metering.proxy.upstreams import failure_kind
 from metering.proxy.usage import StreamObserver, is_usage_only_chunk
@@ -43,6 +50,7 @@ class MeteredStream(Response):
         self.done_seen = False
         self.done_raw = DONE
         self.error_seen = False
+        self.limit: Limit | None = None  # the bound the answer passed, if any
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -76,25 +84,39 @@ class MeteredStream(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        parser = SSEParser()
+        settings = self.state.settings
+        parser = SSEParser(settings.max_sse_event_bytes)
+        received = 0
+        deadline = self.attempt.deadline(settings.max_response_s)
         try:
-            async for chunk in self.upstream.aiter_raw():
-                await keep_hold(self.state, self.attempt)
-                out = self._select(parser.feed(chunk))
-                if out:
-                    await self._first_byte()
-                    await self._send(send, out)
-                if self.done_seen:
-                    break
-            else:
-                out = self._select(parser.flush())
-                if out:
-                    await self._send(send, out)
+            with anyio.CancelScope(deadline=deadline) as scope:
+                async for chunk in self.upstream.aiter_raw():
+                    received += len(chunk)
+                    if received > settings.max_response_bytes:
+                        self.limit = RESPONSE_TOO_LARGE
+                        break
+                    out = self._select(parser.feed(chunk))
+                    if out:
+                        await self._first_byte()
+                        await self._send(send, out)
+                    if parser.too_large:
+                        self.limit = EVENT_TOO_LARGE
+                        break
+                    if self.done_seen:
+                        break
+                else:
+                    out = self._select(parser.flush())
+                    if out:
+                        await self._send(send, out)
+            if scope.cancelled_caught:
+                self.limit = RESPONSE_TOO_LONG
         except (httpx.HTTPError, OSError) as exc:
             if self.client_gone:
                 return
             self.outcome.status = failure_kind(exc)
             self.outcome.error = repr(exc)
+        if self.limit is not None:
+            return
         if not self.done_seen and not self.error_seen and self.outcome.status == "ok":
             self.outcome.status = "upstream_disconnected"
 
@@ -126,7 +148,10 @@ class MeteredStream(Response):
 
     def _outcome(self) -> Outcome:
         outcome, observer = self.outcome, self.observer
-        if self.client_gone and not self.done_seen:
+        if self.limit is not None:
+            outcome.status = self.limit.status
+            outcome.error = self._limit_message()
+        elif self.client_gone and not self.done_seen:
             outcome.status = "client_disconnected"
         elif self.error_seen:
             outcome.status = "stream_error"
@@ -134,8 +159,12 @@ class MeteredStream(Response):
         outcome.usage = observer.usage
         outcome.finish_reason = observer.finish_reason
         outcome.upstream_id = observer.upstream_id
-        outcome.delivered_text = observer.delivered_text()
+        outcome.delivered_tokens = observer.delivered_tokens()
         return outcome
+
+    def _limit_message(self) -> str:
+        limit = self.limit
+        return limit.message(self.attempt.provider.name, bound_of(limit, self.state.settings))
 
     async def _finish(self, send: Send) -> None:
         with anyio.CancelScope(shield=True):
@@ -147,7 +176,11 @@ class MeteredStream(Response):
             if self.client_gone:
                 return
             tail = self.done_raw
-            if self.outcome.status in ("upstream_disconnected", "timeout"):
+            if self.limit is not None:
+                # The answer is cut: an error event, and no [DONE], which would say it ended.
+                error = error_body(502, self.limit.code, self._limit_message())
+                tail = b"data: " + json.dumps(error).encode() + b"\n\n"
+            elif self.outcome.status in ("upstream_disconnected", "timeout"):
                 error = error_body(502, "upstream_error", "the upstream stream ended early")
                 tail = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE
             with contextlib.suppress(OSError):

@@ -1,41 +1,109 @@
-"""One pooled HTTP client per upstream provider, made at startup, and how its failures read."""
+"""One pooled HTTP client per upstream provider, made at startup, and how its failures read.
+
+A request the upstream dropped on a kept-alive connection before answering a byte is sent once
+more, on a new connection: that is the race of a server closing an idle connection just as it
+is reused, and the request was never read.
+"""
 
 import asyncio
+import errno
+from contextvars import ContextVar
 from http.cookiejar import DefaultCookiePolicy
 
 import aiohttp
 import httpx
 from httpx_aiohttp import HttpxAiohttpClient
+from httpx_aiohttp.transport import AiohttpTransport
 
 from metering.settings import Catalog
+
+KEEPALIVE_S = 5.0  # how long an idle connection stays in the pool (httpx's default)
+_DROPPED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+class _Send:
+    """What the connection pool did for one send: set by aiohttp's trace in the same task."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+_SEND: ContextVar[_Send | None] = ContextVar("metering_upstream_send", default=None)
+
+
+async def _on_reuse(session, context, params) -> None:
+    current = _SEND.get()
+    if current is not None:
+        current.reused = True
+
+
+def _session(max_connections: int, force_close: bool) -> aiohttp.ClientSession:
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_on_reuse)
+    connector = aiohttp.TCPConnector(
+        limit=max_connections,
+        keepalive_timeout=None if force_close else KEEPALIVE_S,
+        force_close=force_close,
+        ssl=httpx.create_ssl_context(trust_env=False),
+    )
+    # One session serves every user: a cookie one upstream answer sets must never be sent with
+    # another user's request.
+    return aiohttp.ClientSession(
+        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trace_configs=[trace]
+    )
+
+
+def _client(max_connections: int, force_close: bool = False) -> httpx.AsyncClient:
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=max_connections
+    )
+    transport = AiohttpTransport(
+        limits=limits, trust_env=False, client=lambda: _session(max_connections, force_close)
+    )
+    client = HttpxAiohttpClient(transport=transport, trust_env=False, follow_redirects=False)
+    client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
+    return client
 
 
 class Upstreams:
     def __init__(self, catalog: Catalog, max_connections: int) -> None:
         # The aiohttp transport keeps httpx's API but holds its throughput as concurrency grows.
-        self.limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections
-        )
+        self.max_connections = max_connections
         self.clients: dict[str, httpx.AsyncClient] = {}
+        self.fresh: dict[str, httpx.AsyncClient] = {}  # new connection per request: retries
+        self.retried = 0
         self.ensure(catalog)
 
     def ensure(self, catalog: Catalog) -> None:
         """A client for every provider of the catalog (a reload may add providers)."""
         for name in catalog.providers:
             if name not in self.clients:
-                client = HttpxAiohttpClient(
-                    limits=self.limits, trust_env=False, follow_redirects=False
-                )
-                # One client serves every user: a cookie one upstream answer sets must never be
-                # sent with another user's request.
-                client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))
-                self.clients[name] = client
+                self.clients[name] = _client(self.max_connections)
 
     def client(self, provider: str) -> httpx.AsyncClient:
         return self.clients[provider]
 
+    async def send(self, provider: str, request: httpx.Request) -> httpx.Response:
+        """Send a request and return its response (headers read, body streamed)."""
+        current = _Send()
+        token = _SEND.set(current)
+        try:
+            return await self.clients[provider].send(request, stream=True)
+        except (httpx.HTTPError, OSError) as exc:
+            if not (current.reused and dropped_unanswered(exc)):
+                raise
+        finally:
+            _SEND.reset(token)
+        self.retried += 1
+        if provider not in self.fresh:
+            self.fresh[provider] = _client(self.max_connections, force_close=True)
+        return await self.fresh[provider].send(request, stream=True)
+
     async def close(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self.clients.values()), return_exceptions=True)
+        clients = [*self.clients.values(), *self.fresh.values()]
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
 
 def _chain(exc: BaseException):
@@ -45,19 +113,37 @@ def _chain(exc: BaseException):
         seen = seen.__cause__ or seen.__context__
 
 
+def dropped_unanswered(exc: BaseException) -> bool:
+    """The upstream closed (or reset) the connection while the request was being sent or
+    before any byte of its answer: not a connect failure, not a timeout."""
+    for cause in _chain(exc):
+        if isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ServerTimeoutError):
+            return False
+        if isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientConnectionResetError):
+            return True
+        if isinstance(cause, aiohttp.ClientOSError):
+            return cause.errno in _DROPPED_ERRNOS
+    return False
+
+
 def failure_kind(exc: BaseException) -> str:
     """'unreached' (no request went out), 'timeout', or 'upstream_disconnected' (it went out,
     then the connection failed)."""
     for cause in _chain(exc):
+        # aiohttp's own error says what happened; the httpx error it is mapped to may not
+        # (a server closing the connection reads as httpx.ConnectTimeout).
         if isinstance(cause, aiohttp.ConnectionTimeoutError | aiohttp.ClientConnectorError):
             return "unreached"
+        if isinstance(cause, aiohttp.ServerTimeoutError):
+            return "timeout"
+        if isinstance(cause, aiohttp.ClientError):
+            return "upstream_disconnected"
+    for cause in _chain(exc):
         if isinstance(cause, httpx.ConnectError | httpx.ConnectTimeout) and cause.__cause__ is None:
             return "unreached"
         if isinstance(cause, ConnectionRefusedError):
             return "unreached"
     for cause in _chain(exc):
         if isinstance(cause, asyncio.TimeoutError | TimeoutError | httpx.TimeoutException):
-            return "timeout"
-        if isinstance(cause, aiohttp.ServerTimeoutError):
             return "timeout"
     return "upstream_disconnected"

@@ -354,6 +354,8 @@ def _complete(request: Request, exchange: Exchange) -> Response:
 
 
 async def _respond(request: Request, exchange: Exchange) -> Response:
+    if exchange.directives.wait_ms:
+        await asyncio.sleep(exchange.directives.wait_ms / 1000)
     fault = exchange.directives.fault
     if fault in FAULT_STATUS:
         return _failed(exchange, FAULT_STATUS[fault])

@@ -37,6 +37,7 @@ class Directives:
     cached: int = 0
     chunks: int | None = None
     delay_ms: int | None = None
+    wait_ms: int = 0  # before the answer starts (headers and all): a slow first byte
     pending: int | None = None
     fault: str | None = None
     fault_after: int = DEFAULT_FAULT_AFTER

@@ -1,0 +1,90 @@
+"""The bounds on what one upstream answer may cost this process (settings max_sse_event_bytes,
+max_response_bytes, max_response_s), and the text of an answer cut short."""
+
+import json
+import re
+from dataclasses import dataclass
+
+import anyio
+
+from metering.errors import MeteringError
+
+# Above this size the text of a cut body is read off the event loop.
+THREAD_ABOVE_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    status: str  # the ledger event's status
+    code: str  # the client's error code
+    http_status: int  # what a non-streaming client gets
+    what: str
+
+    def message(self, provider: str, bound: float) -> str:
+        return f"provider {provider}: {self.what.format(bound=bound)}"
+
+    def error(self, provider: str, bound: float) -> MeteringError:
+        return MeteringError(self.message(provider, bound), status=self.http_status, code=self.code)
+
+
+EVENT_TOO_LARGE = Limit(
+    "event_too_large",
+    "upstream_event_too_large",
+    502,
+    "the answer has an event or line longer than {bound} bytes (METERING_MAX_SSE_EVENT_BYTES)",
+)
+RESPONSE_TOO_LARGE = Limit(
+    "response_too_large",
+    "upstream_response_too_large",
+    502,
+    "the answer is longer than {bound} bytes (METERING_MAX_RESPONSE_BYTES)",
+)
+RESPONSE_TOO_LONG = Limit(
+    "response_too_long",
+    "upstream_response_too_long",
+    504,
+    "the answer took longer than {bound} seconds (METERING_MAX_RESPONSE_S)",
+)
+
+
+def bound_of(limit: Limit, settings) -> float:
+    if limit is EVENT_TOO_LARGE:
+        return settings.max_sse_event_bytes
+    if limit is RESPONSE_TOO_LARGE:
+        return settings.max_response_bytes
+    return settings.max_response_s
+
+
+# A generated-text field of a chat completion and its string value, which may be cut short.
+_TEXT_FIELD = re.compile(
+    r'"(content|reasoning_content|reasoning|refusal|arguments)"\s*:\s*"((?:[^"\\]|\\.)*)'
+)
+_CUT_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{0,3})?$")
+
+
+def _unescape(value: str) -> str:
+    try:
+        return json.loads(f'"{value}"')
+    except ValueError:
+        try:
+            return json.loads(f'"{_CUT_ESCAPE.sub("", value)}"')
+        except ValueError:
+            return value
+
+
+def partial_text(body: bytes) -> str:
+    """The generated text in the first bytes of a JSON chat completion whose end never came:
+    every content, reasoning, refusal and tool-call argument string, the last one up to the cut.
+    Reasoning given under both names is counted once."""
+    found: dict[str, list[str]] = {}
+    for match in _TEXT_FIELD.finditer(body.decode("utf-8", "replace")):
+        found.setdefault(match[1], []).append(_unescape(match[2]))
+    if "reasoning_content" in found:
+        found.pop("reasoning", None)
+    return "".join(part for parts in found.values() for part in parts)
+
+
+async def text_of_cut_body(body: bytes) -> str:
+    if len(body) > THREAD_ABOVE_BYTES:
+        return await anyio.to_thread.run_sync(partial_text, body)
+    return partial_text(body)

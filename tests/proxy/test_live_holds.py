@@ -1,0 +1,228 @@
+"""A request keeps its hold for as long as it runs, whatever METERING_HOLD_TTL_S says: before the
+first byte, while a non-streaming answer is made, while NIM is polled. Only the holds of a
+process that died are swept."""
+
+import asyncio
+import threading
+import time
+import uuid
+from decimal import Decimal
+
+import httpx
+import pytest
+from sqlalchemy import event, select
+
+from metering.budgets.service import HoldSpec, new_budget, reserve
+from metering.db import Database, utcnow
+from metering.jobs import expire_holds, sweep_interval_s
+from metering.models import Hold
+from metering.proxy.live import BATCH, LiveHolds
+from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite  # noqa: F401 - fixtures
+from tests.proxy.test_dialects import provider_entry, serving
+from tests.proxy.test_e2e_completions import sim_record
+
+TTL_S = 3
+WAIT_MS = 3 * TTL_S * 1000  # the upstream's first byte comes three hold TTLs late
+# While the upstream waits, a hold the sweeper could take would be gone by then.
+LOOK_AFTER_S = TTL_S + 2 * sweep_interval_s(TTL_S)
+PRICES = {"gpt-slow": ("0.15", "0.60"), "nim-slow": ("0.32", "1.25")}
+
+
+def slow_catalog(sim) -> dict:
+    providers = {
+        "slow-openai": provider_entry(sim.base_url("openai"), "openai", timeout_s=30),
+        "slow-nim": provider_entry(
+            sim.base_url("nim"), "nim", timeout_s=30, poll_interval_s=1, poll_timeout_s=60
+        ),
+    }
+    models = [
+        {
+            "name": name,
+            "provider": provider,
+            "upstream_model": upstream,
+            "input_usd_per_mtok": PRICES[name][0],
+            "output_usd_per_mtok": PRICES[name][1],
+            "max_output_tokens": 4096,
+        }
+        for name, provider, upstream in (
+            ("gpt-slow", "slow-openai", "sim/gpt"),
+            ("nim-slow", "slow-nim", "minimaxai/minimax-m2.5"),
+        )
+    ]
+    return {"providers": providers, "models": models}
+
+
+@pytest.fixture(scope="module")
+def proxy(api, sim):
+    assert sweep_interval_s(TTL_S) == 1.0  # the sweeper runs several times while we wait
+    with serving(api, slow_catalog(sim), hold_ttl_s=TTL_S) as own:
+        yield own
+
+
+def cost(model: str, prompt: int, completion: int) -> Decimal:
+    price_in, price_out = (Decimal(p) for p in PRICES[model])
+    return (prompt * price_in + completion * price_out) / Decimal(1_000_000)
+
+
+def in_flight(proxy, sim, token: dict, marker: str, send):
+    """Run send() in a thread; once the upstream has the request and the hold has outlived its
+    TTL, check nothing was charged yet and the hold is still reserved. Returns send()'s result."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", send()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not any(marker in str(r["received"]) for r in sim.log()):
+        assert time.monotonic() < deadline, "the request did not reach the upstream"
+        time.sleep(0.05)
+    time.sleep(LOOK_AFTER_S)
+    assert proxy.events(token_id=token["id"]) == []  # not swept as unsettled
+    budget = proxy.ok("GET", f"/v1/tokens/{token['id']}/budget")
+    assert Decimal(budget["reserved"]) > 0
+    thread.join(60)
+    return result["value"]
+
+
+def assert_settled_as_reported(proxy, token: dict, record: dict, model: str, stream: bool):
+    events = proxy.events(token_id=token["id"])
+    assert len(events) == 1
+    event = events[0]
+    assert (event["status"], event["usage_source"]) == ("ok", "reported")
+    assert event["stream"] is stream
+    usage = record["usage"]
+    assert (event["prompt_tokens"], event["completion_tokens"]) == (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    )
+    assert Decimal(event["cost"]) == cost(model, usage["prompt_tokens"], usage["completion_tokens"])
+    budget = proxy.ok("GET", f"/v1/tokens/{token['id']}/budget")
+    assert Decimal(budget["reserved"]) == 0
+    assert Decimal(budget["spent"]) == Decimal(event["cost"])
+
+
+def test_stream_whose_first_byte_comes_after_the_hold_ttl_is_billed_as_reported(proxy, sim):
+    _, _, token = proxy.principal(token_limit="1")
+    marker = f"late {uuid.uuid4().hex}"
+    body = {
+        "model": "gpt-slow",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": f"{marker} sim:tokens=9 sim:wait_ms={WAIT_MS}"}],
+    }
+    response = in_flight(
+        proxy,
+        sim,
+        token,
+        marker,
+        lambda: httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {token['token']}"},
+            timeout=60,
+        ),
+    )
+    assert response.status_code == 200
+    assert response.text.rstrip().endswith("data: [DONE]")
+    upstream_id = response.text.split('"id": "', 1)[1].split('"', 1)[0]
+    record = sim_record(sim, upstream_id)
+    assert record["usage"]["completion_tokens"] == 9
+    assert_settled_as_reported(proxy, token, record, "gpt-slow", stream=True)
+
+
+def test_non_streaming_answer_slower_than_the_hold_ttl_is_billed_as_reported(proxy, sim):
+    _, _, token = proxy.principal(token_limit="1")
+    client = proxy.openai(token["token"], timeout=60)
+    marker = f"slow {uuid.uuid4().hex}"
+    completion = in_flight(
+        proxy,
+        sim,
+        token,
+        marker,
+        lambda: client.chat.completions.create(
+            model="gpt-slow",
+            messages=[{"role": "user", "content": f"{marker} sim:tokens=11 sim:wait_ms={WAIT_MS}"}],
+        ),
+    )
+    assert completion.usage.completion_tokens == 11
+    record = sim_record(sim, completion.id)
+    assert_settled_as_reported(proxy, token, record, "gpt-slow", stream=False)
+
+
+def test_nim_polled_longer_than_the_hold_ttl_is_billed_as_reported(proxy, sim):
+    _, _, token = proxy.principal(token_limit="1")
+    client = proxy.openai(token["token"], timeout=60)
+    polls = 3 * TTL_S  # one second apart
+    marker = f"polled {uuid.uuid4().hex}"
+    completion = in_flight(
+        proxy,
+        sim,
+        token,
+        marker,
+        lambda: client.chat.completions.create(
+            model="nim-slow",
+            messages=[{"role": "user", "content": f"{marker} sim:tokens=7 sim:pending={polls}"}],
+        ),
+    )
+    assert completion.usage.completion_tokens == 7
+    record = sim_record(sim, completion.id)
+    assert_settled_as_reported(proxy, token, record, "nim-slow", stream=False)
+
+
+# --- the registry, on the database directly -----------------------------------------------
+
+
+def _spec(subjects: dict[str, str]) -> HoldSpec:
+    return HoldSpec(
+        hold_id=f"req_{uuid.uuid4().hex}",
+        token_id=subjects["token"],
+        user_id=subjects["user"],
+        team_id=subjects["team"],
+        model="gpt-sim",
+        provider="sim-openai",
+        upstream_model="sim/gpt",
+        stream=False,
+        input_price=150_000,
+        cached_price=75_000,
+        output_price=600_000,
+        prompt_bound=100,
+        max_tokens=50,
+        model_max_output=4096,
+    )
+
+
+def test_live_holds_are_extended_in_one_statement_and_never_swept(fresh_db):  # noqa: F811
+    async def scenario() -> None:
+        db = Database(fresh_db, 4)
+        try:
+            suffix = uuid.uuid4().hex[:12]
+            subjects = {
+                "token": f"tok_{suffix}",
+                "user": f"user_{suffix}",
+                "team": f"team_{suffix}",
+            }
+            async with db.transaction() as session:
+                for scope, subject in subjects.items():
+                    session.add(new_budget(subject, scope, None, "never", utcnow()))
+            # Every hold has already expired; all but one belong to requests still running.
+            held = [await reserve(db, _spec(subjects), ttl_s=0) for _ in range(BATCH + 2)]
+            live = LiveHolds()
+            for reservation in held[1:]:
+                live.add(reservation.hold_id)
+            updates = []
+
+            def count(conn, cursor, statement, *args) -> None:
+                if statement.lstrip().upper().startswith("UPDATE HOLDS"):
+                    updates.append(statement)
+
+            event.listen(db.engine.sync_engine, "before_cursor_execute", count)
+            assert await live.refresh(db, ttl_s=TTL_S) == BATCH + 1
+            event.remove(db.engine.sync_engine, "before_cursor_execute", count)
+            assert len(updates) == 2  # one per batch of BATCH holds
+
+            assert await expire_holds(db) == 1  # only the dead request's hold
+            async with db.sessions() as session:
+                left = set(await session.scalars(select(Hold.id)))
+            assert left == {r.hold_id for r in held[1:]}
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
