@@ -167,8 +167,8 @@ def test_each_dialect_is_metered_as_its_upstream_reported(api, sim, proxy, token
     assert content == record["content"]
     event = one_event(proxy, token)
     assert event["id"] == raw.headers["x-request-id"]
-    if model == "gen-m25" and stream:
-        # Genesis streams carry no usage, asked or not: the proxy estimates it.
+    if model in ("gen-m25", "nim-m25") and stream:
+        # Genesis and NIM streams carry no usage, asked or not: the proxy estimates it.
         assert usage is None and record["usage"] is None
         assert "stream_options" not in record["received"]
         assert event["usage_source"] == "estimated" and event["status"] == "ok"
@@ -538,16 +538,42 @@ def test_nim_problem_details_500_becomes_an_openai_502(api, sim, proxy, token):
     assert one_event(proxy, token)["http_status"] == 500
 
 
-def test_nim_developer_message_first_goes_up_as_system(api, sim, proxy, token):
+@pytest.mark.parametrize("role", ["system", "developer"])
+def test_nim_first_system_message_is_folded_into_the_first_user_message(
+    api, sim, proxy, token, role
+):
+    # NIM's role enum is user and assistant: a system message would be refused with 422.
     before = len(sim_log(sim))
     messages = [
-        {"role": "developer", "content": "Be brief."},
+        {"role": role, "content": "Be brief."},
         {"role": "user", "content": "Hi sim:tokens=3"},
     ]
     proxy.openai(token["token"]).chat.completions.create(model="nim-m25", messages=messages)
     [record] = records_since(sim, before)
     assert record["status"] == 200
-    assert [m["role"] for m in record["received"]["messages"]] == ["system", "user"]
+    assert record["received"]["messages"] == [
+        {"role": "user", "content": "Be brief.\n\nHi sim:tokens=3"}
+    ]
+    assert one_event(proxy, token)["status"] == "ok"
+
+
+def test_nim_system_message_before_an_assistant_one_goes_up_as_a_user_message(
+    api, sim, proxy, token
+):
+    before = len(sim_log(sim))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "assistant", "content": "Ask me."},
+        {"role": "user", "content": "Hi sim:tokens=3"},
+    ]
+    proxy.openai(token["token"]).chat.completions.create(model="nim-m25", messages=messages)
+    [record] = records_since(sim, before)
+    assert record["status"] == 200
+    assert record["received"]["messages"] == [
+        {"role": "user", "content": "Be brief."},
+        {"role": "assistant", "content": "Ask me."},
+        {"role": "user", "content": "Hi sim:tokens=3"},
+    ]
 
 
 @pytest.mark.parametrize(
@@ -560,8 +586,35 @@ def test_nim_developer_message_first_goes_up_as_system(api, sim, proxy, token):
         {"max_completion_tokens": 20000},
         {"messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]},
         {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "late"}]},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"response_format": {"type": "json_object"}},
+        {"n": 2},
+        {"logprobs": True},
+        {"stop": 5},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+            ]
+        },
     ],
-    ids=["temp-high", "temp-low", "top-p-zero", "max-tokens", "max-completion", "tool", "sys-late"],
+    ids=[
+        "temp-high",
+        "temp-low",
+        "top-p-zero",
+        "max-tokens",
+        "max-completion",
+        "tool",
+        "sys-late",
+        "tools",
+        "response-format",
+        "n",
+        "logprobs",
+        "stop",
+        "image",
+        "tool-calls",
+    ],
 )
 def test_nim_documented_ranges_are_checked_before_any_cost(api, sim, proxy, token, change):
     before = len(sim_log(sim))
@@ -585,3 +638,152 @@ def test_nim_edges_of_its_ranges_are_accepted(api, sim, proxy, token):
     )
     [record] = records_since(sim, before)
     assert record["status"] == 200 and record["received"]["max_tokens"] == 16384
+
+
+# --- what goes up is what each provider accepts ---------------------------------------------
+
+# A request using much of the OpenAI API: each provider gets it in a shape it accepts.
+RICH_MESSAGES = [
+    {"role": "developer", "content": "Be brief."},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "First part."}, {"type": "text", "text": " Second"}],
+        "name": "ann",
+    },
+    {"role": "assistant", "content": "Earlier answer.", "tool_calls": [], "refusal": None},
+    {"role": "user", "content": "And now? sim:tokens=7"},
+]
+RICH_PARAMS = {
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "max_completion_tokens": 50,
+    "stop": ["END"],
+    "seed": 7,
+    "user": "u-1",
+    "n": 1,
+}
+# What NIM's schema lets through: the rest left out, the system prompt folded, parts joined.
+NIM_RICH_BODY = {
+    "model": "minimaxai/minimax-m2.5",
+    "messages": [
+        {"role": "user", "content": "Be brief.\n\nFirst part. Second"},
+        {"role": "assistant", "content": "Earlier answer."},
+        {"role": "user", "content": "And now? sim:tokens=7"},
+    ],
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "stop": ["END"],
+    "max_tokens": 50,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["complete", "stream"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_what_the_proxy_sends_each_provider_is_accepted_by_it(
+    api, sim, proxy, token, model, stream
+):
+    dialect = MODELS[model][1]
+    body = {"model": model, "messages": RICH_MESSAGES, **RICH_PARAMS, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    before = len(sim_log(sim))
+    response = proxy.request("POST", "/v1/chat/completions", key=token["token"], json=body)
+    assert response.status_code == 200, response.text
+    [record] = records_since(sim, before)
+    assert record["status"] == 200 and record["completed"] is True
+    received = record["received"]
+    if dialect == "nim":
+        assert received == {**NIM_RICH_BODY, "stream": stream}
+    elif dialect == "openai":
+        assert received["max_completion_tokens"] == 50 and "max_tokens" not in received
+    else:
+        # These document max_tokens only: the limit the hold was sized for is the one sent.
+        assert received["max_tokens"] == 50 and "max_completion_tokens" not in received
+    if dialect == "exascale":
+        assert received["stream"] is stream
+    event = one_event(proxy, token)
+    assert (event["status"], event["http_status"], event["stream"]) == ("ok", 200, stream)
+    estimated = stream and dialect in ("genesis", "nim")
+    assert event["usage_source"] == ("estimated" if estimated else "reported")
+    if estimated:
+        assert event["completion_tokens"] == estimate_text_tokens(record["content"])
+    else:
+        assert (event["prompt_tokens"], event["completion_tokens"]) == (record["prompt_tokens"], 7)
+
+
+def test_stream_options_of_a_non_streaming_request_are_not_sent_up(api, sim, proxy, token):
+    # OpenAI refuses stream_options without a stream.
+    before = len(sim_log(sim))
+    body = {
+        "model": "oa-m25",
+        "messages": user("No stream sim:tokens=4"),
+        "stream_options": {"include_usage": True},
+    }
+    response = proxy.request("POST", "/v1/chat/completions", key=token["token"], json=body)
+    assert response.status_code == 200, response.text
+    [record] = records_since(sim, before)
+    assert record["status"] == 200 and "stream_options" not in record["received"]
+    assert one_event(proxy, token)["completion_tokens"] == 4
+
+
+def test_nim_stream_is_sent_without_stream_options_and_metered_from_an_estimate(
+    api, sim, proxy, token
+):
+    before = len(sim_log(sim))
+    stream = proxy.openai(token["token"]).chat.completions.create(
+        model="nim-m25",
+        messages=user("Stream me sim:tokens=30"),
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    [record] = records_since(sim, before)
+    assert record["status"] == 200 and record["completed"] is True
+    assert record["received"] == {
+        "model": "minimaxai/minimax-m2.5",
+        "messages": user("Stream me sim:tokens=30"),
+        "stream": True,
+        "max_tokens": 16384,
+    }
+    assert text == record["content"]
+    event = one_event(proxy, token)
+    assert (event["status"], event["usage_source"]) == ("ok", "estimated")
+    assert event["completion_tokens"] == estimate_text_tokens(text)
+    assert event["prompt_tokens"] == estimate_prompt_tokens(
+        {"messages": user("Stream me sim:tokens=30")}
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"top_k": 201},
+        {"top_k": 1.5},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": 2.5},
+        {"messages": [{"role": "user"}]},
+    ],
+    ids=["top-k-high", "top-k-float", "repetition-zero", "repetition-high", "no-content"],
+)
+def test_exascale_documented_ranges_are_checked_before_any_cost(api, sim, proxy, token, change):
+    before = len(sim_log(sim))
+    body = {"model": "ex-m21", "messages": user("Hi"), **change}
+    response = proxy.request("POST", "/v1/chat/completions", key=token["token"], json=body)
+    assert_error_shape(response, 400, "invalid_request")
+    assert len(sim_log(sim)) == before
+    assert proxy.events(token_id=token["id"]) == []
+
+
+def test_exascale_edges_of_its_ranges_are_accepted(api, sim, proxy, token):
+    before = len(sim_log(sim))
+    body = {
+        "model": "ex-m21",
+        "messages": user("Edge sim:tokens=2"),
+        "top_k": -1,
+        "repetition_penalty": 0.01,
+    }
+    response = proxy.request("POST", "/v1/chat/completions", key=token["token"], json=body)
+    assert response.status_code == 200, response.text
+    [record] = records_since(sim, before)
+    assert record["status"] == 200
+    assert (record["received"]["top_k"], record["received"]["stream"]) == (-1, False)

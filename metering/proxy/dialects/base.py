@@ -20,6 +20,10 @@ class Dialect:
     polls = False
     # The upstream has endpoints a client may pin with `<model>/ep/<endpoint>` (TokenChange).
     pins_endpoints = False
+    # The output limit's name upstream; None: the client's own (max_tokens or
+    # max_completion_tokens). An upstream that documents only max_tokens gets max_tokens, so
+    # the limit the hold was sized for is the one it honours.
+    max_tokens_key: str | None = "max_tokens"
 
     def validate(self, body: dict) -> None:
         """Refuse, before anything is spent, what this upstream documents it refuses."""
@@ -39,9 +43,16 @@ class Dialect:
         upstream = {k: v for k, v in body.items() if k not in OWN_FIELDS}
         upstream["model"] = route.upstream_model
         if max_tokens is not None:
-            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            key = self.max_tokens_key
+            if key is None:
+                key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            upstream.pop("max_tokens", None)
+            upstream.pop("max_completion_tokens", None)
             upstream[key] = max_tokens
-        if body.get("stream") and self.include_usage:
+        if not body.get("stream"):
+            # Meaningless without a stream, and refused by OpenAI itself.
+            upstream.pop("stream_options", None)
+        elif self.include_usage:
             options = (
                 body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
             )

@@ -1,4 +1,4 @@
-"""Genesis (shared/seeds/genesis-chat-completions.txt).
+"""Genesis (docs/dialects.md, "Genesis").
 
 Roles are system, user and assistant; content is a string or text blocks with
 non-empty text. Its streams carry no usage at all, so streamed requests are

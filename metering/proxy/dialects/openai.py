@@ -1,7 +1,9 @@
-"""Any OpenAI-compatible chat completions API."""
+"""Any OpenAI-compatible chat completions API: the client's request as sent, with the
+upstream's model name, the output limit the hold was sized for and usage asked for in streams."""
 
 from metering.proxy.dialects.base import Dialect
 
 
 class OpenAIDialect(Dialect):
     name = "openai"
+    max_tokens_key = None  # OpenAI takes both, and its reasoning models only the newer one

@@ -1,4 +1,4 @@
-"""TokenChange (shared/seeds/tokenchange-chat-completions.txt).
+"""TokenChange (docs/dialects.md, "TokenChange").
 
 The upstream only streams (`stream` must be true), so a non-streaming client
 request is streamed upstream and answered as one `chat.completion`. Usage comes
