@@ -77,7 +77,11 @@ def _number(body: dict, key: str, low: float, high: float) -> None:
     value = body.get(key)
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(f"{key} must be a number", param=key)
+    # An int compares with the bounds exactly; math.isfinite would convert it to a float and
+    # overflow on one of 309 digits or more.
+    if isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequest(f"{key} must be a number", param=key)
     if not low <= value <= high:
         raise InvalidRequest(f"{key} must be between {low:g} and {high:g}", param=key)

@@ -457,3 +457,192 @@ def test_unexpected_error_is_an_openai_shaped_500_with_x_request_id(api, sim):
     assert response.json()["error"]["code"] == "internal_error"
     assert set(response.json()["error"]) == {"message", "type", "code", "param"}
     assert response.headers["x-request-id"].startswith("req_")
+
+
+# --- numbers without bounds ------------------------------------------------------------------
+
+HUGE_INT = "9" * 4000  # as many digits as Python's int() reads by default, near enough
+
+
+@pytest.mark.parametrize("key", ["max_input_usd_per_mtok", "max_output_usd_per_mtok"])
+@pytest.mark.parametrize(
+    ("cap", "says"),
+    [
+        # A short text whose integral value has 500,001 digits: seconds of CPU to convert.
+        pytest.param('"1e500000"', "an exponent of at most 4 digits", id="exponent-500000"),
+        pytest.param('"1e99999999"', "an exponent of at most 4 digits", id="exponent-99999999"),
+        pytest.param('"1e9999"', "must be at most 1000000", id="exponent-9999"),
+        pytest.param('"0.' + "0" * 70 + '1"', "longer than 64 characters", id="70-decimals"),
+        pytest.param('"\u00b2"', "must be a decimal number", id="superscript-two"),
+        pytest.param('"\u0663"', "must be a decimal number", id="arabic-indic-three"),
+        pytest.param(HUGE_INT, "must be at most 1000000", id="4000-digit-integer"),
+        pytest.param("1e308", "must be at most 1000000", id="float-1e308"),
+        pytest.param('"1000000.000001"', "must be at most 1000000", id="just-above-max"),
+    ],
+)
+def test_an_unbounded_price_cap_is_a_fast_400_naming_it(api, principal, secret, key, cap, says):
+    text = f'{{"model": "gpt-sim", "messages": {json.dumps(OK_MESSAGES)}, "{key}": {cap}}}'
+    error = assert_refused(api, principal, post(api, text, secret), 400, "invalid_request")
+    assert error["param"] == key
+    assert says in error["message"], error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", HUGE_INT),
+        ("max_completion_tokens", HUGE_INT),
+        ("n", HUGE_INT),
+        ("max_tokens", "-" + HUGE_INT),
+        ("temperature", "1e400"),  # JSON's float reads it as infinity
+        ("top_p", "-1e400"),
+        ("presence_penalty", HUGE_INT),
+        ("frequency_penalty", "1" + "0" * 400 + ".5"),
+    ],
+)
+def test_a_huge_number_in_a_chat_field_is_400_naming_it(api, principal, secret, field, value):
+    text = f'{{"model": "gpt-sim", "messages": {json.dumps(OK_MESSAGES)}, "{field}": {value}}}'
+    error = assert_refused(api, principal, post(api, text, secret), 400, "invalid_request")
+    assert error["param"] == field
+
+
+def test_an_integer_beyond_what_json_reads_is_400(api, principal, secret):
+    text = f'{{"model": "gpt-sim", "messages": {json.dumps(OK_MESSAGES)}, "n": {"9" * 5000}}}'
+    error = assert_refused(api, principal, post(api, text, secret), 400, "invalid_request")
+    assert error["message"] == "request body is not valid JSON"
+
+
+@pytest.mark.parametrize(
+    "credit_limit",
+    [
+        pytest.param("1e99999999", id="exponent-99999999"),
+        pytest.param("1e500000", id="exponent-500000"),
+        pytest.param("1e-99999999", id="negative-exponent-99999999"),
+        pytest.param("0." + "0" * 70 + "1", id="70-decimals"),
+        pytest.param("1" * 65, id="65-digits"),
+        pytest.param("\u00b2", id="superscript-two"),
+        pytest.param(int(HUGE_INT), id="4000-digit-integer"),
+    ],
+)
+def test_an_unbounded_credit_limit_is_400_naming_it(api, credit_limit):
+    for path in ("/v1/teams",):
+        response = api.request("POST", path, json={"name": "t", "credit_limit": credit_limit})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("invalid_request", "credit_limit")
+
+
+def test_an_unbounded_credit_limit_in_a_patch_is_400(api, principal):
+    team, user, token = principal
+    for path in (f"/v1/teams/{team['id']}", f"/v1/users/{user['id']}", f"/v1/tokens/{token['id']}"):
+        response = api.request("PATCH", path, json={"credit_limit": "1e99999999"})
+        assert response.status_code == 400, (path, response.text)
+        assert response.json()["error"]["param"] == "credit_limit"
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "param"),
+    [
+        ("/v1/teams", {"limit": HUGE_INT}, "limit"),
+        ("/v1/teams", {"limit": "1e3"}, "limit"),
+        ("/v1/usage", {"limit": HUGE_INT}, "limit"),
+        ("/v1/usage", {"start": "2026-01-01T00:00:00" + "0" * 100 + "Z"}, "start"),
+        ("/v1/usage", {"end": "9999-12-31T23:59:59-23:59"}, "end"),
+        ("/v1/spend", {"limit": HUGE_INT}, "limit"),
+        ("/v1/spend", {"page": HUGE_INT}, "page"),
+        ("/v1/spend", {"limit": "100001"}, "limit"),
+        ("/v1/spend", {"start": "1e9"}, "start"),
+    ],
+)
+def test_an_unbounded_query_number_is_400_naming_it(api, path, params, param):
+    response = api.request("GET", path, params=params)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", param)
+
+
+# --- text longer than where it is stored -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param("gpt-sim\x00", id="nul"),
+        pytest.param("gpt-\nsim", id="newline"),
+        pytest.param("gpt-sim/ep/a\x00b", id="nul-in-endpoint"),
+        pytest.param("g" * 257, id="257-characters"),
+    ],
+)
+def test_a_model_name_with_control_characters_or_too_long_is_400(api, principal, secret, model):
+    body = json.dumps({"model": model, "messages": OK_MESSAGES})
+    error = assert_refused(api, principal, post(api, body, secret), 400, "invalid_request")
+    assert error["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def pinning(api, sim):
+    from tests.proxy.test_dialects import dialect_catalog, serving
+
+    with serving(api, dialect_catalog(sim)) as own:
+        yield own
+
+
+def test_a_pinned_endpoint_longer_than_its_column_is_400(pinning, principal, secret):
+    # "minimax/minimax-m2.5/ep/" + 180 characters: 204 where holds and the ledger keep 200.
+    body = json.dumps({"model": "tc-m25/ep/" + "a" * 180, "messages": OK_MESSAGES})
+    error = assert_refused(pinning, principal, post(pinning, body, secret), 400, "invalid_request")
+    assert error["param"] == "model"
+    assert (
+        error["message"] == "the endpoint after /ep/ is 180 characters; 'tc-m25' allows at most 176"
+    )
+
+
+def test_a_pinned_endpoint_that_just_fits_is_served_and_stored_whole(pinning):
+    _, _, token = pinning.principal()
+    endpoint = "e" * 176
+    body = json.dumps({"model": f"tc-m25/ep/{endpoint}", "messages": OK_MESSAGES})
+    response = post(pinning, body, token["token"])
+    assert response.status_code == 200, response.text
+    [event] = pinning.events(token_id=token["id"])
+    assert event["upstream_model"] == f"minimax/minimax-m2.5/ep/{endpoint}"
+    assert len(event["upstream_model"]) == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/teams", {"name": "t" * 201}, "name"),
+        ("/v1/users", {"email": "a@" + "b" * 320, "name": "x", "team_id": "t"}, "email"),
+        ("/v1/users", {"email": "a@b.c", "name": "x" * 201, "team_id": "t"}, "name"),
+        ("/v1/users", {"email": "a@b.c", "name": "x", "team_id": "t" * 41}, "team_id"),
+        ("/v1/users", {"email": "a@b\x00.c", "name": "x", "team_id": "t"}, "email"),
+        (
+            "/v1/users",
+            {"email": "a@b.c", "name": "x", "team_id": "t", "password": "p" * 1025},
+            "password",
+        ),
+    ],
+)
+def test_identity_text_longer_than_its_column_is_400(api, path, body, param):
+    response = api.request("POST", path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_request", param)
+
+
+def test_a_token_name_longer_than_its_column_is_400(api, principal):
+    response = api.request(
+        "POST", f"/v1/users/{principal[1]['id']}/tokens", json={"name": "n" * 201}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "name"
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/teams/" + "t" * 5000, "/v1/users/" + "u" * 5000, "/v1/tokens/" + "k" * 5000],
+)
+def test_an_id_longer_than_any_stored_is_404(api, path):
+    response = api.request("GET", path)
+    assert response.status_code == 404, response.text
+    assert set(response.json()["error"]) == {"message", "type", "code", "param"}
