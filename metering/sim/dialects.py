@@ -1,5 +1,5 @@
 """The simulated upstream's dialects: how each provider shapes its answers, chunks and errors,
-as its document (the seeds) shows, and the checks each applies to a request."""
+as its own document shows (docs/dialects.md), and the checks each applies to a request."""
 
 import time
 import uuid
