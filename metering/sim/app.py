@@ -1,8 +1,8 @@
 """The simulated upstream: one Starlette app speaking every provider dialect we meter.
 
 Each dialect follows its provider's own document, quirks included (docs/dialects.md), so
-the proxy is tested against what the providers really send and refuse. The answer to a request is
-decided by its prompt and `sim:` directives (see text.py), never by chance. A base URL under
+the proxy is tested against what the providers really send and refuse. The answer to a
+request is decided by its prompt and `sim:` directives (see text.py), never by chance. A base URL under
 `/fault/{name}/` (`SimServer.base_url(dialect, fault=name)`) fails every request on it as
 `sim:fault={name}` would: a provider that is down while another is healthy.
 """
