@@ -169,6 +169,11 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _body_timed_out(self) -> None:
         self.body_timer = None
+        if self.cycle is not None and self.cycle.response_complete:
+            # Answered without its whole body (a 401, say): only the rest of the body is late.
+            self._cancel_timers()
+            self.transport.close()
+            return
         self._refuse(408, "request_timeout", "the request body did not arrive in time")
 
     def _refuse(self, status: int, code: str, message: str) -> None:

@@ -205,3 +205,20 @@ def test_a_complete_request_sent_byte_by_byte_within_the_deadline_is_served(edge
             sock.sendall(bytes([byte]))
         reply = read_reply(sock)
     assert reply.status == 200 and reply.json() == {"status": "ok"}
+
+
+def test_an_answered_request_whose_body_never_ends_is_closed_without_a_second_answer(edge):
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer mtr_unknown\r\nContent-Length: 100\r\n\r\n{"
+    )
+    with connect(edge) as sock:
+        sock.sendall(head)
+        sock.settimeout(10)
+        first = b""
+        while not first.endswith(b"}}"):  # the whole 401, headers and JSON body
+            first += sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 401 ")
+        reply = trickle(sock, b"", b" ")
+    assert reply.closed and reply.chunks_sent >= 1
+    assert b"HTTP/1.1" not in reply.data
