@@ -28,7 +28,9 @@ EVENT_FIELDS = {
     "prompt_tokens_details",
     "completion_tokens_details",
     "usage_source",
+    "usage_anomaly",
     "cost",
+    "uncharged",
     "ttft_ms",
     "latency_ms",
 }
@@ -61,7 +63,9 @@ CSV_HEADER = [
     "cached_tokens",
     *DETAIL_FIELDS,
     "usage_source",
+    "usage_anomaly",
     "cost",
+    "uncharged",
     "ttft_ms",
     "latency_ms",
 ]
