@@ -1,0 +1,115 @@
+"""A large report never stalls the proxy: while GET /v1/spend builds and sends a report of
+100,000 rows, a proxied chat completion started after it finishes before it."""
+
+import json
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, insert, pool
+
+from metering.db import sync_url
+from metering.models import SpendHourly
+
+TOKENS, HOURS = 100, 1000  # 100,000 rollup rows: the report by token and hour has as many
+
+
+@pytest.fixture(scope="module")
+def large_report(api):
+    """A team of its own with 100,000 rollup rows (one per token and hour), as settle would
+    have left them; returns the report's parameters."""
+    team, user, _ = api.principal()
+    first = datetime(2024, 1, 1, tzinfo=UTC) + timedelta(hours=uuid.uuid4().int % 5000)
+    rows = [
+        {
+            "hour": first + timedelta(hours=h),
+            "team_id": team["id"],
+            "user_id": user["id"],
+            "token_id": f"tok_stall_{t:03d}",
+            "model": "gpt-sim",
+            "provider": "sim-openai",
+            "requests": 1,
+            "prompt_tokens": 100 + h,
+            "cached_tokens": 0,
+            "completion_tokens": 10 + t,
+            "reasoning_tokens": 0,
+            "cost": 21_000_000,
+        }
+        for t in range(TOKENS)
+        for h in range(HOURS)
+    ]
+    engine = create_engine(sync_url(api.settings.database_url), poolclass=pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            for start in range(0, len(rows), 10_000):
+                conn.execute(insert(SpendHourly.__table__), rows[start : start + 10_000])
+    finally:
+        engine.dispose()
+    return {
+        "team_id": team["id"],
+        "group_by": "token,hour",
+        "start": first.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "end": (first + timedelta(hours=HOURS)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "limit": TOKENS * HOURS,
+    }
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_a_completion_finishes_while_a_large_report_is_still_being_sent(api, large_report, fmt):
+    _, _, token = api.principal()
+    finished: list[str] = []
+    report_started = threading.Event()
+    report: dict = {}
+
+    def read_report() -> None:
+        params = {**large_report, "format": fmt}
+        headers = {"authorization": f"Bearer {api.settings.admin_key}"}
+        with httpx.stream(
+            "GET", f"{api.url}/v1/spend", params=params, headers=headers, timeout=120
+        ) as response:
+            report["status"] = response.status_code
+            chunks = []
+            for chunk in response.iter_bytes():
+                report_started.set()
+                chunks.append(chunk)
+        finished.append("report")
+        report["body"] = b"".join(chunks)
+        report_started.set()
+
+    reader = threading.Thread(target=read_report)
+    reader.start()
+    # The report is running: its first bytes (the totals and paging fields) have arrived.
+    assert report_started.wait(120)
+    response = httpx.post(
+        f"{api.url}/v1/chat/completions",
+        headers={"authorization": f"Bearer {token['token']}"},
+        json={"model": "gpt-sim", "messages": [{"role": "user", "content": "hi sim:tokens=3"}]},
+        timeout=120,
+    )
+    finished.append("completion")
+    reader.join(120)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 3
+    assert report["status"] == 200
+    assert finished == ["completion", "report"]
+    # And the report is whole.
+    if fmt == "json":
+        body = json.loads(report["body"])
+        assert (body["row_count"], len(body["rows"]), body["next_page"]) == (100_000, 100_000, None)
+        assert body["total"]["requests"] == 100_000
+        first = {
+            "token_id": "tok_stall_000",
+            "hour": large_report["start"],
+            "requests": 1,
+            "prompt_tokens": 100,
+            "cached_tokens": 0,
+            "completion_tokens": 10,
+            "reasoning_tokens": 0,
+            "cost": "0.000021",
+        }
+        assert {key: body["rows"][0][key] for key in first} == first
+    else:
+        lines = report["body"].decode().splitlines()
+        assert len(lines) == 100_001
