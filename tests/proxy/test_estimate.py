@@ -6,7 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metering.proxy.estimate import (
+    EXACT_PROMPT_CHARS,
+    EXACT_TEXT_CHARS,
     MEDIA_PART_ALLOWANCE,
+    MESSAGE_OVERHEAD,
+    REPLY_PRIMING,
+    TextTokens,
     estimate_prompt_tokens,
     estimate_text_tokens,
     prompt_tokens_upper_bound,
@@ -148,3 +153,38 @@ def test_upper_bound_property(messages, ascii_only):
 @given(text=st.text(max_size=200))
 def test_text_estimate_never_exceeds_utf8_bytes(text):
     assert estimate_text_tokens(text) <= len(text.encode("utf-8", "surrogatepass"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(alphabet=st.sampled_from("ab Z09_,.!\n\t  é中あ한\x00"), max_size=800),
+    st.lists(st.integers(min_value=1, max_value=40), max_size=60),
+)
+def test_text_counted_in_parts_equals_the_whole(text, cuts):
+    """A stream's deltas counted one by one give the estimate of the whole delivered text."""
+    tokens, at = TextTokens(), 0
+    for cut in cuts:
+        tokens.add(text[at : at + cut])
+        at += cut
+    tokens.add(text[at:])
+    assert tokens.total() == estimate_text_tokens(text)
+
+
+def test_long_text_is_priced_by_length_beyond_the_exact_part():
+    """Work is bounded: past EXACT_TEXT_CHARS (EXACT_PROMPT_CHARS for a request) the text is
+    priced at the rate of the part estimated exactly; for uniform text that is the same."""
+    unit = "hello world, 42 "
+    per_1000 = estimate_text_tokens(unit * 1000)  # exact: 16,000 characters
+    reps = 4 * EXACT_TEXT_CHARS // len(unit)
+    expected = per_1000 * reps // 1000
+    assert abs(estimate_text_tokens(unit * reps) - expected) <= expected // 100
+    reps = 2 * EXACT_PROMPT_CHARS // len(unit)
+    body = {"messages": [{"role": "user", "content": unit * reps}]}
+    expected = per_1000 * reps // 1000 + MESSAGE_OVERHEAD + REPLY_PRIMING
+    assert abs(estimate_prompt_tokens(body) - expected) <= expected // 100
+    # An endless stream: counted by length, nothing kept but the running sums.
+    stream = TextTokens()
+    for _ in range(1000):
+        stream.add(unit * 4096)
+    expected = per_1000 * 4096
+    assert abs(stream.total() - expected) <= expected // 100
