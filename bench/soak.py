@@ -11,9 +11,10 @@ does not slow the load down), half of them streamed, one stream in --hangup-ever
 client after its first bytes. Every --sample-s seconds it samples the server's RSS and open
 descriptors. The samples after --warmup-s are judged: a figure is flat when the mean of their
 last third is at most 10% above the mean of their first third (descriptors: plus 5, as the
-requests in flight hold a few each; a single sample is noisy, a leak grows). At the end, once the load has stopped and every
-hold is settled, descriptors are sampled again at rest (shown, not judged: the pools stay open)
-and the ledger is checked: one event per answered request, nothing reserved, no 5xx.
+requests in flight hold a few each; a single sample is noisy, a leak grows). At the end, once
+the load has stopped and every hold is settled, descriptors are sampled again at rest (shown,
+not judged: the pools stay open) and the ledger is checked: one event per answered request,
+nothing reserved, no 5xx.
 """
 
 import argparse
