@@ -3,6 +3,8 @@
     python -m bench.reports                   # prints a markdown table
     python -m bench.reports --write           # ... and replaces the Reports section of BENCHMARKS.md
     python -m bench.reports --events 100000   # a smaller ledger
+    python -m bench.reports --latency         # ... and a proxied request's latency, idle and
+                                              # while the largest report runs
 
 Creates a fresh PostgreSQL database (dropped at the end), fills ledger_events with generated
 events spread evenly over the last 30 days (one INSERT ... SELECT FROM generate_series) and the
@@ -148,6 +150,105 @@ def stream_usage_csv(client: httpx.Client, pid: int) -> dict:
     }
 
 
+LARGEST = {"group_by": "token,model,hour", "limit": 100_000}  # the largest report there is
+CATALOG = """\
+[providers.sim]
+base_url = "http://127.0.0.1:{port}/openai/v1"
+api_key_env = "BENCH_SIM_KEY"
+dialect = "openai"
+timeout_s = 60
+
+[[models]]
+name = "gpt-sim"
+provider = "sim"
+upstream_model = "gpt-sim"
+input_usd_per_mtok = "0.15"
+output_usd_per_mtok = "0.60"
+max_output_tokens = 4096
+"""
+CHAT = {"model": "gpt-sim", "messages": [{"role": "user", "content": "Hello. sim:tokens=20"}]}
+
+
+def _percentiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {
+        "n": len(ordered),
+        "median_ms": statistics.median(ordered),
+        "p90_ms": ordered[int(len(ordered) * 0.9)],
+        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+        "max_ms": ordered[-1],
+    }
+
+
+def _chat_latencies(base: str, token: str, count: int, keep_going=lambda: True) -> list[float]:
+    times = []
+    with httpx.Client(base_url=base, headers={"authorization": f"Bearer {token}"}) as chat:
+        for _ in range(count):
+            if not keep_going():
+                break
+            t0 = time.perf_counter()
+            chat.post("/v1/chat/completions", json=CHAT, timeout=120).raise_for_status()
+            times.append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def _health_latencies(base: str, count: int, keep_going=lambda: True) -> list[float]:
+    """GET /healthz: no database, so only a busy event loop can slow it."""
+    times = []
+    with httpx.Client(base_url=base) as client:
+        for _ in range(count):
+            if not keep_going():
+                break
+            t0 = time.perf_counter()
+            client.get("/healthz", timeout=120).raise_for_status()
+            times.append((time.perf_counter() - t0) * 1000)
+            time.sleep(0.01)
+    return times
+
+
+def measure_latency(client: httpx.Client, base: str, month: dict, count: int) -> dict:
+    """A proxied completion's latency, idle, then while the largest report runs again and
+    again (a second client, one report after the other)."""
+    team = client.post("/v1/teams", json={"name": "bench"}).json()
+    user = client.post(
+        "/v1/users", json={"email": "b@bench.example", "name": "b", "team_id": team["id"]}
+    ).json()
+    token = client.post(f"/v1/users/{user['id']}/tokens", json={"name": "b"}).json()["token"]
+    _chat_latencies(base, token, 20)  # warm-up
+    idle = _chat_latencies(base, token, count)
+    health_idle = _health_latencies(base, count)
+    running, stop, reports = threading.Event(), threading.Event(), []
+
+    def report_loop() -> None:
+        with httpx.Client(base_url=base, headers=dict(client.headers), timeout=300) as own:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                with own.stream("GET", "/v1/spend", params={**month, **LARGEST}) as response:
+                    response.raise_for_status()
+                    size = 0
+                    for chunk in response.iter_bytes():
+                        running.set()
+                        size += len(chunk)
+                reports.append(((time.perf_counter() - t0) * 1000, size))
+
+    loader = threading.Thread(target=report_loop, daemon=True)
+    loader.start()
+    running.wait(300)
+    busy = _chat_latencies(base, token, count, keep_going=lambda: loader.is_alive())
+    health_busy = _health_latencies(base, count, keep_going=lambda: loader.is_alive())
+    stop.set()
+    loader.join(300)
+    return {
+        "idle": _percentiles(idle),
+        "during_report": _percentiles(busy),
+        "health_idle": _percentiles(health_idle),
+        "health_during_report": _percentiles(health_busy),
+        "reports": len(reports),
+        "report_ms": statistics.median(r[0] for r in reports) if reports else None,
+        "report_bytes": reports[0][1] if reports else None,
+    }
+
+
 def run(args) -> tuple[dict, str]:
     name = f"metering_bench_reports_{uuid.uuid4().hex[:8]}"
     base = args.pg.rsplit("/", 1)[0]
@@ -155,7 +256,7 @@ def run(args) -> tuple[dict, str]:
     with psycopg.connect(args.pg, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     workdir = Path(tempfile.mkdtemp(prefix="bench-reports-"))
-    server = None
+    server = sim = None
     try:
         migrate.upgrade(url)
         end = datetime.now(UTC)
@@ -169,6 +270,16 @@ def run(args) -> tuple[dict, str]:
             "METERING_CONFIG": str(workdir / "none.toml"),
         }
         (workdir / "none.toml").write_text("")
+        if args.latency:
+            sim_port = free_port()
+            sim_argv = [sys.executable, "-m", "metering.sim", "--port", str(sim_port)]
+            sim = Process("sim", sim_argv, dict(os.environ), workdir, workdir)
+            sim.wait_http(
+                f"http://127.0.0.1:{sim_port}/openai/v1/models",
+                headers={"authorization": "Bearer sim-key"},
+            )
+            (workdir / "none.toml").write_text(CATALOG.format(port=sim_port))
+            env["BENCH_SIM_KEY"] = "sim-key"
         argv = [*metering_command(), "serve", "--port", str(port), "--log-level", "warning"]
         server = Process("metering", argv, env, workdir, workdir)
         server.wait_http(f"http://127.0.0.1:{port}/healthz")
@@ -195,6 +306,8 @@ def run(args) -> tuple[dict, str]:
                 "SELECT count(*) FROM ledger_events WHERE created_at >= %s AND created_at < %s",
                 (now - timedelta(days=30), now),
             ).fetchone()[0]
+        base = f"http://127.0.0.1:{port}"
+        latency = measure_latency(client, base, month, args.latency) if args.latency else None
         usage = None if args.no_csv else stream_usage_csv(client, server.pid)
         client.close()
         return {
@@ -205,10 +318,13 @@ def run(args) -> tuple[dict, str]:
             "total_requests": total,
             "events_in_window": in_window,
             "usage_csv": usage,
+            "latency": latency,
         }, server.log_tail()
     finally:
         if server is not None:
             server.stop()
+        if sim is not None:
+            sim.stop()
         with psycopg.connect(args.pg, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
@@ -255,6 +371,31 @@ def markdown(result: dict, command: str) -> str:
             f"{usage['rss_before_mib']:.0f} MiB before, {usage['rss_peak_mib']:.0f} MiB at its "
             "peak while streaming (pages of 2,000 rows: memory stays flat).",
         ]
+    latency = result.get("latency")
+    if latency:
+        idle, busy = latency["idle"], latency["during_report"]
+        lines += [
+            "",
+            f"A proxied completion (`gpt-sim` through the simulated upstream), {idle['n']} in a "
+            "row, idle and then while the largest report "
+            f"(`group_by=token,model,hour&limit=100000`, {latency['report_bytes'] or 0:,} bytes, "
+            f"{latency['report_ms'] or 0:,.0f} ms each, {latency['reports']} run meanwhile) is "
+            "requested again and again by another client:",
+            "",
+            "| | median ms | p90 ms | p99 ms | max ms |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        rows = (
+            ("completion, idle", idle),
+            ("completion, while the report runs", busy),
+            ("`/healthz`, idle", latency["health_idle"]),
+            ("`/healthz`, while the report runs", latency["health_during_report"]),
+        )
+        for label, r in rows:
+            lines.append(
+                f"| {label} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['p99_ms']:.1f} "
+                f"| {r['max_ms']:.1f} |"
+            )
     lines += [
         "",
         "The token x model x hour report is the one over the target: it returns every rollup "
@@ -284,6 +425,13 @@ def main(argv=None) -> None:
     p.add_argument("--repeat", type=int, default=7, help="timed requests per report (median)")
     p.add_argument("--no-csv", action="store_true", help="skip the usage CSV export")
     p.add_argument(
+        "--latency",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time N proxied completions idle and N while the largest report runs",
+    )
+    p.add_argument(
         "--pg",
         default=os.environ.get(
             "METERING_BENCH_PG",
@@ -297,6 +445,8 @@ def main(argv=None) -> None:
     command = "python -m bench.reports" + (
         f" --events {args.events}" if args.events != 1_000_000 else ""
     )
+    if args.latency:
+        command += f" --latency {args.latency}"
     section = markdown(result, command)
     print(section)
     if log.strip():
