@@ -5,6 +5,8 @@ Credentials: the admin key; an API token (`mtr_`, looked up by its SHA-256); an 
 (`mat_`, signed, its session checked in the database on each request), with an optional
 `refresh-token` header that, once the access token has expired, rotates the session and serves
 the request: the new pair leaves in `x-access-token` / `x-refresh-token` (RefreshedTokenHeaders).
+Failed credentials are counted per client address (metering.auth.failures): past the limit,
+every credential from that address gets 429 until the minute ends.
 """
 
 import secrets
