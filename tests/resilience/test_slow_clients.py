@@ -2,11 +2,15 @@
 beyond the cap are refused, malformed framing and a client gone mid-body leave no trace but an
 OpenAI-shaped answer, and the server's descriptors return to their baseline."""
 
+import os
 import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
 
+from metering.testing import free_port
 from tests.conftest import Api, database_url
 from tests.resilience.edge import (
     Reply,
@@ -222,3 +226,36 @@ def test_an_answered_request_whose_body_never_ends_is_closed_without_a_second_an
         reply = trickle(sock, b"", b" ")
     assert reply.closed and reply.chunks_sent >= 1
     assert b"HTTP/1.1" not in reply.data
+
+
+def test_metering_serve_applies_the_limits(tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "METERING_DATABASE_URL": f"sqlite:///{tmp_path / 'serve.db'}",
+        "METERING_ADMIN_KEY": "k" * 40,
+        "METERING_HEADER_TIMEOUT_S": "1",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "metering.cli", "serve", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert wait_until(lambda: healthy(f"http://127.0.0.1:{port}"), 60)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            reply = trickle(sock, b"GET /healthz HTTP/1.1\r\n", b"x-slow: 1\r\n")
+        assert reply.closed and reply.status == 408
+        assert reply.json()["error"]["code"] == "request_timeout"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
