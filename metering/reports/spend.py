@@ -198,12 +198,6 @@ async def page_rows(db, query, keys: list[str], offset: int, limit: int) -> list
     return out
 
 
-async def spend_rows(db, keys, filters, start, end) -> list[dict]:
-    """Every row of a report (for callers inside the service; the API pages)."""
-    query = None if "" in filters.values() else spend_query(db.dialect, keys, filters, start, end)
-    return await page_rows(db, query, keys, 0, MAX_ROWS * MAX_PAGE)
-
-
 def _dumps(value) -> str:
     # Plain str/int values only: json.dumps directly, without FastAPI's per-value encoder walk.
     return json.dumps(value, separators=(",", ":"))
