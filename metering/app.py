@@ -128,9 +128,7 @@ def create_app(
         await record_prices(state.db, catalog)
         # The holds of the requests being served here, extended while they run.
         state.live_holds = LiveHolds()
-        keep_alive = asyncio.create_task(
-            state.live_holds.keep_alive(state.db, settings.hold_ttl_s)
-        )
+        keep_alive = asyncio.create_task(state.live_holds.keep_alive(state.db, settings.hold_ttl_s))
 
         async def watch_catalog() -> None:
             if await store.reload_if_changed(state.db):

@@ -102,9 +102,11 @@ def test_a_user_sees_nothing_of_another_user(api, client, me):
         assert error_code(response) == "forbidden"
     # Their token still works: nothing was revoked.
     assert client.chat(other.api_token["token"]).status_code == 200
-    # Usage filtered on the other user shows nothing.
-    usage = client.call("GET", "/v1/usage", credential, params={"user_id": other.id}).json()
-    assert usage["data"] == []
+    # Usage and spend filtered on the other user are refused alike.
+    for path in ("/v1/usage", "/v1/spend"):
+        response = client.call("GET", path, credential, params={"user_id": other.id})
+        assert response.status_code == 403, f"{path}: {response.text}"
+        assert error_code(response) == "forbidden"
 
 
 def test_admin_endpoints_refuse_user_credentials(client, me):

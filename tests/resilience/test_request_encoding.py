@@ -106,3 +106,21 @@ def test_routes_with_larger_bodies_get_their_own_bound():
     middleware = ContentEncoding(None, 100, {"/v1/reconciliations": 5000})
     assert middleware.limit_for("/v1/reconciliations") == 5000
     assert middleware.limit_for("/v1/chat/completions") == 100
+
+
+def test_a_plain_admin_body_above_the_limit_answers_413_and_creates_nothing(api):
+    limit = api.settings.max_body_bytes
+    name = f"big-{limit}"
+    body = json.dumps({"name": name, "reset_interval": "never", "pad": " " * limit}).encode()
+    response = post(api, None, body, None, path="/v1/teams")
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large"
+    teams = api.ok("GET", "/v1/teams")["data"]
+    assert name not in [t["name"] for t in teams]
+
+
+def test_a_plain_admin_body_within_the_limit_is_read_whole(api):
+    body = json.dumps({"name": "plain-team", "reset_interval": "never"}).encode()
+    response = post(api, None, body, None, path="/v1/teams")
+    assert response.status_code == 201, response.text
+    assert response.json()["name"] == "plain-team"
