@@ -3,7 +3,8 @@
 A request either fails before the upstream with 503 ledger_unavailable, or reaches the upstream
 and ends as exactly one ledger event (settled after the reconnect, or charged as `unsettled`
 when its settle met the outage). The database is a private instance, restarted with
-`pg_ctl restart -m fast`, so the machine's shared cluster is never touched."""
+`pg_ctl restart -m fast` or stopped for a few seconds, so the machine's shared cluster is
+never touched."""
 
 import threading
 import time
@@ -27,6 +28,8 @@ BEFORE_RESTART = 40  # responses before the restart
 AFTER_RESTART = 60  # 200s needed after it (the database is back)
 MAX_REQUESTS = 600
 MAX_SECONDS = 120
+OUTAGE_S = 3
+RETRY_PAUSE_S = 0.1
 
 
 @pytest.fixture
@@ -84,9 +87,11 @@ class Load:
     def _one(self, client: httpx.Client, n: int) -> dict:
         marker = f"{self.tag}-{n}"
         stream = n % 2 == 0
+        directives = "sim:tokens=6" + (" sim:chunks=6 sim:delay_ms=40" if stream else "")
         body = {
             "model": "gpt-sim",
-            "messages": [{"role": "user", "content": f"restart {marker} sim:tokens=6"}],
+            # Streams last a while, so some are under way when the database goes.
+            "messages": [{"role": "user", "content": f"restart {marker} {directives}"}],
             "max_tokens": 6,
             "stream": stream,
         }
@@ -110,6 +115,8 @@ class Load:
                 result = self._one(client, n)
                 with self.lock:
                     self.results.append(result)
+                if result["status"] == 503:
+                    time.sleep(RETRY_PAUSE_S)  # as a client would, before trying again
 
     def ok_count(self) -> int:
         with self.lock:
@@ -128,7 +135,8 @@ class Load:
 
 
 @pytest.mark.postgres
-def test_postgres_restarted_under_load_loses_nothing(private_pg, served, sim):
+@pytest.mark.parametrize("outage", ["restart", "stop-pause-start"])
+def test_postgres_restarted_under_load_loses_nothing(private_pg, served, sim, outage):
     api = served
     team, user, token = api.principal(token_limit="100", user_limit="100", team_limit="100")
     tag = f"pgr{uuid.uuid4().hex[:10]}"
@@ -139,7 +147,12 @@ def test_postgres_restarted_under_load_loses_nothing(private_pg, served, sim):
         deadline = time.monotonic() + MAX_SECONDS
         wait_for(lambda: len(load.results) >= BEFORE_RESTART, timeout=MAX_SECONDS)
         restarted["before"] = len(load.results)
-        private_pg.restart()
+        if outage == "restart":
+            private_pg.restart()  # pg_ctl restart -m fast
+        else:
+            private_pg.stop()
+            time.sleep(OUTAGE_S)  # requests keep coming while the database is away
+            private_pg.start()
         restarted["ok_at_restart"] = load.ok_count()
         while load.ok_count() < restarted["ok_at_restart"] + AFTER_RESTART:
             assert time.monotonic() < deadline, "the load did not recover after the restart"
