@@ -80,10 +80,25 @@ _UNSTORABLE_TEXT = frozenset({"22021", "22P05"})
 _UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
 
 
+def _driver_lost_connection(exc: BaseException) -> bool:
+    """asyncpg's own state errors while a server restarts under it (no SQLSTATE)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if type(seen).__name__ in ("InternalClientError", "ConnectionDoesNotExistError"):
+            return True
+        seen = seen.__cause__ or seen.__context__ or getattr(seen, "orig", None)
+    return False
+
+
 def _database_error(request: Request, exc: Exception) -> JSONResponse:
     sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None) or ""
-    if getattr(exc, "connection_invalidated", False) or (
-        sqlstate.startswith("08") or sqlstate in _UNREACHABLE
+    if (
+        getattr(exc, "connection_invalidated", False)
+        or sqlstate.startswith("08")
+        or sqlstate in _UNREACHABLE
+        or _driver_lost_connection(exc)
     ):
         return _ledger_unavailable(request, exc)
     if sqlstate in _UNSTORABLE_TEXT:

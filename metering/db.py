@@ -107,12 +107,30 @@ def create_engine(url: str, pool_size: int = 20) -> AsyncEngine:
     )
 
 
+def _sqlite_query_only(dbapi_connection, _record) -> None:
+    _sqlite_pragmas(dbapi_connection, _record)
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA query_only=ON")
+    cursor.close()
+
+
+def _sqlite_reader(url: str) -> AsyncEngine:
+    engine = create_async_engine(async_url(url), pool_size=2, max_overflow=0, pool_timeout=60)
+    event.listen(engine.sync_engine, "connect", _sqlite_query_only)
+    return engine
+
+
 class Database:
     def __init__(self, url: str, pool_size: int = 20) -> None:
         self.url = url
         self.engine = create_engine(url, pool_size)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.dialect = "sqlite" if is_sqlite(url) else "postgresql"
+        # Reports read apart from the request path: on SQLite the one pooled connection is the
+        # writer's, and a long report on it would hold every request of the process behind it
+        # (WAL lets these readers run beside the writer); PostgreSQL shares its pool.
+        self.read_engine = _sqlite_reader(url) if self.dialect == "sqlite" else self.engine
+        self.reads = async_sessionmaker(self.read_engine, expire_on_commit=False)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
@@ -126,3 +144,5 @@ class Database:
 
     async def dispose(self) -> None:
         await self.engine.dispose()
+        if self.read_engine is not self.engine:
+            await self.read_engine.dispose()

@@ -180,7 +180,7 @@ async def summary(db, query) -> tuple[int, dict]:
         return 0, zero
     rows = query.order_by(None).subquery("report")
     totals = select(func.count().label("rows"), *(func.sum(rows.c[m]).label(m) for m in METRICS))
-    async with db.sessions() as session:
+    async with db.reads() as session:
         found = (await session.execute(totals)).one()
     return int(found.rows), {m: int(getattr(found, m) or 0) for m in METRICS}
 
@@ -190,7 +190,7 @@ async def page_rows(db, query, keys: list[str], offset: int, limit: int) -> list
     if query is None or limit <= 0:
         return []
     out: list[dict] = []
-    async with db.sessions() as session:
+    async with db.reads() as session:
         result = await session.stream(query.offset(offset).limit(limit))
         async for part in result.partitions(CHUNK):
             out.extend(_row_out(r, keys) for r in part)

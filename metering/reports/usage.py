@@ -182,7 +182,7 @@ async def list_usage(
     if cursor:
         created, event_id = decode_cursor(cursor)
         query = query.where(before(created, event_id))
-    async with db.sessions() as session:
+    async with db.reads() as session:
         events = list(await session.scalars(query.limit(limit + 1)))
     more = len(events) > limit
     events = events[:limit]
@@ -216,7 +216,7 @@ async def _csv(db, query, batch: int = 2000) -> AsyncIterator[bytes]:
         page = query
         if last is not None:
             page = page.where(before(last.created_at, last.id))
-        async with db.sessions() as session:
+        async with db.reads() as session:
             # Plain rows, not ORM objects: the same attributes at half the cost per row.
             events = (await session.execute(page.limit(batch).with_only_columns(*COLUMNS))).all()
         if not events:

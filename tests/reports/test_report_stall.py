@@ -56,9 +56,8 @@ def large_report(api):
     }
 
 
-@pytest.mark.parametrize("fmt", ["json", "csv"])
-def test_a_completion_finishes_while_a_large_report_is_still_being_sent(api, large_report, fmt):
-    _, _, token = api.principal()
+def race(api, large_report, fmt: str, token: str) -> tuple[list[str], dict, httpx.Response]:
+    """Start the report, and once its first bytes are in, a completion: which finished first."""
     finished: list[str] = []
     report_started = threading.Event()
     report: dict = {}
@@ -84,16 +83,31 @@ def test_a_completion_finishes_while_a_large_report_is_still_being_sent(api, lar
     assert report_started.wait(120)
     response = httpx.post(
         f"{api.url}/v1/chat/completions",
-        headers={"authorization": f"Bearer {token['token']}"},
+        headers={"authorization": f"Bearer {token}"},
         json={"model": "gpt-sim", "messages": [{"role": "user", "content": "hi sim:tokens=3"}]},
         timeout=120,
     )
     finished.append("completion")
     reader.join(120)
-    assert response.status_code == 200, response.text
-    assert response.json()["usage"]["completion_tokens"] == 3
-    assert report["status"] == 200
-    assert finished == ["completion", "report"]
+    return finished, report, response
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv"])
+def test_a_completion_finishes_while_a_large_report_is_still_being_sent(api, large_report, fmt):
+    _, _, token = api.principal()
+    # A report built in one piece on the event loop is whole before its first byte is sent, so
+    # the completion can never finish first; a streamed one leaves room for it. On a busy machine
+    # one try can still lose the race by chance: three tries, one must show the room.
+    orders = []
+    for _ in range(3):
+        finished, report, response = race(api, large_report, fmt, token["token"])
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 3
+        assert report["status"] == 200
+        orders.append(finished)
+        if finished == ["completion", "report"]:
+            break
+    assert ["completion", "report"] in orders, orders
     # And the report is whole.
     if fmt == "json":
         body = json.loads(report["body"])

@@ -105,3 +105,26 @@ def test_a_cut_database_gives_503_and_nothing_reaches_the_upstream(outage, sim):
     assert len(sim.log()) == before  # no request was served unmetered
     assert httpx.get(f"{api.url}/readyz", timeout=60).status_code == 503
     assert httpx.get(f"{api.url}/healthz").status_code == 200
+
+
+def test_the_drivers_own_state_errors_during_a_restart_read_as_ledger_unavailable():
+    """asyncpg raises InternalClientError ("cannot switch to state ...; another operation is in
+    progress") while its server restarts: no SQLSTATE, yet the database is what is missing."""
+    from asyncpg.exceptions import InternalClientError
+    from sqlalchemy import exc as sa_exc
+
+    from metering.app import _database_error
+
+    driver = InternalClientError("cannot switch to state 12; another operation is in progress")
+    try:
+        try:
+            raise driver
+        except InternalClientError as inner:
+            raise RuntimeError("adapted") from inner
+    except RuntimeError as adapted:
+        wrapped = sa_exc.InternalError("SELECT 1", {}, adapted)
+    response = _database_error(None, wrapped)
+    assert response.status_code == 503
+    assert b'"ledger_unavailable"' in response.body
+    other = sa_exc.InternalError("SELECT 1", {}, RuntimeError("a real bug"))
+    assert _database_error(None, other).status_code == 500
