@@ -32,8 +32,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
+from metering.ledger import rollup
 from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
-from metering.reports import rollup
 
 # The uncharged amount kept per event (see metering.proxy.ledger).
 MAX_UNCHARGED = 10**15

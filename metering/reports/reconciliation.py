@@ -22,10 +22,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
+from metering.ledger.rollup import day_text
 from metering.models import LedgerEvent, LedgerEventArchive, Reconciliation
 from metering.money import PICO, format_usd
 from metering.numbers import NumberError, parse_count, parse_decimal
-from metering.reports.rollup import day_text
 from metering.timefmt import parse_rfc3339, rfc3339
 
 REQUIRED = ("date", "provider", "model", "prompt_tokens", "completion_tokens", "cost")

@@ -25,10 +25,10 @@ from sqlalchemy import func, literal, select, union_all
 from metering.auth.principal import Principal, any_principal
 from metering.db import utcnow
 from metering.errors import InvalidRequest
+from metering.ledger.rollup import ceil_hour, day_text, floor_hour, hour_text
 from metering.models import LedgerEvent, LedgerEventArchive, SpendHourly
 from metering.money import format_usd
 from metering.reports.cells import row as csv_cells
-from metering.reports.rollup import ceil_hour, day_text, floor_hour, hour_text
 from metering.reports.usage import check_range, check_text, own_user, parse_time
 from metering.timefmt import rfc3339
 
