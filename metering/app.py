@@ -4,9 +4,11 @@ import asyncio
 import logging
 import uuid
 from contextlib import asynccontextmanager
+from typing import Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from starlette.requests import ClientDisconnect
@@ -18,11 +20,12 @@ from metering.auth.failures import FailedCredentials
 from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
+from metering.budgets.endpoints import router as budgets_router
 from metering.catalog import CatalogStore, record_prices
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
 from metering.encoding import ContentEncoding
-from metering.errors import error_response, install_error_handlers
+from metering.errors import error_response, error_responses, install_error_handlers
 from metering.identity.endpoints import router as identity_router
 from metering.metrics import router as metrics_router
 from metering.proxy.endpoints import router as proxy_router
@@ -33,12 +36,21 @@ from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reconciliation_router
 from metering.reports.spend import router as spend_router
 from metering.reports.usage import router as usage_router
+from metering.services import Services, get_services
 from metering.settings import Catalog, Settings, load_catalog
 
 log = logging.getLogger("metering")
 
 # Routes whose (decoded) bodies may be larger than METERING_MAX_BODY_BYTES.
 LARGER_BODIES = {"/v1/reconciliations": MAX_EXPORT_BYTES}
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
 
 
 class RequestId:
@@ -132,26 +144,33 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state = app.state
-        state.settings, state.catalog = settings, catalog
-        state.db = Database(settings.database_url, settings.db_pool_size)
-        state.upstreams = Upstreams(catalog, settings.upstream_max_connections)
-        state.passwords = Passwords()
-        state.credential_failures = FailedCredentials(settings.auth_failures_per_minute)
-        state.breakers = Breakers(settings.breaker_failures, settings.breaker_cooldown_s)
-        state.signer = Signer(settings.secret)
-        await record_prices(state.db, catalog)
-        # The holds of the requests being served here, extended while they run.
-        state.live_holds = LiveHolds()
-        keep_alive = asyncio.create_task(state.live_holds.keep_alive(state.db, settings.hold_ttl_s))
+        db = Database(settings.database_url, settings.db_pool_size)
+        services = Services(
+            settings=settings,
+            db=db,
+            passwords=Passwords(),
+            signer=Signer(settings.secret),
+            credential_failures=FailedCredentials(settings.auth_failures_per_minute),
+            upstreams=Upstreams(catalog, settings.upstream_max_connections),
+            breakers=Breakers(settings.breaker_failures, settings.breaker_cooldown_s),
+            # The holds of the requests being served here, extended while they run.
+            live_holds=LiveHolds(),
+            catalog=catalog,
+        )
+        app.state.services = services
+        # The proxy still reads these from app.state.
+        for name in ("settings", "db", "upstreams", "breakers", "live_holds", "catalog"):
+            setattr(app.state, name, getattr(services, name))
+        await record_prices(db, catalog)
+        keep_alive = asyncio.create_task(services.live_holds.keep_alive(db, settings.hold_ttl_s))
 
         async def watch_catalog() -> None:
-            if await store.reload_if_changed(state.db):
-                state.upstreams.ensure(store.current)
-                state.catalog = store.current
+            if await store.reload_if_changed(db):
+                services.upstreams.ensure(store.current)
+                services.catalog = app.state.catalog = store.current
 
         scheduler = (
-            jobs.start_scheduler(state.db, settings.hold_ttl_s, settings.retention_days)
+            jobs.start_scheduler(db, settings.hold_ttl_s, settings.retention_days)
             if run_jobs
             else None
         )
@@ -171,8 +190,8 @@ def create_app(
             keep_alive.cancel()
             if scheduler is not None:
                 scheduler.shutdown(wait=False)
-            await state.upstreams.close()
-            await state.db.dispose()
+            await services.upstreams.close()
+            await db.dispose()
 
     openapi = settings.openapi_enabled
     app = FastAPI(
@@ -196,6 +215,7 @@ def create_app(
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(proxy_router)
     app.include_router(identity_router)
+    app.include_router(budgets_router)
     app.include_router(usage_router)
     app.include_router(spend_router)
     app.include_router(reconciliation_router)
@@ -203,15 +223,17 @@ def create_app(
     app.include_router(auth_router)
     app.include_router(dashboard_router)
 
-    @app.get("/healthz", include_in_schema=False, dependencies=[Depends(open_access)])
-    async def healthz() -> dict:
-        return {"status": "ok"}
+    @app.get("/healthz", dependencies=[Depends(open_access)])
+    async def healthz() -> Health:
+        """The process answers (liveness)."""
+        return Health(status="ok")
 
-    @app.get("/readyz", include_in_schema=False, dependencies=[Depends(open_access)])
-    async def readyz(request: Request) -> dict:
-        async with request.app.state.db.engine.connect() as conn:
+    @app.get("/readyz", dependencies=[Depends(open_access)], responses=error_responses(503))
+    async def readyz(services: Services = Depends(get_services)) -> Ready:
+        """The database answers too (readiness)."""
+        async with services.db.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
-        return {"status": "ready"}
+        return Ready(status="ready")
 
     app.add_middleware(ContentEncoding, limit=settings.max_body_bytes, limits=LARGER_BODIES)
     app.add_middleware(RequestId)

@@ -1,8 +1,12 @@
-"""One error type and one handler: every error leaves as OpenAI-shaped JSON."""
+"""MeteringError, the base of every error a service raises, and the handlers that turn it (and
+FastAPI's own validation and HTTP errors) into OpenAI-shaped JSON: {"error": {...}}."""
+
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 ERROR_TYPES = {
@@ -71,6 +75,43 @@ class TooLarge(MeteringError):
 
 class LedgerUnavailable(MeteringError):
     status, code = 503, "ledger_unavailable"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: str
+    param: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error's body, as OpenAI's API shapes it."""
+
+    error: ErrorDetail
+
+
+ERROR_DESCRIPTIONS = {
+    400: "The request is invalid",
+    401: "No credential, or one that is unknown, revoked or expired",
+    402: "A budget cannot cover the request",
+    403: "The credential may not do this",
+    404: "Not found",
+    409: "Conflicts with what exists",
+    413: "The request body is too large",
+    415: "The request body's encoding is not supported",
+    429: "Too many attempts: retry after the retry-after header's seconds",
+    502: "The upstream failed",
+    503: "The ledger database cannot be reached; retry later",
+    504: "The upstream did not answer in time",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route: the error statuses it gives, each with the error model."""
+    return {
+        status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
+        for status in sorted(statuses)
+    }
 
 
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:

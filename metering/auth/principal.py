@@ -1,5 +1,6 @@
-"""Credentials -> Principal. Every route says who may call it through one of the dependencies
-here, each marked with its rule (metering.auth.rules).
+"""Credentials -> Principal: the FastAPI dependencies. Every route says who may call it through
+one of them, each marked with its rule (metering.auth.rules); the checks and their SQL are
+metering.auth.service's.
 
 Credentials: the admin key; an API token (`mtr_`, looked up by its SHA-256); an access token
 (`mat_`, signed, its session checked in the database on each request), with an optional
@@ -9,50 +10,24 @@ Failed credentials are counted per client address (metering.auth.failures): past
 every credential from that address gets 429 until the minute ends.
 """
 
-import secrets
-from dataclasses import dataclass
-from typing import Literal
-
 from fastapi import Depends, Request
-from sqlalchemy import bindparam, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metering.auth import sessions
+from metering.auth import service
 from metering.auth.rules import SUBJECT_PARAMS, rule
-from metering.auth.tokens import ACCESS_PREFIX, Signer, digest, same
-from metering.db import utcnow
-from metering.errors import Forbidden, NotFound, Unauthorized
-from metering.models import ApiToken, Team, User
+from metering.auth.service import Principal
+from metering.errors import Forbidden, Unauthorized
+from metering.services import Services, get_services
 
-TOKEN_PREFIX = "mtr_"
+__all__ = ["Principal", "admin_only", "any_principal", "open_access", "user_principal"]
 
-Kind = Literal["admin", "api_token", "access"]
-
-
-@dataclass(frozen=True, slots=True)
-class Principal:
-    kind: Kind
-    user_id: str | None = None
-    team_id: str | None = None
-    token_id: str | None = None
-
-    @property
-    def is_admin(self) -> bool:
-        return self.kind == "admin"
-
-    def ensure_user(self, user_id: str) -> None:
-        """A user's credential may act on that user only."""
-        if not self.is_admin and self.user_id != user_id:
-            raise Forbidden("this credential may only act on its own user")
-
-
-def new_api_token() -> str:
-    return TOKEN_PREFIX + secrets.token_urlsafe(32)
-
-
-def hash_token(token: str) -> str:
-    # API tokens carry 256 random bits: a fast hash is enough, and lookups stay O(1) by index.
-    return digest(token)
+# The error statuses each rule's dependency may answer with (for each route's `responses`).
+RULE_ERRORS = {
+    "open": (),
+    "admin": (401, 403, 429, 503),
+    "self": (401, 403, 404, 429, 503),
+    "user": (401, 403, 429, 503),
+}
 
 
 def bearer(request: Request) -> str:
@@ -63,85 +38,21 @@ def bearer(request: Request) -> str:
     return value.strip()
 
 
-# Built once: every proxied request runs it, and building a statement costs more than running it.
-TOKEN_LOOKUP = (
-    select(
-        ApiToken.token_hash,
-        ApiToken.id,
-        ApiToken.revoked_at,
-        ApiToken.expires_at,
-        User.id,
-        User.team_id,
-        User.deleted_at,
-        Team.deleted_at,
-    )
-    .join(User, User.id == ApiToken.user_id)
-    .join(Team, Team.id == User.team_id)
-    .where(ApiToken.token_hash == bindparam("token_hash"))
-)
-
-
-async def _api_token_principal(request: Request, token: str) -> Principal:
-    state = request.app.state
-    now = utcnow()
-    hashed = hash_token(token)
-    async with state.db.sessions() as session:
-        row = (await session.execute(TOKEN_LOOKUP, {"token_hash": hashed})).first()
-    # Found by its hash; compared once more in constant time, whatever the database's collation.
-    if row is None or not same(row[0], hashed):
-        raise Unauthorized("unknown API token")
-    _, token_id, revoked_at, expires_at, user_id, team_id, user_deleted, team_deleted = row
-    if revoked_at is not None:
-        raise Unauthorized("this API token has been revoked")
-    if expires_at is not None and expires_at <= now:
-        raise Unauthorized("this API token has expired")
-    if user_deleted is not None or team_deleted is not None:
-        raise Unauthorized("this API token's user or team has been deleted")
-    return Principal("api_token", user_id=user_id, team_id=team_id, token_id=token_id)
-
-
-async def _access_principal(request: Request, token: str) -> Principal:
-    state = request.app.state
-    claims = Signer.read(await state.signer.key(state.db), token)
-    if claims.expires_at > utcnow():
-        user = await sessions.user_of(state.db, claims.session_id)
-        return Principal("access", user_id=user.user_id, team_id=user.team_id)
-    presented = request.headers.get("refresh-token", "").strip()
-    if not presented:
-        raise Unauthorized(
-            "the access token has expired: send a refresh-token header or POST /v1/auth/refresh"
-        )
-    refreshed = await sessions.rotate(state, presented, session_id=claims.session_id, leeway=True)
-    if refreshed.pair is not None:
-        request.state.refreshed_pair = refreshed.pair
-    return Principal("access", user_id=refreshed.user.user_id, team_id=refreshed.user.team_id)
-
-
-def _is_admin_key(token: str, admin_key: str | None) -> bool:
-    # Digests first: equal lengths, so not even the key's length leaks through timing.
-    return bool(admin_key) and same(digest(token), digest(admin_key))
-
-
-async def authenticate(request: Request) -> Principal:
+async def authenticate(request: Request, services: Services = Depends(get_services)) -> Principal:
     token = bearer(request)
-    failures = request.app.state.credential_failures
+    failures = services.credential_failures
     address = request.client.host if request.client else ""
     failures.check(address)
     try:
-        return await _principal(request, token)
+        found = await service.authenticate(
+            services, token, request.headers.get("refresh-token", "").strip()
+        )
     except Unauthorized:
         failures.failed(address)
         raise
-
-
-async def _principal(request: Request, token: str) -> Principal:
-    if _is_admin_key(token, request.app.state.settings.admin_key):
-        return Principal("admin")
-    if token.startswith(TOKEN_PREFIX):
-        return await _api_token_principal(request, token)
-    if token.startswith(ACCESS_PREFIX):
-        return await _access_principal(request, token)
-    raise Unauthorized("invalid credential")
+    if found.refreshed is not None:
+        request.state.refreshed_pair = found.refreshed
+    return found.principal
 
 
 @rule("admin")
@@ -151,17 +62,11 @@ async def admin_only(principal: Principal = Depends(authenticate)) -> Principal:
     return principal
 
 
-async def _token_owner(request: Request, token_id: str) -> str:
-    async with request.app.state.db.sessions() as session:
-        owner = await session.scalar(select(ApiToken.user_id).where(ApiToken.id == token_id))
-    if owner is None:
-        raise NotFound(f"token {token_id} not found")
-    return owner
-
-
 @rule("self")
 async def any_principal(
-    request: Request, principal: Principal = Depends(authenticate)
+    request: Request,
+    principal: Principal = Depends(authenticate),
+    services: Services = Depends(get_services),
 ) -> Principal:
     """Admin, or a user's own credential acting on itself: a user, token or team named in the
     path must be its own; routes naming none (lists) show the caller only its own rows."""
@@ -171,16 +76,13 @@ async def any_principal(
     if "user_id" in params:
         principal.ensure_user(params["user_id"])
     if "token_id" in params:
-        principal.ensure_user(await _token_owner(request, params["token_id"]))
+        principal.ensure_user(await service.token_owner(services.db, params["token_id"]))
     if "team_id" in params and params["team_id"] != principal.team_id:
         raise Forbidden("this credential may only act on its own team")
     unknown = set(params) - set(SUBJECT_PARAMS)
     if unknown:
         raise Forbidden(f"this credential may not name {', '.join(sorted(unknown))}")
     return principal
-
-
-self_principal = any_principal
 
 
 @rule("user")

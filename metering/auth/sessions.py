@@ -20,6 +20,7 @@ from metering.auth.tokens import Signer, digest, new_refresh_token, password_sta
 from metering.db import utcnow
 from metering.errors import Unauthorized
 from metering.models import AuthSession, RefreshToken, Team, User
+from metering.services import Services
 
 log = logging.getLogger("metering.auth")
 
@@ -56,12 +57,14 @@ class Refreshed:
     pair: TokenPair | None  # None: served within the reuse leeway, no new tokens
 
 
-def _ttls(state) -> tuple[int, int]:
-    return state.settings.access_token_ttl_s, state.settings.refresh_token_ttl_s
+def _ttls(services: Services) -> tuple[int, int]:
+    return services.settings.access_token_ttl_s, services.settings.refresh_token_ttl_s
 
 
-def _pair(state, key: bytes, session_id: str, user_id: str, refresh: str, now) -> TokenPair:
-    access_ttl, _ = _ttls(state)
+def _pair(
+    services: Services, key: bytes, session_id: str, user_id: str, refresh: str, now
+) -> TokenPair:
+    access_ttl, _ = _ttls(services)
     access = Signer.issue(key, session_id, now + timedelta(seconds=access_ttl))
     return TokenPair(access, refresh, access_ttl, user_id)
 
@@ -77,7 +80,9 @@ def _refresh_row(session_id: str, refresh: str, generation: int, now: datetime, 
     }
 
 
-async def start(state, db_session, key: bytes, user_id: str, password_hash: str) -> TokenPair:
+async def start(
+    services: Services, db_session, key: bytes, user_id: str, password_hash: str
+) -> TokenPair:
     """A new session for a user who just proved their password (inside the caller's unit of
     work; `key`, the signing key, is loaded before it: SQLite has one pooled connection)."""
     now = utcnow()
@@ -94,9 +99,9 @@ async def start(state, db_session, key: bytes, user_id: str, password_hash: str)
     )
     await db_session.flush()
     await db_session.execute(
-        insert(RefreshToken).values(_refresh_row(session_id, refresh, 0, now, _ttls(state)[1]))
+        insert(RefreshToken).values(_refresh_row(session_id, refresh, 0, now, _ttls(services)[1]))
     )
-    return _pair(state, key, session_id, user_id, refresh, now)
+    return _pair(services, key, session_id, user_id, refresh, now)
 
 
 def _live_user(row, stamp: str) -> None:
@@ -173,15 +178,15 @@ def _within_grace(row, now: datetime) -> bool:
 
 
 async def rotate(
-    state, presented: str, *, session_id: str | None = None, leeway: bool = False
+    services: Services, presented: str, *, session_id: str | None = None, leeway: bool = False
 ) -> Refreshed:
     """Spend a refresh token for a new pair. `session_id`: the chain it must belong to (the
     header flow passes the access token's); `leeway`: allow the concurrent-request grace."""
-    key = await state.signer.key(state.db)
+    key = await services.signer.key(services.db)
     now = utcnow()
-    _, refresh_ttl = _ttls(state)
+    _, refresh_ttl = _ttls(services)
     reused = None
-    async with state.db.transaction() as s:
+    async with services.db.transaction() as s:
         row = await _find(s, presented)
         if session_id is not None and row.id != session_id:
             raise Unauthorized("the refresh token does not belong to this access token's session")
@@ -225,10 +230,10 @@ async def rotate(
         # Committed above: the revocation stands although this request is refused.
         log.warning("refresh token reused on session %s: the session is revoked", reused)
         raise Unauthorized("this refresh token was already used: the session is revoked")
-    return Refreshed(user, _pair(state, key, row.id, row.user_id, refresh, now))
+    return Refreshed(user, _pair(services, key, row.id, row.user_id, refresh, now))
 
 
-async def logout(state, presented: str) -> None:
-    async with state.db.transaction() as s:
+async def logout(services: Services, presented: str) -> None:
+    async with services.db.transaction() as s:
         row = await _find(s, presented)
         await revoke(s, row.id, "logout")

@@ -1,5 +1,7 @@
-"""Access and refresh tokens, and the secret that signs access tokens.
+"""API, access and refresh tokens, and the secret that signs access tokens.
 
+An API token is `mtr_` + 256 random bits; only its SHA-256 is stored (a fast hash is enough for
+that much entropy, and it is found by that hash through an index).
 An access token is `mat_<session id>.<expiry, unix s>.<HMAC-SHA256 signature>`: its signature
 and expiry are checked without the database, then its session (refresh-token chain) is looked up
 on every request, so a logout, a detected reuse or a deleted user stops it on every replica.
@@ -18,6 +20,7 @@ from datetime import UTC, datetime
 from metering.db import Database
 from metering.errors import Unauthorized
 
+API_TOKEN_PREFIX = "mtr_"
 ACCESS_PREFIX = "mat_"
 REFRESH_PREFIX = "mrt_"
 SECRET_KEY = "auth.signing_secret"
@@ -31,6 +34,10 @@ def digest(value: str) -> str:
 
 def same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
+
+
+def new_api_token() -> str:
+    return API_TOKEN_PREFIX + secrets.token_urlsafe(32)
 
 
 def new_refresh_token() -> str:

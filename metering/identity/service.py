@@ -6,7 +6,7 @@ from datetime import datetime
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from metering.auth.principal import hash_token, new_api_token
+from metering.auth.tokens import digest, new_api_token
 from metering.budgets.service import load, new_budget, roll
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import utcnow
@@ -54,8 +54,41 @@ async def get_token(session: AsyncSession, token_id: str) -> ApiToken:
     return token
 
 
-async def get_budget(session: AsyncSession, subject_id: str) -> Budget:
+async def get_budget(session: AsyncSession, subject_id: str) -> Budget | None:
     return await session.get(Budget, subject_id)
+
+
+async def budgets_of(session: AsyncSession, ids: list[str]) -> dict[str, Budget]:
+    found = await session.scalars(select(Budget).where(Budget.subject_id.in_(ids)))
+    return {b.subject_id: b for b in found}
+
+
+async def list_teams(session: AsyncSession, *, limit: int, after: str | None) -> list[Team]:
+    query = select(Team).where(Team.deleted_at.is_(None)).order_by(Team.id).limit(limit)
+    if after:
+        query = query.where(Team.id > after)
+    return list(await session.scalars(query))
+
+
+async def list_users(
+    session: AsyncSession, *, team_id: str | None, limit: int, after: str | None
+) -> list[User]:
+    query = select(User).where(User.deleted_at.is_(None)).order_by(User.id).limit(limit)
+    if team_id:
+        query = query.where(User.team_id == team_id)
+    if after:
+        query = query.where(User.id > after)
+    return list(await session.scalars(query))
+
+
+async def list_tokens(
+    session: AsyncSession, user_id: str, *, include_revoked: bool
+) -> list[ApiToken]:
+    await get_user(session, user_id)
+    query = select(ApiToken).where(ApiToken.user_id == user_id).order_by(ApiToken.created_at)
+    if not include_revoked:
+        query = query.where(ApiToken.revoked_at.is_(None))
+    return list(await session.scalars(query))
 
 
 async def create_team(session: AsyncSession, name: str, limit, interval: str) -> Team:
@@ -131,7 +164,7 @@ async def create_token(
         user_id=user_id,
         name=name,
         prefix=secret[:12],
-        token_hash=hash_token(secret),
+        token_hash=digest(secret),
         expires_at=expires_at,
         created_at=now,
     )
@@ -164,6 +197,49 @@ async def delete_user(session: AsyncSession, user_id: str) -> None:
 async def delete_team(session: AsyncSession, team_id: str) -> None:
     await get_team(session, team_id)
     await session.execute(update(Team).where(Team.id == team_id).values(deleted_at=utcnow()))
+
+
+async def update_team(session: AsyncSession, team_id: str, fields: dict) -> Team:
+    """Apply a PATCH's fields (those it sent); the team as it now is."""
+    team = await get_team(session, team_id)
+    if fields.get("name") is not None:
+        team.name = fields["name"]
+    await change_budget(session, team_id, fields)
+    await session.flush()
+    session.expire_all()
+    return await get_team(session, team_id)
+
+
+async def update_user(
+    session: AsyncSession, user_id: str, fields: dict, password_hash: str | None
+) -> User:
+    """Apply a PATCH's fields (those it sent; the new password already hashed)."""
+    user = await get_user(session, user_id)
+    email = fields.get("email")
+    if email is not None and email != user.email:
+        await _email_free(session, email, except_id=user_id)
+        user.email = email
+    if fields.get("name") is not None:
+        user.name = fields["name"]
+    if fields.get("team_id") is not None:
+        await get_team(session, fields["team_id"])
+        user.team_id = fields["team_id"]
+    if password_hash is not None:
+        user.password_hash = password_hash
+    await change_budget(session, user_id, fields)
+    await session.flush()
+    session.expire_all()
+    return await get_user(session, user_id)
+
+
+async def update_token(session: AsyncSession, token_id: str, fields: dict) -> ApiToken:
+    token = await get_token(session, token_id)
+    if fields.get("name") is not None:
+        token.name = fields["name"]
+    await change_budget(session, token_id, fields)
+    await session.flush()
+    session.expire_all()
+    return await get_token(session, token_id)
 
 
 async def change_budget(session: AsyncSession, subject_id: str, fields: dict) -> None:

@@ -1,0 +1,180 @@
+"""Credentials -> Principal, and logins: the logic and SQL behind metering.auth.principal's
+dependencies and the /v1/auth routes (no FastAPI here)."""
+
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import anyio
+from sqlalchemy import bindparam, func, select
+
+from metering.auth import sessions, throttle
+from metering.auth.passwords import Passwords
+from metering.auth.tokens import ACCESS_PREFIX, API_TOKEN_PREFIX, Signer, digest, same
+from metering.db import Database, utcnow
+from metering.errors import Forbidden, NotFound, Unauthorized
+from metering.models import ApiToken, Team, User
+from metering.services import Services
+
+log = logging.getLogger("metering.auth")
+
+Kind = Literal["admin", "api_token", "access"]
+WRONG_CREDENTIALS = "invalid email or password"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    kind: Kind
+    user_id: str | None = None
+    team_id: str | None = None
+    token_id: str | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.kind == "admin"
+
+    def ensure_user(self, user_id: str) -> None:
+        """A user's credential may act on that user only."""
+        if not self.is_admin and self.user_id != user_id:
+            raise Forbidden("this credential may only act on its own user")
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticated:
+    principal: Principal
+    # The pair made when an expired access token came with a `refresh-token` header.
+    refreshed: sessions.TokenPair | None = None
+
+
+# Built once: every proxied request runs it, and building a statement costs more than running it.
+TOKEN_LOOKUP = (
+    select(
+        ApiToken.token_hash,
+        ApiToken.id,
+        ApiToken.revoked_at,
+        ApiToken.expires_at,
+        User.id,
+        User.team_id,
+        User.deleted_at,
+        Team.deleted_at,
+    )
+    .join(User, User.id == ApiToken.user_id)
+    .join(Team, Team.id == User.team_id)
+    .where(ApiToken.token_hash == bindparam("token_hash"))
+)
+
+
+async def _api_token_principal(db: Database, token: str) -> Principal:
+    now = utcnow()
+    hashed = digest(token)
+    async with db.sessions() as session:
+        row = (await session.execute(TOKEN_LOOKUP, {"token_hash": hashed})).first()
+    # Found by its hash; compared once more in constant time, whatever the database's collation.
+    if row is None or not same(row[0], hashed):
+        raise Unauthorized("unknown API token")
+    _, token_id, revoked_at, expires_at, user_id, team_id, user_deleted, team_deleted = row
+    if revoked_at is not None:
+        raise Unauthorized("this API token has been revoked")
+    if expires_at is not None and expires_at <= now:
+        raise Unauthorized("this API token has expired")
+    if user_deleted is not None or team_deleted is not None:
+        raise Unauthorized("this API token's user or team has been deleted")
+    return Principal("api_token", user_id=user_id, team_id=team_id, token_id=token_id)
+
+
+async def _access_principal(services: Services, token: str, refresh_token: str) -> Authenticated:
+    """An access token's principal; once it has expired, `refresh_token` (the request's
+    `refresh-token` header, or empty) rotates its session and serves the request."""
+    claims = Signer.read(await services.signer.key(services.db), token)
+    if claims.expires_at > utcnow():
+        user = await sessions.user_of(services.db, claims.session_id)
+        return Authenticated(Principal("access", user_id=user.user_id, team_id=user.team_id))
+    if not refresh_token:
+        raise Unauthorized(
+            "the access token has expired: send a refresh-token header or POST /v1/auth/refresh"
+        )
+    refreshed = await sessions.rotate(
+        services, refresh_token, session_id=claims.session_id, leeway=True
+    )
+    principal = Principal("access", user_id=refreshed.user.user_id, team_id=refreshed.user.team_id)
+    return Authenticated(principal, refreshed.pair)
+
+
+def _is_admin_key(token: str, admin_key: str | None) -> bool:
+    # Digests first: equal lengths, so not even the key's length leaks through timing.
+    return bool(admin_key) and same(digest(token), digest(admin_key))
+
+
+async def authenticate(services: Services, token: str, refresh_token: str = "") -> Authenticated:
+    """Whoever a bearer credential is; Unauthorized for anything unknown or no longer valid."""
+    if _is_admin_key(token, services.settings.admin_key):
+        return Authenticated(Principal("admin"))
+    if token.startswith(API_TOKEN_PREFIX):
+        return Authenticated(await _api_token_principal(services.db, token))
+    if token.startswith(ACCESS_PREFIX):
+        return await _access_principal(services, token, refresh_token)
+    raise Unauthorized("invalid credential")
+
+
+async def token_owner(db: Database, token_id: str) -> str:
+    """The user an API token belongs to; NotFound if there is no such token."""
+    async with db.sessions() as session:
+        owner = await session.scalar(select(ApiToken.user_id).where(ApiToken.id == token_id))
+    if owner is None:
+        raise NotFound(f"token {token_id} not found")
+    return owner
+
+
+_dummy_hash: str | None = None
+
+
+def _verify(passwords: Passwords, password_hash: str | None, password: str) -> bool:
+    """argon2 verify; an unknown email or a user without a password costs the same time."""
+    global _dummy_hash
+    if password_hash is None:
+        _dummy_hash = _dummy_hash or passwords.hash("no password: the same work as a real one")
+        passwords.verify(_dummy_hash, password)
+        return False
+    return passwords.verify(password_hash, password)
+
+
+async def login(services: Services, email: str, password: str) -> sessions.TokenPair:
+    """A new session for a live user's email and password; Unauthorized otherwise, after the
+    same work (throttled per email: metering.auth.throttle)."""
+    db = services.db
+    key = throttle.email_key(email)
+    await throttle.admit(db, key, utcnow())
+    async with db.sessions() as s:
+        user = (
+            await s.execute(
+                select(User.id, User.password_hash)
+                .join(Team, Team.id == User.team_id)
+                .where(
+                    func.lower(User.email) == email.strip().lower(),
+                    User.deleted_at.is_(None),
+                    Team.deleted_at.is_(None),
+                )
+            )
+        ).first()
+    password_hash = user.password_hash if user is not None else None
+    # argon2 is slow on purpose: off the event loop.
+    ok = await anyio.to_thread.run_sync(_verify, services.passwords, password_hash, password)
+    if not ok:
+        log.info("login refused: wrong email or password")
+        raise Unauthorized(WRONG_CREDENTIALS)
+    signing_key = await services.signer.key(db)
+    async with db.transaction() as s:
+        await throttle.clear(s, key)
+        pair = await sessions.start(services, s, signing_key, user.id, password_hash)
+    log.info("login: user %s", user.id)
+    return pair
+
+
+async def refresh(services: Services, refresh_token: str) -> sessions.TokenPair:
+    refreshed = await sessions.rotate(services, refresh_token)
+    assert refreshed.pair is not None  # no leeway here: a spent token revokes the session
+    return refreshed.pair
+
+
+async def logout(services: Services, refresh_token: str) -> None:
+    await sessions.logout(services, refresh_token)

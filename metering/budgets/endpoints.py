@@ -1,0 +1,38 @@
+"""GET /v1/{tokens,users,teams}/{id}/budget: a budget as it stands now (admin, or self)."""
+
+from fastapi import APIRouter, Depends
+
+from metering.auth.principal import RULE_ERRORS, Principal, any_principal
+from metering.budgets import queries
+from metering.budgets.schemas import BudgetOut
+from metering.errors import error_responses
+from metering.services import Services, get_services
+
+router = APIRouter(prefix="/v1", responses=error_responses(400, *RULE_ERRORS["self"]))
+
+
+@router.get("/tokens/{token_id}/budget")
+async def token_budget(
+    token_id: str,
+    _: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+) -> BudgetOut:
+    return BudgetOut.of(await queries.current_budget(services.db, "token", token_id))
+
+
+@router.get("/users/{user_id}/budget")
+async def user_budget(
+    user_id: str,
+    _: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+) -> BudgetOut:
+    return BudgetOut.of(await queries.current_budget(services.db, "user", user_id))
+
+
+@router.get("/teams/{team_id}/budget")
+async def team_budget(
+    team_id: str,
+    _: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+) -> BudgetOut:
+    return BudgetOut.of(await queries.current_budget(services.db, "team", team_id))

@@ -1,0 +1,32 @@
+"""Reading one budget as it stands now, for the budget routes."""
+
+from sqlalchemy import select
+
+from metering.budgets.service import BudgetView, view
+from metering.db import Database, utcnow
+from metering.errors import NotFound
+from metering.models import ApiToken, Budget, Team, User
+
+# A budget is shown while its subject exists: a team or user not deleted, any token (a revoked
+# token's budget still shows what it spent).
+_SUBJECTS = {
+    "team": (Team, Team.deleted_at.is_(None)),
+    "user": (User, User.deleted_at.is_(None)),
+    "token": (ApiToken, True),
+}
+
+
+async def current_budget(db: Database, scope: str, subject_id: str) -> BudgetView:
+    """The budget of a team, user or token, its window rolled forward if it has ended;
+    NotFound if there is no such subject."""
+    table, live = _SUBJECTS[scope]
+    query = (
+        select(Budget)
+        .join(table, table.id == Budget.subject_id)
+        .where(Budget.subject_id == subject_id, Budget.scope == scope, live)
+    )
+    async with db.sessions() as session:
+        budget = await session.scalar(query)
+    if budget is None:
+        raise NotFound(f"{scope} {subject_id} not found")
+    return view(budget, utcnow())
