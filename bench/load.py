@@ -22,6 +22,9 @@ class Target:
     body: bytes
     stream: bool
     method: str = "POST"
+    # Credentials spread over the workers: worker i sends with spread[i % len(spread)] (one
+    # token per worker, say) instead of `headers`.
+    spread: list[dict[str, str]] | None = None
 
 
 @dataclass
@@ -31,6 +34,7 @@ class LoadResult:
     elapsed_s: float
     latencies_s: list[float]
     statuses: Counter
+    ttfb_s: list[float] = field(default_factory=list)  # to the first byte of a 2xx stream's body
     request_ids: list[str] = field(default_factory=list)  # x-request-id of each 2xx answer
     errors: list[str] = field(default_factory=list)
     client_cpu_s: float = 0.0
@@ -40,6 +44,7 @@ class LoadResult:
         self.requests += other.requests
         self.elapsed_s += other.elapsed_s
         self.latencies_s += other.latencies_s
+        self.ttfb_s += other.ttfb_s
         self.statuses.update(other.statuses)
         self.request_ids += other.request_ids
         self.errors = (self.errors + other.errors)[:5]
@@ -58,13 +63,18 @@ class LoadResult:
     def rps(self) -> float:
         return self.ok / self.elapsed_s if self.elapsed_s else 0.0
 
-    def percentile_ms(self, q: float) -> float:
-        """Nearest-rank percentile of the successful requests' latencies, in ms."""
-        if not self.latencies_s:
+    def percentile_ms(self, q: float, values: list[float] | None = None) -> float:
+        """Nearest-rank percentile of the successful requests' latencies (or of `values`), in
+        ms."""
+        values = self.latencies_s if values is None else values
+        if not values:
             return math.nan
-        ordered = sorted(self.latencies_s)
+        ordered = sorted(values)
         rank = max(1, math.ceil(q / 100 * len(ordered)))
         return ordered[rank - 1] * 1000
+
+    def ttfb_percentile_ms(self, q: float) -> float:
+        return self.percentile_ms(q, self.ttfb_s)
 
 
 def _cpu_self() -> float:
@@ -72,13 +82,21 @@ def _cpu_self() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _one(session: aiohttp.ClientSession, target: Target, result: LoadResult) -> None:
+async def _one(
+    session: aiohttp.ClientSession, target: Target, headers: dict, result: LoadResult
+) -> None:
     started = time.perf_counter()
+    first = None
     try:
         async with session.request(
-            target.method, target.url, data=target.body or None, headers=target.headers
+            target.method, target.url, data=target.body or None, headers=headers
         ) as response:
-            body = await response.read()
+            if target.stream:
+                body = await response.content.readany()
+                first = time.perf_counter()
+                body += await response.content.read()
+            else:
+                body = await response.read()
             status = response.status
             request_id = response.headers.get("x-request-id")
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -91,6 +109,8 @@ async def _one(session: aiohttp.ClientSession, target: Target, result: LoadResul
     complete = not target.stream or body.rstrip().endswith(DONE)
     if 200 <= status < 300 and complete:
         result.latencies_s.append(elapsed)
+        if first is not None:
+            result.ttfb_s.append(first - started)
         if request_id:
             result.request_ids.append(request_id)
     elif len(result.errors) < 5:
@@ -102,15 +122,16 @@ async def _drive(session: aiohttp.ClientSession, target: Target, n: int, c: int)
     result = LoadResult(n, c, 0.0, [], Counter())
     sent = 0
 
-    async def worker() -> None:
+    async def worker(index: int) -> None:
         nonlocal sent
+        headers = target.spread[index % len(target.spread)] if target.spread else target.headers
         while sent < n:
             sent += 1
-            await _one(session, target, result)
+            await _one(session, target, headers, result)
 
     cpu0 = _cpu_self()
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(c, n))))
+    await asyncio.gather(*(worker(i) for i in range(min(c, n))))
     result.elapsed_s = time.perf_counter() - started
     result.client_cpu_s = _cpu_self() - cpu0
     return result

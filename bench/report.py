@@ -1,4 +1,4 @@
-"""Markdown for the results, and the generated section of BENCHMARKS.md."""
+"""Markdown for the results of bench.run, and the generated section of BENCHMARKS.md."""
 
 import math
 import re
@@ -9,10 +9,19 @@ BEGIN = (
 )
 END = "<!-- bench:end -->"
 
-MODE_LABEL = {
+LABEL = {
     "direct": "direct to sim",
-    "off": "proxy, budgets off",
-    "on": "proxy, budgets on",
+    "floor": "floor (bare passthrough)",
+    "pg": "ours, PostgreSQL",
+    "pg-off": "ours, PostgreSQL, budgets off",
+    "sqlite": "ours, SQLite",
+    "litellm": "LiteLLM proxy",
+}
+SERVER_LABEL = {
+    "floor": "floor",
+    "pg": "ours on PostgreSQL",
+    "sqlite": "ours on SQLite",
+    "litellm": "LiteLLM",
 }
 
 
@@ -22,91 +31,390 @@ def _f(value: float | None, digits: int = 1, sign: bool = False) -> str:
     return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
 
 
-def table(rows: list[dict]) -> str:
-    head = (
-        "| request | path | C | N | req/s | p50 ms | p95 ms | p99 ms | added p50 ms "
-        "| added p99 ms | req/s vs direct | proxy CPU ms/req | PG CPU ms/req | sim CPU ms/req |"
-    )
-    sep = "|" + "---|" * 14
-    out = [head, sep]
+def _ratio(value: float | None, digits: int = 2) -> str:
+    return _f(value, digits)
+
+
+def _kind(row: dict) -> str:
+    return "stream" if row["stream"] else "non-stream"
+
+
+def _label(row: dict, meta: dict) -> str:
+    if row["key"] == "pg:on":
+        return f"ours, PostgreSQL: C={row['concurrency']} on one token"
+    if row["key"] == "pg:spread":
+        return f"ours, PostgreSQL: C={row['concurrency']} over {row['concurrency']} teams"
+    label = LABEL[row["mode"]]
+    if row["mode"] == "litellm" and meta.get("litellm"):
+        label += f" {meta['litellm']}"
+    return label
+
+
+def _find(rows, scenario, mode, stream, c, key=None):
     for r in rows:
-        direct = r["mode"] == "direct"
-        out.append(
-            "| "
-            + " | ".join(
-                [
-                    "stream" if r["stream"] else "non-stream",
-                    MODE_LABEL[r["mode"]],
-                    str(r["concurrency"]),
-                    str(r["requests"]) + (f" ({r['failed']} failed)" if r["failed"] else ""),
-                    _f(r["rps"], 0),
-                    _f(r["p50_ms"], 2),
-                    _f(r["p95_ms"], 2),
-                    _f(r["p99_ms"], 2),
-                    "" if direct else _f(r.get("added_p50_ms"), 2, sign=True),
-                    "" if direct else _f(r.get("added_p99_ms"), 2, sign=True),
-                    "" if direct else f"{r['throughput_ratio'] * 100:.0f}%",
-                    "" if direct else _f(r.get("proxy_cpu_ms"), 2),
-                    "" if direct else _f(r.get("pg_cpu_ms"), 2),
-                    _f(r.get("sim_cpu_ms"), 2),
+        if (
+            r["scenario"] == scenario
+            and r["mode"] == mode
+            and r["stream"] == stream
+            and r["concurrency"] == c
+            and (key is None or r["key"] == key)
+        ):
+            return r
+    return None
+
+
+def _table(head: list[str], body: list[list[str]], right_from: int = 1) -> str:
+    align = ["---"] * right_from + ["---:"] * (len(head) - right_from)
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def summary(meta: dict, rows: list[dict]) -> str:
+    """Ours against the floor, per kind and concurrency."""
+    modes = meta["modes"]
+    head = ["request", "C", "direct req/s", "floor req/s", "ours req/s", "ours / floor"]
+    if "sqlite" in modes:
+        head += ["SQLite req/s", "SQLite / floor"]
+    if "litellm" in modes:
+        head += ["LiteLLM req/s", "ours / LiteLLM"]
+    head += ["floor added p50 ms", "ours added p50 ms", "ours / floor added p50"]
+    if "sqlite" in modes:
+        head += ["SQLite added p50 ms"]
+    body = []
+    for c in meta["concurrency"]:
+        for stream in (False, True):
+            get = {m: _find(rows, "matrix", m, stream, c) for m in modes}
+            if not get.get("pg") or not get.get("floor"):
+                continue
+            floor, ours = get["floor"], get["pg"]
+            cells = [
+                "stream" if stream else "non-stream",
+                str(c),
+                _f(get["direct"]["rps"], 0) if get.get("direct") else "–",
+                _f(floor["rps"], 0),
+                _f(ours["rps"], 0),
+                _ratio(ours.get("vs_floor")),
+            ]
+            if "sqlite" in modes:
+                cells += [_f(get["sqlite"]["rps"], 0), _ratio(get["sqlite"].get("vs_floor"))]
+            if "litellm" in modes:
+                lite = get["litellm"]
+                cells += [
+                    _f(lite["rps"], 0),
+                    _f(ours["rps"] / lite["rps"], 1) if lite["rps"] else "–",
                 ]
-            )
-            + " |"
+            fa, oa = floor.get("added_p50_ms"), ours.get("added_p50_ms")
+            cells += [
+                _f(fa, 2, sign=True),
+                _f(oa, 2, sign=True),
+                _f(oa / fa, 1) if fa and oa is not None and fa > 0 else "–",
+            ]
+            if "sqlite" in modes:
+                cells += [_f(get["sqlite"].get("added_p50_ms"), 2, sign=True)]
+            body.append(cells)
+    return _table(head, body, right_from=2)
+
+
+def full_table(meta: dict, rows: list[dict]) -> str:
+    head = [
+        "request",
+        "path",
+        "C",
+        "N",
+        "req/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "TTFB p50 ms",
+        "added p50 ms",
+        "added p99 ms",
+        "req/s vs floor",
+        "server CPU ms/req",
+        "PG CPU ms/req",
+        "sim CPU ms/req",
+    ]
+    body = []
+    for r in rows:
+        if r["scenario"] != "matrix":
+            continue
+        direct = r["mode"] == "direct"
+        body.append(
+            [
+                _kind(r),
+                _label(r, meta),
+                str(r["concurrency"]),
+                str(r["requests"]) + (f" ({r['failed']} failed)" if r["failed"] else ""),
+                _f(r["rps"], 0),
+                _f(r["p50_ms"], 2),
+                _f(r["p95_ms"], 2),
+                _f(r["p99_ms"], 2),
+                _f(r["ttfb_p50_ms"], 2) if r["stream"] else "",
+                "" if direct else _f(r.get("added_p50_ms"), 2, sign=True),
+                "" if direct else _f(r.get("added_p99_ms"), 2, sign=True),
+                _ratio(r.get("vs_floor")) if "vs_floor" in r else "",
+                _f(r.get("server_cpu_ms"), 2) if not direct else "",
+                _f(r.get("pg_cpu_ms"), 2) if r.get("pg_cpu_ms") is not None else "",
+                _f(r.get("sim_cpu_ms"), 2),
+            ]
         )
-    return "\n".join(out)
+    return _table(head, body, right_from=2)
 
 
-def backend_section(result: dict) -> str:
+def hot_table(meta: dict, rows: list[dict]) -> tuple[str, dict]:
+    one = next((r for r in rows if r["key"] == "pg:on" and r["scenario"] == "hot"), None)
+    spread = next((r for r in rows if r["key"] == "pg:spread"), None)
+    if not one or not spread:
+        return "", {}
+    head = [
+        "path",
+        "N",
+        "req/s",
+        "p50 ms",
+        "p95 ms",
+        "p99 ms",
+        "p99 / p50",
+        "server CPU ms/req",
+        "PG CPU ms/req",
+    ]
+    body = [
+        [
+            _label(r, meta),
+            str(r["requests"]) + (f" ({r['failed']} failed)" if r["failed"] else ""),
+            _f(r["rps"], 0),
+            _f(r["p50_ms"], 2),
+            _f(r["p95_ms"], 2),
+            _f(r["p99_ms"], 2),
+            _f(r["p99_ms"] / r["p50_ms"], 1),
+            _f(r.get("server_cpu_ms"), 2),
+            _f(r.get("pg_cpu_ms"), 2),
+        ]
+        for r in (one, spread)
+    ]
+    figures = {
+        "ratio": one["rps"] / spread["rps"] if spread["rps"] else float("nan"),
+        "one_tail": one["p99_ms"] / one["p50_ms"],
+        "spread_tail": spread["p99_ms"] / spread["p50_ms"],
+        "c": one["concurrency"],
+    }
+    return _table(head, body), figures
+
+
+def paced_table(meta: dict, rows: list[dict]) -> str:
+    paced = [r for r in rows if r["scenario"] == "paced"]
+    if not paced:
+        return ""
+    head = [
+        "path",
+        "C",
+        "N",
+        "TTFB p50 ms",
+        "TTFB p99 ms",
+        "added TTFB p50 ms",
+        "last byte p50 ms",
+        "last byte p99 ms",
+        "req/s",
+        "server CPU ms/req",
+    ]
+    body = [
+        [
+            _label(r, meta),
+            str(r["concurrency"]),
+            str(r["requests"]) + (f" ({r['failed']} failed)" if r["failed"] else ""),
+            _f(r["ttfb_p50_ms"], 2),
+            _f(r["ttfb_p99_ms"], 2),
+            "" if r["mode"] == "direct" else _f(r.get("added_ttfb_p50_ms"), 2, sign=True),
+            _f(r["p50_ms"], 2),
+            _f(r["p99_ms"], 2),
+            _f(r["rps"], 0),
+            _f(r.get("server_cpu_ms"), 2) if r["mode"] != "direct" else "",
+        ]
+        for r in paced
+    ]
+    return _table(head, body)
+
+
+def targets(meta: dict, rows: list[dict], hot: dict) -> str:
+    """The throughput and latency targets, against this run's figures."""
+    out = []
+
+    def verdict(ok: bool | None) -> str:
+        return "–" if ok is None else ("met" if ok else "not met")
+
+    for c in (16, 64):
+        for stream in (False, True):
+            r = _find(rows, "matrix", "pg", stream, c)
+            if r and "vs_floor" in r:
+                value = r["vs_floor"]
+                out.append(
+                    [
+                        f"throughput / floor's, {'stream' if stream else 'non-stream'}, C={c}",
+                        "≥ 0.70",
+                        f"{value:.2f} ({r['rps']:.0f} vs {r['rps'] / value:.0f} req/s)",
+                        verdict(value >= 0.70),
+                    ]
+                )
+    ours, floor = _find(rows, "matrix", "pg", False, 1), _find(rows, "matrix", "floor", False, 1)
+    if ours and floor and "added_p50_ms" in ours:
+        ratio = (
+            ours["added_p50_ms"] / floor["added_p50_ms"] if floor["added_p50_ms"] > 0 else math.nan
+        )
+        out.append(
+            [
+                "added p50 / floor's added p50, non-stream, C=1",
+                "≤ 2",
+                f"{ratio:.1f} ({ours['added_p50_ms']:+.2f} vs {floor['added_p50_ms']:+.2f} ms)",
+                verdict(ratio <= 2),
+            ]
+        )
+    ours, floor = _find(rows, "matrix", "pg", True, 1), _find(rows, "matrix", "floor", True, 1)
+    if ours and floor and "added_ttfb_p50_ms" in ours:
+        fa, oa = floor["added_ttfb_p50_ms"], ours["added_ttfb_p50_ms"]
+        ratio = oa / fa if fa > 0 else math.nan
+        out.append(
+            [
+                "added time to first byte p50 / floor's, stream, C=1",
+                "≤ 2",
+                f"{ratio:.1f} ({oa:+.2f} vs {fa:+.2f} ms)",
+                verdict(ratio <= 2),
+            ]
+        )
+    ours, lite = _find(rows, "matrix", "pg", False, 16), _find(rows, "matrix", "litellm", False, 16)
+    ours_s, lite_s = (
+        _find(rows, "matrix", "pg", True, 16),
+        _find(rows, "matrix", "litellm", True, 16),
+    )
+    if ours and lite and lite["rps"] and ours_s and lite_s and lite_s["rps"]:
+        a, b = ours["rps"] / lite["rps"], ours_s["rps"] / lite_s["rps"]
+        out.append(
+            [
+                "throughput / LiteLLM's, C=16 (non-stream, stream)",
+                "≥ 10",
+                f"{a:.1f}, {b:.1f}",
+                verdict(a >= 10 and b >= 10),
+            ]
+        )
+    else:
+        out.append(["throughput / LiteLLM's, C=16", "≥ 10", "not run (`--litellm`)", "–"])
+    if hot:
+        out.append(
+            [
+                f"hot budget: one token / {hot['c']} teams, throughput",
+                "≥ 0.9",
+                f"{hot['ratio']:.2f}",
+                verdict(hot["ratio"] >= 0.9),
+            ]
+        )
+        out.append(
+            [
+                "hot budget: p99 / p50 on one token",
+                "≤ 3",
+                f"{hot['one_tail']:.1f} ({hot['c']} teams: {hot['spread_tail']:.1f})",
+                verdict(hot["one_tail"] <= 3),
+            ]
+        )
+    out.append(
+        ["RSS flat (within 10%) over a 10-minute run", "≤ +10%", "`python -m bench.soak`", "–"]
+    )
+    return _table(["target", "wanted", "this run", ""], out, right_from=4)
+
+
+def markdown(meta: dict, result: dict) -> str:
+    rows = result["rows"]
+    requests = ", ".join(
+        f"{n} at C={c}" for c, n in zip(meta["concurrency"], meta["requests"], strict=True)
+    )
+    warmup = meta["warmup"] if meta["warmup"] is not None else "max(20, 2·C)"
+    parts = [
+        f"Command: `{meta['command']}`  ",
+        f"Date: {meta['date']}, commit {meta['revision']}; {meta['total_s'] / 60:.1f} minutes "
+        "in all  ",
+        f"Machine: {meta['nproc']} CPUs ({meta['cpu_model']}), Linux {meta['kernel']}, "
+        f"Python {meta['python']}, PostgreSQL {meta['postgres']}; load average "
+        f"{meta['loadavg']} at the start (a shared machine: compare rows of one run, not runs).  ",
+        f"Workload: requests per path {requests}, in {meta['rounds']} batches (the paths of one "
+        f"kind and concurrency take turns batch by batch), each after a warm-up of {warmup} "
+        f"requests; one short user message, answers of {meta['tokens']} completion tokens, "
+        f"streams in {meta['chunks']} content chunks; the sim answers at once, so every "
+        "millisecond over the direct row is the path's own. Ours: budgets on (limits on the "
+        "token, its user and its team, never reached), one worker"
+        + (f" (PostgreSQL: --workers {meta['workers']})" if meta["workers"] > 1 else "")
+        + "."
+        + (
+            f" LiteLLM's rows send {meta['litellm_share']:.0%} as many requests."
+            if "litellm" in meta["modes"]
+            else ""
+        ),
+        "",
+        "### Ours against the floor",
+        "",
+        "`ours` is `metering serve` on PostgreSQL with budgets on; `added` is the p50 over the "
+        "direct row of the same kind and concurrency.",
+        "",
+        summary(meta, rows),
+        "",
+        "### Targets",
+        "",
+    ]
+    hot_md, hot = hot_table(meta, rows)
+    parts += [targets(meta, rows, hot), "", "### Every path", "", full_table(meta, rows), ""]
+    if hot_md:
+        c, n = meta["hot"]
+        parts += [
+            "### Hot budget",
+            "",
+            f"Non-streaming, C={c}, {n} requests each, taking turns: every request on one token "
+            f"(its token, user and team budgets shared by all {c}), against {c} tokens of {c} "
+            "teams, one per client connection.",
+            "",
+            hot_md,
+            "",
+            f"One token serves {hot['ratio']:.2f} of the spread throughput.",
+            "",
+        ]
+    paced_md = paced_table(meta, rows)
+    if paced_md:
+        shape = meta["paced_shape"]
+        parts += [
+            "### Paced stream: time to first byte",
+            "",
+            f"Streams in which the sim waits {shape['wait_ms']} ms before answering and "
+            f"{shape['delay_ms']} ms between {shape['chunks']} chunks, as a generating model "
+            "would; TTFB is the time from sending the request to the first byte of the "
+            "response body.",
+            "",
+            paced_md,
+            "",
+        ]
     mem = result["memory"]
-    rss = ", ".join(f"{r['server_rss_kib'] / 1024:.0f}" for r in result["rows"])
-    lines = [
-        f"### {result['backend_label']}",
+    parts += [
+        "### Memory, pool, checks",
         "",
-        table(result["rows"]),
-        "",
-        f"Metering server RSS: {mem['before_kib'] / 1024:.1f} MiB after start-up and setup, "
-        f"{mem['after_kib'] / 1024:.1f} MiB after {result['proxied_requests']} proxied requests "
-        f"(growth {(mem['after_kib'] - mem['before_kib']) / 1024:+.1f} MiB). Server CPU for the "
-        f"whole run: {result['server_cpu_s']:.1f} s. RSS at the end of each row's last batch, in the "
-        f"table's order: {rss} MiB.",
+        "RSS at the start and the end of the run: "
+        + "; ".join(
+            f"{SERVER_LABEL.get(name, name)} {m['start_kib'] / 1024:.0f} → "
+            f"{m['end_kib'] / 1024:.0f} MiB"
+            for name, m in mem.items()
+        )
+        + ". Requests answered by ours: "
+        + ", ".join(f"{SERVER_LABEL[name]} {n}" for name, n in result["proxied"].items())
+        + ".",
         "",
     ]
     opened = [
-        (r, r["pg_connections_opened"])
-        for r in result["rows"]
-        if r["mode"] != "direct" and r.get("pg_connections_opened") is not None
+        r for r in rows if r.get("pg_connections_opened") is not None and r["scenario"] == "matrix"
     ]
     if opened:
-        lines += [
-            "Connections the server opened to PostgreSQL during the measured requests "
-            "(pool churn): "
+        parts += [
+            "Connections ours opened to PostgreSQL during the measured requests (pool churn): "
             + ", ".join(
-                f"{'stream' if r['stream'] else 'non-stream'} budgets {r['mode']} C="
-                f"{r['concurrency']}: {n}"
-                for r, n in opened
+                f"{_kind(r)} C={r['concurrency']}: {r['pg_connections_opened']}" for r in opened
             )
             + ".",
             "",
         ]
-    lines += [
-        "Checks after the run:",
-        "",
-    ]
-    lines += [f"- {'ok' if ok else 'FAILED'}: {text}" for ok, text in result["checks"]]
-    return "\n".join(lines)
-
-
-def markdown(meta: dict, results: list[dict]) -> str:
-    parts = [
-        f"Command: `{meta['command']}`  ",
-        f"Date: {meta['date']}, commit {meta['revision']}  ",
-        f"Machine: {meta['nproc']} CPUs ({meta['cpu_model']}), Linux {meta['kernel']}, "
-        f"Python {meta['python']}, PostgreSQL {meta['postgres']}; load average "
-        f"{meta['loadavg']} at the start (a shared machine: compare rows of one run, not runs).  ",
-        f"Workload: {meta['workload']}",
-        "",
-    ]
-    parts += [backend_section(result) + "\n" for result in results]
+    parts += ["Checks after the run:", ""]
+    parts += [f"- {'ok' if ok else 'FAILED'}: {text}" for ok, text in result["checks"]]
     return "\n".join(parts).rstrip() + "\n"
 
 

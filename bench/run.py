@@ -1,15 +1,18 @@
-"""Benchmark: what the metering proxy adds to a chat completion, next to a direct call.
+"""Benchmark: what the metering proxy adds to a chat completion, next to a direct call and the floor.
 
-    python -m bench.run            # PostgreSQL; prints a markdown table
-    python -m bench.run --write    # ... and replaces the generated section of BENCHMARKS.md
-    python -m bench.run --sqlite   # also the same against a SQLite file
+    python -m bench.run              # prints markdown tables
+    python -m bench.run --write      # ... and replaces the generated section of BENCHMARKS.md
+    python -m bench.run --litellm    # also LiteLLM's proxy (installed into its own virtualenv)
 
-Starts the simulated upstream (`python -m metering.sim`) and `metering serve` as subprocesses
-on a fresh PostgreSQL database (created and dropped here), makes one team/user/token without
-limits ("budgets off") and one with limits too large to be hit ("budgets on"), then runs each
-scenario (direct to the sim, proxy budgets off, proxy budgets on; non-stream and stream; each
-concurrency) from an asyncio/aiohttp load generator in this process. Every row of one run is
-measured on the same machine minutes apart, so compare rows, not absolute figures across runs.
+Starts, side by side, the simulated upstream (`python -m metering.sim`), the floor (a bare
+passthrough on the proxy's own stack: bench/floor.py), `metering serve` on a fresh PostgreSQL
+database (created and dropped here) and `metering serve` on a SQLite file, and with --litellm
+LiteLLM's proxy. Then, from an asyncio/aiohttp load generator in this process, for each
+concurrency and kind of request, the paths take turns batch by batch: direct to the sim, the
+floor, ours on PostgreSQL (budgets on), ours on SQLite (budgets on), LiteLLM. Two more
+scenarios follow: the hot budget (C=32 on one token against C=32 over 32 teams, each its own
+token) and the paced stream (the sim waits 50 ms before answering and 5 ms between 20 chunks:
+time to first byte). The ledger is checked at the end.
 """
 
 import argparse
@@ -24,13 +27,14 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import psycopg
 
-from bench import load, report
+from bench import litellm_proxy, load, report
 from bench.procs import (
     Process,
     cpu_of,
@@ -43,33 +47,37 @@ from bench.procs import (
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gpt-sim"
+SIM_KEY = "sim-key"
 SIM_KEY_ENV = "BENCH_SIM_KEY"
 # Large enough never to be reached by a run (a counter holds at most 9,223,372 USD).
 BIG_LIMIT = "1000000"
+# The paths, in the order of the tables; the direct row comes first, the others compare with it.
+MODES = ("direct", "floor", "pg", "pg-off", "sqlite", "litellm")
+SERVER_OF = {"pg": "pg", "pg-off": "pg", "sqlite": "sqlite", "floor": "floor", "litellm": "litellm"}
+PACED = {"wait_ms": 50, "delay_ms": 5, "chunks": 20}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
     p.add_argument(
-        "--concurrency", default="1,32", help="comma-separated concurrency levels (default 1,32)"
+        "--concurrency", default="1,16,64", help="comma-separated concurrency levels (1,16,64)"
     )
     p.add_argument(
         "--requests",
-        default="300,2000",
-        help="measured requests per scenario, one per concurrency level (default 300,2000)",
+        default="200,1000,1500",
+        help="measured requests per path, one count per concurrency level (200,1000,1500)",
     )
     p.add_argument(
         "--warmup",
         type=int,
         default=None,
-        help="warm-up requests before each scenario (default max(30, 4*C))",
+        help="warm-up requests before each batch (default max(20, 2*C))",
     )
     p.add_argument(
         "--rounds",
         type=int,
         default=3,
-        help="split each scenario into this many batches, the scenarios of one kind and "
-        "concurrency taking turns (default 3)",
+        help="split each scenario into this many batches, the paths taking turns (default 3)",
     )
     p.add_argument(
         "--batch-timeout",
@@ -77,15 +85,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=600,
         help="give up (exit 1) when one batch takes longer than this many seconds",
     )
-    p.add_argument("--modes", default="direct,off,on", help="subset of direct,off,on")
+    p.add_argument(
+        "--modes",
+        default="direct,floor,pg,sqlite",
+        help="subset of direct,floor,pg,pg-off,sqlite (pg-off: ours on PostgreSQL, budgets off)",
+    )
+    p.add_argument("--no-sqlite", action="store_true", help="leave out ours on SQLite")
     p.add_argument("--kinds", default="json,stream", help="subset of json,stream")
     p.add_argument("--tokens", type=int, default=20, help="completion tokens per answer")
     p.add_argument("--chunks", type=int, default=20, help="content chunks per streamed answer")
     p.add_argument(
-        "--delay-ms",
-        type=int,
-        default=0,
-        help="the sim's pause between stream chunks (default 0: the proxy's cost stands alone)",
+        "--hot",
+        default="32,1000",
+        help="hot budget scenario: C,N (C on one token against C over C teams); 0 skips it",
+    )
+    p.add_argument(
+        "--paced",
+        default="16,320",
+        help="paced stream scenario: C,N (50 ms to the first token, 5 ms between 20 chunks); "
+        "0 skips it",
+    )
+    p.add_argument(
+        "--litellm",
+        action="store_true",
+        help="also LiteLLM's proxy (pip install 'litellm[proxy]' into its own virtualenv under "
+        f"{litellm_proxy.WORK} the first time)",
+    )
+    p.add_argument("--litellm-venv", type=Path, default=litellm_proxy.VENV)
+    p.add_argument(
+        "--litellm-share",
+        type=float,
+        default=0.25,
+        help="LiteLLM's rows send this share of the others' request counts (it is slow)",
     )
     p.add_argument(
         "--pg",
@@ -99,16 +130,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--workers",
         type=int,
         default=1,
-        help="metering serve --workers N (CPU and RSS are summed over its processes)",
+        help="metering serve --workers N on PostgreSQL (CPU and RSS summed over its processes)",
     )
-    p.add_argument("--sqlite", action="store_true", help="also run against a SQLite file")
-    p.add_argument("--no-postgres", action="store_true", help="skip PostgreSQL (with --sqlite)")
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument(
         "--profile",
         type=Path,
-        help="record the metering server with py-spy into PATH.<backend>.txt (collapsed "
+        help="record ours on PostgreSQL with py-spy into PATH.postgresql.txt (collapsed "
         "stacks; summarize with python -m bench.hotspots). Slows the server: not for --write",
     )
     args = p.parse_args(argv)
@@ -119,16 +148,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len(args.requests) != len(args.concurrency):
         p.error("--requests needs one count per --concurrency level")
     modes, kinds = set(args.modes.split(",")) - {""}, set(args.kinds.split(",")) - {""}
-    if modes - {"direct", "off", "on"} or kinds - {"json", "stream"}:
+    if args.litellm:
+        modes.add("litellm")
+    if args.no_sqlite:
+        modes.discard("sqlite")
+    if modes - set(MODES) or kinds - {"json", "stream"}:
         p.error("unknown mode or kind")
-    # The direct row comes first: the proxied rows are compared with it.
-    args.modes = [m for m in ("direct", "off", "on") if m in modes]
+    args.modes = [m for m in MODES if m in modes]
     args.kinds = [k for k in ("json", "stream") if k in kinds]
-    if args.sqlite and args.workers > 1:
-        p.error("SQLite serves one process: --workers needs PostgreSQL only")
+    args.hot = _pair(p, "--hot", args.hot)
+    args.paced = _pair(p, "--paced", args.paced)
     if args.write and args.profile:
         p.error("--profile slows the server down: its figures are not for BENCHMARKS.md")
     return args
+
+
+def _pair(p, name: str, value: str) -> tuple[int, int] | None:
+    if value.strip() == "0":
+        return None
+    try:
+        c, n = (int(x) for x in value.split(","))
+    except ValueError:
+        p.error(f"{name} takes C,N or 0")
+    return c, n
 
 
 # --- setup -------------------------------------------------------------------------------------
@@ -153,12 +195,16 @@ max_output_tokens = 4096
 """
 
 
-def chat_body(stream: bool, tokens: int, chunks: int, direct: bool, delay_ms: int = 0) -> bytes:
+def chat_body(
+    stream: bool, tokens: int, chunks: int, direct: bool, delay_ms: int = 0, wait_ms: int = 0
+) -> bytes:
     text = f"Benchmark request, please answer. sim:tokens={tokens}"
     if stream:
         text += f" sim:chunks={chunks}"
         if delay_ms:
             text += f" sim:delay_ms={delay_ms}"
+    if wait_ms:
+        text += f" sim:wait_ms={wait_ms}"
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": text}],
@@ -184,6 +230,7 @@ class Admin:
         return response.json()
 
     def principal(self, limit: str | None) -> dict:
+        """A team, a user in it and a token of the user, each with this limit (or none)."""
         tag = uuid.uuid4().hex[:8]
         team = self.ok(
             "POST",
@@ -258,64 +305,9 @@ def pg_stat(admin_dsn: str, dbname: str, column: str) -> int:
     return int(row[0]) if row and row[0] is not None else 0
 
 
-def pg_sessions(admin_dsn: str, dbname: str) -> int:
-    return pg_stat(admin_dsn, dbname, "sessions")
-
-
 def postgres_version(admin_dsn: str) -> str:
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
         return conn.execute("SHOW server_version").fetchone()[0]
-
-
-# --- one backend -------------------------------------------------------------------------------
-
-
-class Sampler:
-    """CPU of the server, the sim and the database's backends around the measured part."""
-
-    def __init__(self, server_pid: int, sim_pid: int, pg: tuple[str, str] | None) -> None:
-        self.server_pid, self.sim_pid, self.pg = server_pid, sim_pid, pg
-        self.start: dict = {}
-        # Summed over the scenario's batches.
-        self.delta: dict = {"pg_connections": 0, "server": 0.0, "sim": 0.0, "pg": 0.0}
-
-    def _pg_cpu(self) -> dict[int, float]:
-        return cpu_of(pg_backend_pids(*self.pg)) if self.pg else {}
-
-    def __call__(self, phase: str) -> None:
-        if phase == "start":
-            # The database's backends first: listing them costs a connection of our own.
-            self.start = {
-                "sessions": pg_sessions(*self.pg) if self.pg else None,
-                "pg": self._pg_cpu(),
-                "server": tree_cpu_seconds(self.server_pid),
-                "sim": cpu_seconds(self.sim_pid),
-            }
-            return
-        server, sim = tree_cpu_seconds(self.server_pid), cpu_seconds(self.sim_pid)
-        pg_end = self._pg_cpu()
-        # Backends that closed during the run are lost; new ones count from zero.
-        pg = sum(cpu - self.start["pg"].get(pid, 0.0) for pid, cpu in pg_end.items())
-        sessions = pg_sessions(*self.pg) if self.pg else None
-        d = self.delta
-        # Ours go to the admin database, not this one. The counter may lag by ~1 s.
-        d["pg_connections"] = (
-            d["pg_connections"] + sessions - self.start["sessions"] if self.pg else None
-        )
-        d["rss_kib"] = tree_rss_kib(self.server_pid)
-        d["server"] += server - self.start["server"]
-        d["sim"] += sim - self.start["sim"]
-        d["pg"] = d["pg"] + pg if self.pg else None
-
-
-def stop_profiler(profiler: subprocess.Popen) -> None:
-    """py-spy writes its file on SIGINT."""
-    if profiler.poll() is None:
-        profiler.send_signal(signal.SIGINT)
-        try:
-            profiler.wait(60)
-        except subprocess.TimeoutExpired:
-            profiler.kill()
 
 
 def lock_waits(admin_dsn: str, dbname: str) -> str:
@@ -329,16 +321,38 @@ def lock_waits(admin_dsn: str, dbname: str) -> str:
     return ", ".join(f"{n} {state} ({wait})" for state, wait, n in rows)
 
 
-def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stack) -> dict:
+# --- the servers under test --------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    """One server under test: the floor, LiteLLM, or ours on one database."""
+
+    name: str
+    process: Process
+    base: str
+    pg: tuple[str, str] | None = None  # (admin DSN, database) of ours on PostgreSQL
+    admin: Admin | None = None
+    principals: dict[str, dict] = field(default_factory=dict)
+    request_ids: list[str] = field(default_factory=list)  # of every 2xx answer, warm-ups too
+    failed: int = 0
+    rss_start_kib: int = 0
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def start_ours(args, backend: str, sim_port: int, tmp: Path, stack) -> Server:
     admin_key = "bench-admin-" + uuid.uuid4().hex
     pg = None
-    if backend == "postgresql":
+    workers = 1
+    if backend == "pg":
         dbname, database_url = stack.enter_context(postgres_database(args.pg))
         pg = (args.pg, dbname)
-        label = "PostgreSQL"
+        workers = args.workers
     else:
         database_url = f"sqlite:///{tmp / 'bench.db'}"
-        label = "SQLite"
     config = tmp / "metering.toml"
     config.write_text(catalog_toml(sim_port))
     env = {
@@ -346,209 +360,337 @@ def run_backend(args, backend: str, sim: Process, sim_port: int, tmp: Path, stac
         "METERING_DATABASE_URL": database_url,
         "METERING_ADMIN_KEY": admin_key,
         "METERING_CONFIG": str(config),
-        SIM_KEY_ENV: "sim-key",
+        SIM_KEY_ENV: SIM_KEY,
     }
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     # cwd is the temp dir so no .env or metering.toml from the checkout is read.
-    server = Process(
+    process = Process(
         f"metering-{backend}",
         [*metering_command(), "serve", "--port", str(port), "--log-level", "warning"]
-        + ["--workers", str(args.workers)],
+        + ["--workers", str(workers)],
         env,
         tmp,
         tmp,
     )
-    stack.callback(server.stop)
-    server.wait_http(f"{base}/healthz")
-    print(f"[{label}] metering serve pid {server.pid} on {base}", file=sys.stderr)
-    if args.workers > 1:
-        label += f", --workers {args.workers}"
+    stack.callback(process.stop)
+    process.wait_http(f"{base}/healthz", timeout=120)
+    server = Server(backend, process, base, pg=pg, admin=Admin(base, admin_key))
+    server.principals["on"] = server.admin.principal(BIG_LIMIT)
+    if "pg-off" in args.modes and backend == "pg":
+        server.principals["off"] = server.admin.principal(None)
+    if args.hot and backend == "pg":
+        for i in range(args.hot[0]):
+            server.principals[f"team-{i}"] = server.admin.principal(BIG_LIMIT)
+    print(f"ours on {backend}: pid {process.pid} on {base}", file=sys.stderr)
+    return server
 
-    admin = Admin(base, admin_key)
-    principals = {"off": admin.principal(None), "on": admin.principal(BIG_LIMIT)}
-    rss_before = tree_rss_kib(server.pid)
-    cpu_before = tree_cpu_seconds(server.pid)
 
-    profiler = None
-    if args.profile:
-        out = args.profile.with_name(f"{args.profile.name}.{backend}.txt")
-        profiler = subprocess.Popen(
-            ["py-spy", "record", "--pid", str(server.pid), "--rate", "250", "--format", "raw"]
-            + ["--nonblocking", "--subprocesses", "--output", str(out)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        stack.callback(stop_profiler, profiler)
-        time.sleep(1)
-
-    request_ids: dict[str, list[str]] = {"off": [], "on": []}
-    failed = {"off": 0, "on": 0}
-    rows = []
-    for c, n in zip(args.concurrency, args.requests, strict=True):
-        warmup = args.warmup if args.warmup is not None else max(30, 4 * c)
-        rounds = max(1, min(args.rounds, n // max(c, 1)))
-        batches = [n // rounds + (1 if i < n % rounds else 0) for i in range(rounds)]
-        for kind in args.kinds:
-            stream = kind == "stream"
-            targets = {}
-            for mode in args.modes:
-                if mode == "direct":
-                    target = load.Target(
-                        f"http://127.0.0.1:{sim_port}/openai/v1/chat/completions",
-                        {"authorization": "Bearer sim-key", "content-type": "application/json"},
-                        chat_body(stream, args.tokens, args.chunks, True, args.delay_ms),
-                        stream,
-                    )
-                else:
-                    token = principals[mode]["token"]["token"]
-                    target = load.Target(
-                        f"{base}/v1/chat/completions",
-                        {"authorization": f"Bearer {token}", "content-type": "application/json"},
-                        chat_body(stream, args.tokens, args.chunks, False, args.delay_ms),
-                        stream,
-                    )
-                targets[mode] = target
-            # The modes take turns, batch by batch, so a burst of load from elsewhere on the
-            # machine falls on all of them alike; each batch warms up its own connections.
-            samplers = {mode: Sampler(server.pid, sim.pid, pg) for mode in targets}
-            results: dict[str, load.LoadResult] = {}
-            for batch in batches:
-                for mode, target in targets.items():
-                    try:
-                        measured, warm = load.run(
-                            target,
-                            batch,
-                            c,
-                            warmup,
-                            on_measure=samplers[mode],
-                            deadline_s=args.batch_timeout,
-                        )
-                    except load.Stalled as exc:
-                        where = f"; PostgreSQL sessions: {lock_waits(*pg)}" if pg else ""
-                        raise SystemExit(
-                            f"[{label}] {kind} {mode} C={c}: {exc}{where}\n"
-                            f"server log tail:\n{server.log_tail()}"
-                        ) from None
-                    results[mode] = results[mode].add(measured) if mode in results else measured
-                    if mode != "direct":
-                        for result in (warm, measured):
-                            if result is not None:
-                                request_ids[mode] += result.request_ids
-                                failed[mode] += result.failed
-            direct_row = None
-            for mode, measured in results.items():
-                sampler = samplers[mode]
-                ok = max(measured.ok, 1)
-                row = {
-                    "backend": backend,
-                    "stream": stream,
-                    "mode": mode,
-                    "concurrency": c,
-                    "requests": n,
-                    "batches": len(batches),
-                    "failed": measured.failed,
-                    "statuses": {str(k): v for k, v in measured.statuses.items()},
-                    "errors": measured.errors,
-                    "elapsed_s": measured.elapsed_s,
-                    "rps": measured.rps,
-                    "p50_ms": measured.percentile_ms(50),
-                    "p95_ms": measured.percentile_ms(95),
-                    "p99_ms": measured.percentile_ms(99),
-                    "client_cpu_ms": measured.client_cpu_s * 1000 / ok,
-                    "sim_cpu_ms": sampler.delta["sim"] * 1000 / ok,
-                    "proxy_cpu_ms": sampler.delta["server"] * 1000 / ok,
-                    "pg_connections_opened": sampler.delta["pg_connections"],
-                    "server_rss_kib": sampler.delta["rss_kib"],
-                    "pg_cpu_ms": (
-                        sampler.delta["pg"] * 1000 / ok if sampler.delta["pg"] is not None else None
-                    ),
-                }
-                if mode == "direct":
-                    direct_row = row
-                elif direct_row is not None:
-                    row["added_p50_ms"] = row["p50_ms"] - direct_row["p50_ms"]
-                    row["added_p99_ms"] = row["p99_ms"] - direct_row["p99_ms"]
-                    row["throughput_ratio"] = row["rps"] / direct_row["rps"]
-                else:
-                    row["throughput_ratio"] = float("nan")
-                rows.append(row)
-                print(
-                    f"[{label}] {kind:6} {mode:6} C={c:<3} {row['rps']:8.0f} req/s  "
-                    f"p50 {row['p50_ms']:7.2f}  p99 {row['p99_ms']:7.2f} ms  "
-                    f"proxy CPU {row['proxy_cpu_ms']:.2f} ms/req  failed {row['failed']}"
-                    + (f"  {measured.errors[:2]}" if measured.errors else ""),
-                    file=sys.stderr,
-                )
-
-    if profiler is not None:
-        stop_profiler(profiler)
-
-    server_cpu = tree_cpu_seconds(server.pid) - cpu_before
-    rss_after = tree_rss_kib(server.pid)
-    checks = check(admin, principals, request_ids, failed, server)
-    if pg:
-        time.sleep(1.5)  # backends publish their statistics about once a second
-        deadlocks = pg_stat(*pg, "deadlocks")
-        checks.append((deadlocks == 0, f"PostgreSQL deadlocks in the bench database: {deadlocks}"))
-    server.stop()
-    proxied = sum(len(ids) for ids in request_ids.values())
-    return {
-        "backend": backend,
-        "backend_label": label,
-        "rows": rows,
-        "memory": {"before_kib": rss_before, "after_kib": rss_after},
-        "server_cpu_s": server_cpu,
-        "proxied_requests": proxied,
-        "checks": checks,
+def start_floor(sim_port: int, tmp: Path, stack) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
+    argv += ["--upstream", f"http://127.0.0.1:{sim_port}/openai/v1", "--key", SIM_KEY]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
+    process = Process("floor", argv, env, tmp, tmp)
+    stack.callback(process.stop)
+    base = f"http://127.0.0.1:{port}"
+    body = chat_body(False, 5, 1, True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if (
+                httpx.post(f"{base}/v1/chat/completions", content=body, timeout=5).status_code
+                == 200
+            ):
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or process.popen.poll() is not None:
+            raise RuntimeError(f"the floor did not start:\n{process.log_tail()}")
+        time.sleep(0.1)
+    print(f"floor: pid {process.pid} on {base}", file=sys.stderr)
+    return Server("floor", process, base)
 
 
-def check(admin: Admin, principals: dict, request_ids: dict, failed: dict, server: Process):
+def start_litellm(args, sim_port: int, tmp: Path, stack) -> Server:
+    try:
+        litellm_proxy.ensure(args.litellm_venv)
+    except litellm_proxy.Unavailable as exc:
+        raise SystemExit(str(exc)) from None
+    config = tmp / "litellm.yaml"
+    config.write_text(
+        litellm_proxy.config_yaml(MODEL, f"http://127.0.0.1:{sim_port}/openai/v1", SIM_KEY)
+    )
+    port = free_port()
+    process = Process(
+        "litellm",
+        litellm_proxy.argv(args.litellm_venv, config, port),
+        litellm_proxy.env(dict(os.environ)),
+        tmp,
+        tmp,
+    )
+    stack.callback(process.stop)
+    base = f"http://127.0.0.1:{port}"
+    process.wait_http(f"{base}/health/liveliness", timeout=180)
+    print(
+        f"LiteLLM {litellm_proxy.version(args.litellm_venv)}: pid {process.pid} on {base}",
+        file=sys.stderr,
+    )
+    return Server("litellm", process, base)
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+class Sampler:
+    """CPU of a server, the sim and the database's backends around the measured part of each
+    batch, summed over the batches of one row."""
+
+    def __init__(self, server: Server | None, sim_pid: int) -> None:
+        self.server, self.sim_pid = server, sim_pid
+        self.pg = server.pg if server else None
+        self.start: dict = {}
+        self.delta: dict = {"pg_connections": 0, "server": 0.0, "sim": 0.0, "pg": 0.0}
+
+    def _pg_cpu(self) -> dict[int, float]:
+        return cpu_of(pg_backend_pids(*self.pg)) if self.pg else {}
+
+    def __call__(self, phase: str) -> None:
+        server_pid = self.server.pid if self.server else None
+        if phase == "start":
+            # The database's backends first: listing them costs a connection of our own.
+            self.start = {
+                "sessions": pg_stat(*self.pg, "sessions") if self.pg else None,
+                "pg": self._pg_cpu(),
+                "server": tree_cpu_seconds(server_pid) if server_pid else 0.0,
+                "sim": cpu_seconds(self.sim_pid),
+            }
+            return
+        server = tree_cpu_seconds(server_pid) if server_pid else 0.0
+        sim = cpu_seconds(self.sim_pid)
+        pg_end = self._pg_cpu()
+        # Backends that closed during the run are lost; new ones count from zero.
+        pg = sum(cpu - self.start["pg"].get(pid, 0.0) for pid, cpu in pg_end.items())
+        d = self.delta
+        if self.pg:
+            # Ours go to the admin database, not this one. The counter may lag by ~1 s.
+            d["pg_connections"] += pg_stat(*self.pg, "sessions") - self.start["sessions"]
+            d["pg"] += pg
+        d["rss_kib"] = tree_rss_kib(server_pid) if server_pid else None
+        d["server"] += server - self.start["server"]
+        d["sim"] += sim - self.start["sim"]
+
+
+def stop_profiler(profiler: subprocess.Popen) -> None:
+    """py-spy writes its file on SIGINT."""
+    if profiler.poll() is None:
+        profiler.send_signal(signal.SIGINT)
+        try:
+            profiler.wait(60)
+        except subprocess.TimeoutExpired:
+            profiler.kill()
+
+
+def target_for(
+    mode: str,
+    servers: dict[str, Server],
+    sim_port: int,
+    stream: bool,
+    args,
+    paced: bool = False,
+    principal: str = "on",
+) -> load.Target:
+    body_args = (args.tokens, PACED["chunks"] if paced else args.chunks)
+    extra = {"delay_ms": PACED["delay_ms"], "wait_ms": PACED["wait_ms"]} if paced else {}
+    json_type = {"content-type": "application/json"}
+    if mode == "direct":
+        return load.Target(
+            f"http://127.0.0.1:{sim_port}/openai/v1/chat/completions",
+            {"authorization": f"Bearer {SIM_KEY}", **json_type},
+            chat_body(stream, *body_args, True, **extra),
+            stream,
+        )
+    server = servers[SERVER_OF[mode]]
+    url = f"{server.base}/v1/chat/completions"
+    if mode == "floor":
+        # The floor relays the body unchanged: it gets what the proxy would send upstream.
+        return load.Target(url, json_type, chat_body(stream, *body_args, True, **extra), stream)
+    body = chat_body(stream, *body_args, False, **extra)
+    if mode == "litellm":
+        headers = {"authorization": f"Bearer {litellm_proxy.MASTER_KEY}", **json_type}
+        return load.Target(url, headers, body, stream)
+    if mode == "pg-off":
+        principal = "off"
+    if principal == "spread":
+        spread = [
+            {"authorization": f"Bearer {p['token']['token']}", **json_type}
+            for name, p in server.principals.items()
+            if name.startswith("team-")
+        ]
+        return load.Target(url, spread[0], body, stream, spread=spread)
+    token = server.principals[principal]["token"]["token"]
+    return load.Target(url, {"authorization": f"Bearer {token}", **json_type}, body, stream)
+
+
+def measure(
+    args,
+    scenario: str,
+    targets: dict[str, load.Target],
+    servers: dict[str, Server],
+    sim: Process,
+    c: int,
+    n: int,
+    stream: bool,
+) -> list[dict]:
+    """The targets take turns, batch by batch, so a burst of load from elsewhere on the machine
+    falls on all of them alike; each batch warms up its own connections."""
+    warmup = args.warmup if args.warmup is not None else max(20, 2 * c)
+    rounds = max(1, min(args.rounds, n // max(c, 1)))
+    samplers = {}
+    for key in targets:
+        server = servers.get(SERVER_OF.get(key.split(":")[0], ""))
+        samplers[key] = Sampler(server, sim.pid)
+    results: dict[str, load.LoadResult] = {}
+    for i in range(rounds):
+        for key, target in targets.items():
+            mode = key.split(":")[0]
+            total = max(c, round(n * args.litellm_share)) if mode == "litellm" else n
+            batch = total // rounds + (1 if i < total % rounds else 0)
+            server = servers.get(SERVER_OF.get(mode, ""))
+            try:
+                measured, warm = load.run(
+                    target,
+                    batch,
+                    c,
+                    warmup,
+                    on_measure=samplers[key],
+                    deadline_s=args.batch_timeout,
+                )
+            except load.Stalled as exc:
+                where = ""
+                if server and server.pg:
+                    where = f"; PostgreSQL sessions: {lock_waits(*server.pg)}"
+                tail = server.process.log_tail() if server else ""
+                raise SystemExit(
+                    f"{scenario} {key} C={c}: {exc}{where}\nlog tail:\n{tail}"
+                ) from None
+            results[key] = results[key].add(measured) if key in results else measured
+            if server is not None and server.admin is not None:
+                for result in (warm, measured):
+                    if result is not None:
+                        server.request_ids += result.request_ids
+                        server.failed += result.failed
+    rows = []
+    for key, measured in results.items():
+        mode = key.split(":")[0]
+        delta = samplers[key].delta
+        ok = max(measured.ok, 1)
+        row = {
+            "scenario": scenario,
+            "key": key,
+            "mode": mode,
+            "stream": stream,
+            "concurrency": c,
+            "requests": measured.requests,
+            "failed": measured.failed,
+            "statuses": {str(k): v for k, v in measured.statuses.items()},
+            "errors": measured.errors,
+            "elapsed_s": measured.elapsed_s,
+            "rps": measured.rps,
+            "p50_ms": measured.percentile_ms(50),
+            "p95_ms": measured.percentile_ms(95),
+            "p99_ms": measured.percentile_ms(99),
+            "ttfb_p50_ms": measured.ttfb_percentile_ms(50),
+            "ttfb_p99_ms": measured.ttfb_percentile_ms(99),
+            "client_cpu_ms": measured.client_cpu_s * 1000 / ok,
+            "sim_cpu_ms": delta["sim"] * 1000 / ok,
+            "server_cpu_ms": delta["server"] * 1000 / ok if mode != "direct" else None,
+            "pg_cpu_ms": delta["pg"] * 1000 / ok if samplers[key].pg else None,
+            "pg_connections_opened": delta["pg_connections"] if samplers[key].pg else None,
+            "server_rss_kib": delta.get("rss_kib"),
+        }
+        rows.append(row)
+        print(
+            f"[{scenario}] {'stream' if stream else 'json':6} {key:12} C={c:<3} "
+            f"{row['rps']:8.0f} req/s  p50 {row['p50_ms']:7.2f}  p99 {row['p99_ms']:7.2f} ms"
+            + (f"  ttfb p50 {row['ttfb_p50_ms']:6.2f}" if stream else "")
+            + (f"  CPU {row['server_cpu_ms']:.2f} ms/req" if row["server_cpu_ms"] else "")
+            + f"  failed {row['failed']}"
+            + (f"  {measured.errors[:2]}" if measured.errors else ""),
+            file=sys.stderr,
+        )
+    direct = next((r for r in rows if r["mode"] == "direct"), None)
+    floor = next((r for r in rows if r["mode"] == "floor"), None)
+    for row in rows:
+        if direct is not None and row is not direct:
+            row["added_p50_ms"] = row["p50_ms"] - direct["p50_ms"]
+            row["added_p99_ms"] = row["p99_ms"] - direct["p99_ms"]
+            row["added_ttfb_p50_ms"] = row["ttfb_p50_ms"] - direct["ttfb_p50_ms"]
+        if floor is not None and row["mode"] not in ("direct", "floor"):
+            row["vs_floor"] = row["rps"] / floor["rps"] if floor["rps"] else float("nan")
+    return rows
+
+
+def check(server: Server) -> list[tuple[bool, str]]:
     """The ledger against what the load generator saw, and every hold released."""
+    label = f"ours on {'PostgreSQL' if server.pg else 'SQLite'}"
     checks = []
-    for mode, principal in principals.items():
-        label = f"budgets {mode}"
-        ids = request_ids[mode]
-        if not ids and not failed[mode]:
-            continue
-        events = admin.events(principal["token"]["id"])
-        event_ids = [e["id"] for e in events]
-        checks.append(
-            (
-                len(events) == len(ids) and set(event_ids) == set(ids),
-                f"{label}: {len(events)} ledger events for {len(ids)} proxied 2xx answers, "
-                f"one per answer, ids equal to the answers' x-request-id"
-                + (f" ({failed[mode]} requests failed)" if failed[mode] else ""),
-            )
+    events = []
+    for principal in server.principals.values():
+        events += server.admin.events(principal["token"]["id"])
+    ids = server.request_ids
+    event_ids = [e["id"] for e in events]
+    checks.append(
+        (
+            len(events) == len(ids) and set(event_ids) == set(ids),
+            f"{label}: {len(events)} ledger events for {len(ids)} proxied 2xx answers over "
+            f"{len(server.principals)} token{'s' if len(server.principals) > 1 else ''}, one per answer, ids equal to the answers' "
+            "x-request-id" + (f" ({server.failed} requests failed)" if server.failed else ""),
         )
-        bad = [e for e in events if e["status"] != "ok" or e["usage_source"] != "reported"]
-        checks.append(
-            (not bad, f"{label}: every event status ok with reported usage ({len(bad)} not)")
-        )
-        reserved = {}
-        spent = {}
+    )
+    bad = [e for e in events if e["status"] != "ok" or e["usage_source"] != "reported"]
+    checks.append((not bad, f"{label}: every event status ok with reported usage ({len(bad)} not)"))
+    reserved_nonzero, spent_wrong = [], []
+    by_token: dict[str, Decimal] = {}
+    for e in events:
+        by_token[e["token_id"]] = by_token.get(e["token_id"], Decimal(0)) + Decimal(e["cost"])
+    for name, principal in server.principals.items():
+        cost = by_token.get(principal["token"]["id"], Decimal(0))
         for scope, key in (("tokens", "token"), ("users", "user"), ("teams", "team")):
-            budget = admin.ok("GET", f"/v1/{scope}/{principal[key]['id']}/budget")
-            reserved[key] = Decimal(budget["reserved"])
-            spent[key] = Decimal(budget["spent"])
-        checks.append(
-            (
-                all(v == 0 for v in reserved.values()),
-                f"{label}: reserved 0 on token, user and team "
-                f"({', '.join(f'{k} {v}' for k, v in reserved.items())})",
-            )
+            budget = server.admin.ok("GET", f"/v1/{scope}/{principal[key]['id']}/budget")
+            if Decimal(budget["reserved"]) != 0:
+                reserved_nonzero.append(f"{name} {key} {budget['reserved']}")
+            if Decimal(budget["spent"]) != cost:
+                spent_wrong.append(f"{name} {key} {budget['spent']} != {cost}")
+    scopes = 3 * len(server.principals)
+    checks.append(
+        (
+            not reserved_nonzero,
+            f"{label}: reserved 0 on all {scopes} budgets (token, user and team of each token)"
+            + (f"; not: {', '.join(reserved_nonzero[:5])}" if reserved_nonzero else ""),
         )
-        total = sum((Decimal(e["cost"]) for e in events), Decimal(0))
-        checks.append(
-            (
-                all(v == total for v in spent.values()),
-                f"{label}: spent on token, user and team = sum of event costs ({total} USD)",
-            )
+    )
+    total = sum(by_token.values(), Decimal(0))
+    checks.append(
+        (
+            not spent_wrong,
+            f"{label}: spent on each of the {scopes} budgets = the sum of its events' costs "
+            f"({total} USD in all)"
+            + (f"; not: {', '.join(spent_wrong[:5])}" if spent_wrong else ""),
         )
-    log = server.log_path.read_text(errors="replace")
+    )
+    log = server.process.log_path.read_text(errors="replace")
     errors = sum(1 for line in log.splitlines() if "ERROR" in line or "Traceback" in line)
-    checks.append((errors == 0, f"server log: {errors} error lines"))
+    checks.append((errors == 0, f"{label}: server log: {errors} error lines"))
+    if server.pg:
+        time.sleep(1.5)  # backends publish their statistics about once a second
+        deadlocks = pg_stat(*server.pg, "deadlocks")
+        checks.append(
+            (deadlocks == 0, f"{label}: PostgreSQL deadlocks in the bench database: {deadlocks}")
+        )
     return checks
 
 
@@ -579,46 +721,18 @@ def machine(args) -> dict:
             if line.startswith("model name"):
                 cpu_model = line.split(":", 1)[1].strip()
                 break
-    postgres = "not used"
-    if not args.no_postgres:
-        postgres = postgres_version(args.pg)
     return {
         "nproc": os.cpu_count(),
         "cpu_model": cpu_model,
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "postgres": postgres,
+        "postgres": postgres_version(args.pg),
         "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    backends = ([] if args.no_postgres else ["postgresql"]) + (["sqlite"] if args.sqlite else [])
-    if not backends:
-        raise SystemExit("nothing to run: --no-postgres needs --sqlite")
-    meta = {
-        "command": "python -m bench.run" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "revision": revision(),
-        **machine(args),
-        "workload": (
-            f"{', '.join(f'{n} requests at C={c}' for c, n in zip(args.concurrency, args.requests, strict=True))}"
-            f" per scenario, in {args.rounds} batch{'es' if args.rounds > 1 else ''} (the scenarios of one kind and "
-            f"concurrency take turns batch by batch), each after a warm-up of "
-            f"{args.warmup if args.warmup is not None else 'max(30, 4*C)'} requests; one short "
-            f"user message, answers of {args.tokens} completion tokens, streams in "
-            f"{args.chunks} content chunks"
-            + (
-                f" {args.delay_ms} ms apart"
-                if args.delay_ms
-                else "; the sim answers at once (no generation delay), so the direct row is the "
-                "floor and every added millisecond is the proxy's"
-            )
-            + "."
-        ),
-    }
-    results = []
+def run(args, meta: dict) -> dict:
+    rows: list[dict] = []
     with (
         tempfile.TemporaryDirectory(prefix="metering-bench-") as tmpdir,
         contextlib.ExitStack() as stack,
@@ -635,20 +749,105 @@ def main(argv=None) -> int:
         stack.callback(sim.stop)
         sim.wait_http(
             f"http://127.0.0.1:{sim_port}/openai/v1/models",
-            headers={"authorization": "Bearer sim-key"},
+            headers={"authorization": f"Bearer {SIM_KEY}"},
         )
-        print(f"sim pid {sim.pid} on port {sim_port}", file=sys.stderr)
-        for backend in backends:
-            with contextlib.ExitStack() as backend_stack:
-                results.append(run_backend(args, backend, sim, sim_port, tmp, backend_stack))
-    generated = report.markdown(meta, results)
+        print(f"sim: pid {sim.pid} on port {sim_port}", file=sys.stderr)
+        servers: dict[str, Server] = {}
+        if "floor" in args.modes:
+            servers["floor"] = start_floor(sim_port, tmp, stack)
+        if {"pg", "pg-off"} & set(args.modes) or args.hot:
+            pg_tmp = tmp / "pg"
+            pg_tmp.mkdir()
+            servers["pg"] = start_ours(args, "pg", sim_port, pg_tmp, stack)
+        if "sqlite" in args.modes:
+            sqlite_tmp = tmp / "sqlite"
+            sqlite_tmp.mkdir()
+            servers["sqlite"] = start_ours(args, "sqlite", sim_port, sqlite_tmp, stack)
+        if "litellm" in args.modes:
+            servers["litellm"] = start_litellm(args, sim_port, tmp, stack)
+            meta["litellm"] = litellm_proxy.version(args.litellm_venv)
+        for server in servers.values():
+            server.rss_start_kib = tree_rss_kib(server.pid)
+
+        profiler = None
+        if args.profile and "pg" in servers:
+            out = args.profile.with_name(f"{args.profile.name}.postgresql.txt")
+            profiler = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(servers["pg"].pid), "--rate", "250"]
+                + ["--format", "raw", "--nonblocking", "--subprocesses", "--output", str(out)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            stack.callback(stop_profiler, profiler)
+            time.sleep(1)
+
+        started = time.monotonic()
+        for c, n in zip(args.concurrency, args.requests, strict=True):
+            for kind in args.kinds:
+                stream = kind == "stream"
+                targets = {m: target_for(m, servers, sim_port, stream, args) for m in args.modes}
+                rows += measure(args, "matrix", targets, servers, sim, c, n, stream)
+        if args.hot:
+            c, n = args.hot
+            targets = {
+                f"pg:{p}": target_for("pg", servers, sim_port, False, args, principal=p)
+                for p in ("on", "spread")
+            }
+            rows += measure(args, "hot", targets, servers, sim, c, n, False)
+        if args.paced:
+            c, n = args.paced
+            paced_modes = [m for m in args.modes if m != "pg-off"]
+            targets = {
+                m: target_for(m, servers, sim_port, True, args, paced=True) for m in paced_modes
+            }
+            rows += measure(args, "paced", targets, servers, sim, c, n, True)
+        meta["measure_s"] = time.monotonic() - started
+
+        if profiler is not None:
+            stop_profiler(profiler)
+        memory = {
+            name: {"start_kib": server.rss_start_kib, "end_kib": tree_rss_kib(server.pid)}
+            for name, server in servers.items()
+        }
+        checks = []
+        for server in servers.values():
+            if server.admin is not None:
+                checks += check(server)
+        proxied = {n: len(s.request_ids) for n, s in servers.items() if s.admin is not None}
+    return {"rows": rows, "memory": memory, "checks": checks, "proxied": proxied}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    meta = {
+        "command": "python -m bench.run" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "revision": revision(),
+        **machine(args),
+        "concurrency": args.concurrency,
+        "requests": args.requests,
+        "rounds": args.rounds,
+        "warmup": args.warmup,
+        "tokens": args.tokens,
+        "chunks": args.chunks,
+        "hot": args.hot,
+        "paced": args.paced,
+        "paced_shape": PACED,
+        "modes": args.modes,
+        "workers": args.workers,
+        "litellm_share": args.litellm_share,
+    }
+    started = time.monotonic()
+    result = run(args, meta)
+    meta["total_s"] = time.monotonic() - started
+    generated = report.markdown(meta, result)
     print(generated)
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+        args.json.write_text(json.dumps({"meta": meta, **result}, indent=2, default=str))
     if args.write:
         report.write_benchmarks(ROOT / "BENCHMARKS.md", generated)
         print(f"updated {ROOT / 'BENCHMARKS.md'}", file=sys.stderr)
-    failed = [text for result in results for ok, text in result["checks"] if not ok]
+    failed = [text for ok, text in result["checks"] if not ok]
     return 1 if failed else 0
 
 
