@@ -33,8 +33,7 @@ from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
 from metering.reports.endpoints import MAX_EXPORT_BYTES
-from metering.reports.endpoints import router as reconciliation_router
-from metering.reports.spend import router as spend_router
+from metering.reports.endpoints import router as reports_router
 from metering.reports.usage import router as usage_router
 from metering.services import Services, get_services
 from metering.settings import Catalog, Settings, load_catalog
@@ -217,8 +216,7 @@ def create_app(
     app.include_router(identity_router)
     app.include_router(budgets_router)
     app.include_router(usage_router)
-    app.include_router(spend_router)
-    app.include_router(reconciliation_router)
+    app.include_router(reports_router)
     app.include_router(metrics_router)
     app.include_router(auth_router)
     app.include_router(dashboard_router)

@@ -1,16 +1,69 @@
-"""POST /v1/reconciliations and GET /v1/reconciliations/{id} (admin)."""
+"""GET /v1/spend (admin, or self) and /v1/reconciliations (admin). The usage listing is
+metering.reports.usage's."""
 
 from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.datastructures import UploadFile
 
-from metering.auth.principal import Principal, admin_only
-from metering.errors import InvalidRequest, NotFound, TooLarge
+from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
+from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
 from metering.reports import reconciliation
+from metering.reports.schemas import ReconciliationOut, SpendOut
+from metering.reports.spend import DEFAULT_ROWS, MAX_PAGE, MAX_ROWS, spend_report
 from metering.reports.usage import check_text
+from metering.services import Services, get_services
 
 router = APIRouter(prefix="/v1")
 
 MAX_EXPORT_BYTES = 64 * 1024 * 1024
+CSV = {"text/csv": {"schema": {"type": "string"}}}
+
+
+@router.get(
+    "/spend",
+    response_model=SpendOut,
+    responses={
+        200: {"description": "The report, as JSON or (format=csv) as CSV", "content": CSV},
+        **error_responses(400, *RULE_ERRORS["self"]),
+    },
+)
+async def spend(
+    principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    group_by: str | None = Query(None, max_length=200),
+    team_id: str | None = Query(None, max_length=40),
+    user_id: str | None = Query(None, max_length=40),
+    token_id: str | None = Query(None, max_length=40),
+    model: str | None = Query(None, max_length=200),
+    provider: str | None = Query(None, max_length=100),
+    format: str = Query("json", pattern="^(json|csv)$"),
+    limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
+    page: int = Query(1, ge=1, le=MAX_PAGE),
+) -> StreamingResponse:
+    report = await spend_report(
+        services.db,
+        principal,
+        start=start,
+        end=end,
+        group_by=group_by,
+        filters=dict(
+            team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
+        ),
+        limit=limit,
+        page=page,
+    )
+    if format == "csv":
+        return StreamingResponse(
+            report.csv(),
+            media_type="text/csv",
+            headers={
+                "content-disposition": 'attachment; filename="spend.csv"',
+                **report.paging(),
+            },
+        )
+    return StreamingResponse(report.json(), media_type="application/json", headers=report.paging())
 
 
 def _too_large() -> TooLarge:
@@ -38,26 +91,56 @@ async def read_export(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-@router.post("/reconciliations", status_code=201)
+@router.post(
+    "/reconciliations",
+    status_code=201,
+    response_model=ReconciliationOut,
+    responses=error_responses(400, 413, 415, *RULE_ERRORS["admin"]),
+    openapi_extra={
+        "requestBody": {
+            "description": "The provider's usage export: CSV as the body, or the multipart "
+            "field `file`",
+            "content": {
+                "text/csv": {"schema": {"type": "string"}},
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {"file": {"type": "string", "format": "binary"}},
+                        "required": ["file"],
+                    }
+                },
+            },
+        }
+    },
+)
 async def create_reconciliation(
     request: Request,
     _: Principal = Depends(admin_only),
+    services: Services = Depends(get_services),
     provider: str = Query(..., min_length=1, max_length=100),
     tolerance: str | None = Query(None, max_length=32),
-) -> dict:
+) -> JSONResponse:
     check_text(provider, "provider")
     parsed = reconciliation.parse_tolerance(tolerance)
     data = await read_export(request)
-    return await reconciliation.reconcile(request.app.state.db, provider, parsed, data)
+    result = await reconciliation.reconcile(services.db, provider, parsed, data)
+    # Sent as built: a large comparison is not walked again by a response model.
+    return JSONResponse(result, status_code=201)
 
 
-@router.get("/reconciliations/{reconciliation_id}")
+@router.get(
+    "/reconciliations/{reconciliation_id}",
+    response_model=ReconciliationOut,
+    responses=error_responses(404, *RULE_ERRORS["admin"]),
+)
 async def get_reconciliation(
-    request: Request, reconciliation_id: str, _: Principal = Depends(admin_only)
-) -> dict:
+    reconciliation_id: str,
+    _: Principal = Depends(admin_only),
+    services: Services = Depends(get_services),
+) -> JSONResponse:
     found = None
     if len(reconciliation_id) <= 40 and "\x00" not in reconciliation_id:
-        found = await reconciliation.load(request.app.state.db, reconciliation_id)
+        found = await reconciliation.load(services.db, reconciliation_id)
     if found is None:
         raise NotFound(f"reconciliation {reconciliation_id} not found")
-    return found
+    return JSONResponse(found)

@@ -15,15 +15,15 @@ import asyncio
 import csv
 import io
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 
-from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import StreamingResponse
 from sqlalchemy import func, literal, select, union_all
 
-from metering.auth.principal import Principal, any_principal
-from metering.db import utcnow
+from metering.auth.service import Principal
+from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
 from metering.ledger.rollup import ceil_hour, day_text, floor_hour, hour_text
 from metering.models import LedgerEvent, LedgerEventArchive, SpendHourly
@@ -31,8 +31,6 @@ from metering.money import format_usd
 from metering.reports.cells import row as csv_cells
 from metering.reports.usage import check_range, check_text, own_user, parse_time
 from metering.timefmt import rfc3339
-
-router = APIRouter(prefix="/v1")
 
 DEFAULT_DAYS = 30
 DEFAULT_ROWS = 10_000  # rows per page unless `limit` says otherwise
@@ -58,7 +56,6 @@ METRICS = (
     "cost",
     "uncharged",
 )
-FILTERS = ("team_id", "user_id", "token_id", "model", "provider")
 
 
 def parse_group_by(value: str | None) -> list[str]:
@@ -232,54 +229,56 @@ async def _csv(keys: list[str], read_rows):
         await asyncio.sleep(0)
 
 
-@router.get("/spend")
-async def spend(
-    request: Request,
-    principal: Principal = Depends(any_principal),
-    start: str | None = Query(None, max_length=64),
-    end: str | None = Query(None, max_length=64),
-    group_by: str | None = Query(None, max_length=200),
-    team_id: str | None = Query(None, max_length=40),
-    user_id: str | None = Query(None, max_length=40),
-    token_id: str | None = Query(None, max_length=40),
-    model: str | None = Query(None, max_length=200),
-    provider: str | None = Query(None, max_length=100),
-    format: str = Query("json", pattern="^(json|csv)$"),
-    limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
-    page: int = Query(1, ge=1, le=MAX_PAGE),
-):
+@dataclass(frozen=True, slots=True)
+class SpendReport:
+    """One page of a report: its head (range, totals, paging) at once, its rows when read."""
+
+    head: dict
+    keys: list[str]
+    read_rows: Callable[[], Awaitable[list[dict]]]
+
+    def paging(self) -> dict[str, str]:
+        """The paging headers of both formats."""
+        out = {"x-row-count": str(self.head["row_count"]), "x-page": str(self.head["page"])}
+        if self.head["next_page"] is not None:
+            out["x-next-page"] = str(self.head["next_page"])
+        return out
+
+    def json(self) -> AsyncIterator[bytes]:
+        return _json(self.head, self.read_rows)
+
+    def csv(self) -> AsyncIterator[bytes]:
+        return _csv(self.keys, self.read_rows)
+
+
+async def spend_report(
+    db: Database,
+    principal: Principal,
+    *,
+    start: str | None,
+    end: str | None,
+    group_by: str | None,
+    filters: dict[str, str | None],
+    limit: int,
+    page: int,
+) -> SpendReport:
+    """The report a caller asked for: a user's credential sees its own user's spend only."""
     end_at = parse_time(end, "end") or utcnow()
     start_at = parse_time(start, "start") or end_at - timedelta(days=DEFAULT_DAYS)
     check_range(start_at, end_at)
     names = parse_group_by(group_by)
     keys = [GROUPS[n] for n in names]
-    given = dict(
-        team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
-    )
-    filters = {k: v for k, v in given.items() if v is not None}
-    for name, value in filters.items():
+    given = {k: v for k, v in filters.items() if v is not None}
+    for name, value in given.items():
         check_text(value, name)
-    own_user(principal, filters.get("user_id"))
+    own_user(principal, given.get("user_id"))
     if not principal.is_admin:
-        filters["user_id"] = principal.user_id
-    db = request.app.state.db
-    query = spend_query(db.dialect, keys, filters, start_at, end_at)
-    if "" in filters.values():  # no id, model or provider is empty
+        given["user_id"] = principal.user_id
+    query = spend_query(db.dialect, keys, given, start_at, end_at)
+    if "" in given.values():  # no id, model or provider is empty
         query = None
     count, total = await summary(db, query)
     offset = (page - 1) * limit
-    next_page = page + 1 if offset + limit < count else None
-    # Read when the response starts: the first bytes leave before the rows are read.
-    rows = partial(page_rows, db, query, keys, offset, min(limit, max(count - offset, 0)))
-    paging = {"x-row-count": str(count), "x-page": str(page)}
-    if next_page is not None:
-        paging["x-next-page"] = str(next_page)
-    if format == "csv":
-        return StreamingResponse(
-            _csv(keys, rows),
-            media_type="text/csv",
-            headers={"content-disposition": 'attachment; filename="spend.csv"', **paging},
-        )
     head = {
         "start": rfc3339(start_at),
         "end": rfc3339(end_at),
@@ -288,6 +287,8 @@ async def spend(
         "row_count": count,
         "page": page,
         "limit": limit,
-        "next_page": next_page,
+        "next_page": page + 1 if offset + limit < count else None,
     }
-    return StreamingResponse(_json(head, rows), media_type="application/json", headers=paging)
+    # Read when the response starts: the first bytes leave before the rows are read.
+    rows = partial(page_rows, db, query, keys, offset, min(limit, max(count - offset, 0)))
+    return SpendReport(head, keys, rows)
