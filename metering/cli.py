@@ -17,10 +17,9 @@ from uvicorn.supervisors import Multiprocess
 
 from metering import migrate
 from metering.errors import InvalidRequest
+from metering.metrics import MULTIPROC_ENV
 from metering.server import server_config
 from metering.settings import Settings
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
 
 
 def serve(args: argparse.Namespace) -> int:

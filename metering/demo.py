@@ -1,13 +1,12 @@
 """`metering demo`: the proxy on the embedded database, a simulated upstream, a demo token, and
 a few seconds of varied traffic so that every dashboard panel has something to show.
 
-The traffic goes through the real proxy over HTTP (teams, users and tokens made with the admin
-API), so it can also be sent to a running server: `python -m metering.demo --url URL` (what the
+Teams, users and tokens, the demo token's too, are made with the admin API over HTTP and the
+traffic goes through the real proxy, so it can also be sent to a running server: `python -m metering.demo --url URL` (what the
 docker-compose `demo` profile does).
 """
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -21,13 +20,9 @@ from typing import ClassVar
 
 import httpx
 import uvicorn
-from sqlalchemy import select, update
 
 from metering import migrate
 from metering.app import create_app
-from metering.db import Database, utcnow
-from metering.identity import service
-from metering.models import ApiToken, Team, User
 from metering.server import server_config
 from metering.settings import Settings, parse_catalog
 from metering.sim.app import SimServer
@@ -82,41 +77,6 @@ def demo_catalog(sim: SimServer) -> dict:
             },
         ],
     }
-
-
-async def demo_token(url: str) -> str:
-    """The demo team, user and a fresh token (earlier demo tokens are revoked: one is enough)."""
-    db = Database(url)
-    try:
-        async with db.transaction() as session:
-            user = await session.scalar(
-                select(User).where(User.email == DEMO_EMAIL, User.deleted_at.is_(None))
-            )
-            if user is None:
-                team = await session.scalar(
-                    select(Team).where(Team.name == DEMO_TEAM, Team.deleted_at.is_(None))
-                )
-                team = team or await service.create_team(session, DEMO_TEAM, None, "monthly")
-                user = await service.create_user(
-                    session,
-                    email=DEMO_EMAIL,
-                    name="Demo User",
-                    team_id=team.id,
-                    password_hash=None,
-                    limit=None,
-                    interval="never",
-                )
-            await session.execute(
-                update(ApiToken)
-                .where(ApiToken.user_id == user.id, ApiToken.revoked_at.is_(None))
-                .values(revoked_at=utcnow())
-            )
-            _, secret = await service.create_token(
-                session, user.id, name="demo", limit=None, interval="never", expires_at=None
-            )
-        return secret
-    finally:
-        await db.dispose()
 
 
 # --- demo traffic ----------------------------------------------------------------------------
@@ -240,6 +200,29 @@ class Admin:
                 found[email] = self.call("POST", "/v1/users", json=body)["id"]
         return found
 
+    def demo_token(self) -> str:
+        """The demo team, user and a fresh token (earlier demo tokens are revoked: one is
+        enough)."""
+        teams = {t["name"]: t["id"] for t in self.listing("/v1/teams")}
+        team_id = (
+            teams.get(DEMO_TEAM)
+            or self.call(
+                "POST", "/v1/teams", json={"name": DEMO_TEAM, "reset_interval": "monthly"}
+            )["id"]
+        )
+        users = {u["email"]: u["id"] for u in self.listing("/v1/users")}
+        user_id = (
+            users.get(DEMO_EMAIL)
+            or self.call(
+                "POST",
+                "/v1/users",
+                json={"email": DEMO_EMAIL, "name": "Demo User", "team_id": team_id},
+            )["id"]
+        )
+        for token in self.call("GET", f"/v1/users/{user_id}/tokens")["data"]:
+            self.call("DELETE", f"/v1/tokens/{token['id']}")
+        return self.call("POST", f"/v1/users/{user_id}/tokens", json={"name": "demo"})["token"]
+
     def tokens(self, users: dict[str, str]) -> dict[str, str]:
         """A fresh secret per demo token name; the earlier ones of that name are revoked."""
         secrets_by_name = {}
@@ -277,12 +260,16 @@ DEMO_TOKEN_CALLS = (
 )
 
 
+def admin_client(base_url: str, admin_key: str) -> httpx.Client:
+    return httpx.Client(
+        base_url=base_url, timeout=30, headers={"authorization": f"Bearer {admin_key}"}
+    )
+
+
 def generate_traffic(base_url: str, admin_key: str, demo_token: str | None = None) -> Counter:
     """Sends the demo traffic through the proxy at base_url (and a little with demo_token, if
     given); answers the statuses it got."""
-    with httpx.Client(
-        base_url=base_url, timeout=30, headers={"authorization": f"Bearer {admin_key}"}
-    ) as http:
+    with admin_client(base_url, admin_key) as http:
         admin = Admin(http)
         teams = admin.teams()
         users = admin.users(teams)
@@ -333,10 +320,11 @@ print(c.chat.completions.create(model="gpt-sim", messages=[{{"role": "user", "co
 """
 
 
-def traffic_in_background(
-    server: uvicorn.Server, base_url: str, admin_key: str, demo_token: str
+def demo_in_background(
+    server: uvicorn.Server, base_url: str, admin_key: str, database_url: str
 ) -> threading.Thread:
-    """Once the server is up, sends the demo traffic and says in one line how it went."""
+    """Once the server is up: makes the demo token, prints the banner, sends the demo traffic
+    and says in one line how it went."""
 
     def run() -> None:
         while not server.started:
@@ -344,7 +332,10 @@ def traffic_in_background(
                 return
             time.sleep(0.05)
         try:
-            statuses = generate_traffic(base_url, admin_key, demo_token)
+            with admin_client(base_url, admin_key) as http:
+                token = Admin(http).demo_token()
+            print(banner(base_url, token, admin_key, database_url), flush=True)
+            statuses = generate_traffic(base_url, admin_key, token)
         except (httpx.HTTPError, RuntimeError) as exc:
             print(f"demo traffic failed: {exc}", file=sys.stderr, flush=True)
             return
@@ -374,15 +365,13 @@ def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
     sim = SimServer().start()
     try:
         catalog = parse_catalog(demo_catalog(sim))
-        token = asyncio.run(demo_token(settings.database_url))
         base = local_url(host, port)
-        print(banner(base, token, admin_key, settings.database_url), flush=True)
         config = server_config(
             create_app(settings, catalog), settings, host=host, port=port, log_level="warning"
         )
         server = uvicorn.Server(config)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per demo request
-        traffic_in_background(server, base, admin_key, token)
+        demo_in_background(server, base, admin_key, settings.database_url)
         server.run()
     finally:
         sim.stop()

@@ -3,7 +3,6 @@
 import os
 import tomllib
 from dataclasses import dataclass, field
-from decimal import Decimal
 from pathlib import Path
 from typing import ClassVar
 
@@ -201,7 +200,3 @@ def load_catalog(path: Path | None, environ: dict | None = None) -> Catalog:
         return Catalog()
     with open(path, "rb") as f:
         return parse_catalog(tomllib.load(f), environ)
-
-
-def price_decimal(micro: int) -> Decimal:
-    return Decimal(micro) / Decimal(10**6)

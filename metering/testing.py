@@ -1,4 +1,4 @@
-"""Running the real server in-process on a loopback port: used by the demo, the tests and bench."""
+"""The real server in a background thread of this process, on a loopback port: for the tests."""
 
 import asyncio
 import socket

@@ -12,11 +12,8 @@ tests/auth/test_rules.py walks every route of the app: a route without a rule fa
   user    a user's API/access token only (the proxy charges a user and a team); admin gets 403
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
-import fastapi.routing
-from fastapi import FastAPI
-from fastapi.dependencies.models import Dependant
 from starlette.routing import BaseRoute
 
 RULES = ("open", "admin", "self", "user")
@@ -41,50 +38,3 @@ def declare(route: BaseRoute, name: str) -> BaseRoute:
     rule(name)  # validates the name
     route.auth_rule = name  # type: ignore[attr-defined]
     return route
-
-
-def routes(app: FastAPI) -> list:
-    """Every route the app serves, with included routers flattened (FastAPI >= 0.16x keeps an
-    included router as one entry of app.routes; older versions copy its routes in)."""
-    flatten = getattr(fastapi.routing, "iter_route_contexts", None)
-    return list(flatten(app.routes)) if flatten else list(app.routes)
-
-
-def _calls(dependant: Dependant | None) -> Iterator[Callable]:
-    for dependency in dependant.dependencies if dependant is not None else ():
-        if dependency.call is not None:
-            yield dependency.call
-        yield from _calls(dependency)
-
-
-def route_rules(app: FastAPI, route) -> set[str]:
-    """Every rule the route declares (a well-formed route declares exactly one)."""
-    declared = getattr(getattr(route, "original_route", route), "auth_rule", None)
-    if declared:
-        return {declared}
-    found = {
-        r
-        for call in _calls(getattr(route, "dependant", None))
-        if (r := getattr(call, "auth_rule", None))
-    }
-    if found:
-        return found
-    docs = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
-    if getattr(route, "path", None) in docs - {None}:
-        return {"open"}
-    return set()
-
-
-def route_rule(app: FastAPI, route) -> str | None:
-    rules = route_rules(app, route)
-    return rules.pop() if len(rules) == 1 else None
-
-
-def describe(route) -> str:
-    methods = ",".join(sorted(getattr(route, "methods", None) or [])) or "*"
-    return f"{methods} {getattr(route, 'path', route)}"
-
-
-def unruled_routes(app: FastAPI) -> list[str]:
-    """Routes that declare no rule, or more than one."""
-    return [describe(route) for route in routes(app) if route_rule(app, route) is None]

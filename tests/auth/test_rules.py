@@ -3,17 +3,68 @@ its rule says on every route (401 for a bad credential, 403 for a valid one not 
 
 import re
 import uuid
+from collections.abc import Callable, Iterator
 
+import fastapi.routing
 import pytest
 from fastapi import Depends, FastAPI
+from fastapi.dependencies.models import Dependant
 from starlette.routing import Mount, Route
 
 from metering.app import create_app
 from metering.auth.principal import admin_only, open_access
-from metering.auth.rules import RULES, declare, describe, route_rule, routes, unruled_routes
+from metering.auth.rules import RULES, declare
 from metering.settings import Catalog, Settings
 from tests.auth.conftest import Client, expired_twin, new_account
 from tests.conftest import ADMIN_KEY
+
+
+def routes(app: FastAPI) -> list:
+    """Every route the app serves, with included routers flattened (FastAPI >= 0.16x keeps an
+    included router as one entry of app.routes; older versions copy its routes in)."""
+    flatten = getattr(fastapi.routing, "iter_route_contexts", None)
+    return list(flatten(app.routes)) if flatten else list(app.routes)
+
+
+def _calls(dependant: Dependant | None) -> Iterator[Callable]:
+    for dependency in dependant.dependencies if dependant is not None else ():
+        if dependency.call is not None:
+            yield dependency.call
+        yield from _calls(dependency)
+
+
+def route_rules(app: FastAPI, route) -> set[str]:
+    """Every rule the route declares (a well-formed route declares exactly one)."""
+    declared = getattr(getattr(route, "original_route", route), "auth_rule", None)
+    if declared:
+        return {declared}
+    found = {
+        r
+        for call in _calls(getattr(route, "dependant", None))
+        if (r := getattr(call, "auth_rule", None))
+    }
+    if found:
+        return found
+    docs = {app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url}
+    if getattr(route, "path", None) in docs - {None}:
+        return {"open"}
+    return set()
+
+
+def route_rule(app: FastAPI, route) -> str | None:
+    rules = route_rules(app, route)
+    return rules.pop() if len(rules) == 1 else None
+
+
+def describe(route) -> str:
+    methods = ",".join(sorted(getattr(route, "methods", None) or [])) or "*"
+    return f"{methods} {getattr(route, 'path', route)}"
+
+
+def unruled_routes(app: FastAPI) -> list[str]:
+    """Routes that declare no rule, or more than one."""
+    return [describe(route) for route in routes(app) if route_rule(app, route) is None]
+
 
 APP = create_app(Settings(_env_file=None), Catalog())
 ROUTES = {describe(route): route for route in routes(APP)}

@@ -11,7 +11,8 @@ from decimal import Decimal
 
 import pytest
 
-from tests.dashboard.conftest import ADMIN_KEY, OUTPUT
+from tests.dashboard.conftest import OUTPUT
+from tests.demo_site import ADMIN_KEY
 
 READY = "body[data-state=ready]"
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from metering.money import MICRO
 from metering.proxy.routing import Target, candidates
-from metering.settings import load_catalog, price_decimal
+from metering.settings import load_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "metering.example.toml"
@@ -98,7 +99,7 @@ def test_minimax_m25_partners_are_priced_as_the_nim_catalog_says(catalog, seed_p
     assert set(routes) == {PARTNERS[name] for name in seed_prices}
     for name, (price_in, price_out) in seed_prices.items():
         route = routes[PARTNERS[name]]
-        assert (price_decimal(route.input_micro), price_decimal(route.output_micro)) == (
+        assert (route.input_micro / MICRO, route.output_micro / MICRO) == (
             price_in,
             price_out,
         ), name

@@ -13,9 +13,19 @@ from decimal import Decimal
 
 import httpx
 
-from metering.demo import DEMO_TEAMS, DEMO_TOKEN_CALLS, DEMO_TOKENS, banner, main
+from metering.demo import (
+    DEMO_EMAIL,
+    DEMO_TEAM,
+    DEMO_TEAMS,
+    DEMO_TOKEN_CALLS,
+    DEMO_TOKENS,
+    Admin,
+    admin_client,
+    local_url,
+    main,
+)
 from metering.testing import free_port
-from tests.dashboard.conftest import ADMIN_KEY
+from tests.demo_site import ADMIN_KEY
 
 
 def test_the_traffic_answers_with_each_kind_of_outcome(site):
@@ -75,9 +85,25 @@ def test_sending_it_again_reuses_teams_and_users(site, monkeypatch, capsys):
         assert len(demo) == len(set(demo))  # the earlier token of each name was revoked
 
 
-def test_the_banner_gives_the_dashboard_url():
-    text = banner("http://127.0.0.1:8080", "mtr_x", "admin", "sqlite:///x.db")
-    assert "http://127.0.0.1:8080/dashboard" in text
+def test_a_server_bound_to_every_address_is_reached_on_loopback():
+    assert local_url("0.0.0.0", 8080) == "http://127.0.0.1:8080"
+    assert local_url("::", 9000) == "http://127.0.0.1:9000"
+    assert local_url("10.1.2.3", 8080) == "http://10.1.2.3:8080"
+
+
+def test_the_demo_token_is_made_with_the_admin_api_and_replaces_the_last(site):
+    with admin_client(site.url, ADMIN_KEY) as http:
+        first = Admin(http).demo_token()
+        second = Admin(http).demo_token()
+    [team] = [t for t in site.get("/v1/teams")["data"] if t["name"] == DEMO_TEAM]
+    [user] = [u for u in site.get("/v1/users")["data"] if u["email"] == DEMO_EMAIL]
+    assert (team["reset_interval"], team["credit_limit"]) == ("monthly", None)
+    assert (user["team_id"], user["name"], user["credit_limit"]) == (team["id"], "Demo User", None)
+    active = site.get(f"/v1/users/{user['id']}/tokens")["data"]
+    assert [(t["name"], t["prefix"]) for t in active] == [("demo", second[:12])]
+    assert site.http.get("/v1/me", headers={"authorization": f"Bearer {first}"}).status_code == 401
+    me = site.get("/v1/me", key=second)
+    assert (me["kind"], me["user_id"]) == ("api_token", user["id"])
 
 
 def test_metering_demo_serves_the_page_and_sends_its_traffic(tmp_path):
