@@ -9,7 +9,6 @@ whichever worker answers. Metrics are floats, for dashboards; the ledger stays t
 
 import logging
 import os
-from decimal import Decimal
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import (
@@ -28,9 +27,12 @@ from metering.auth.principal import open_access
 from metering.auth.tokens import digest, same
 from metering.errors import Unauthorized
 from metering.models import Hold
+from metering.money import pico_to_usd
+from metering.services import Services, get_services
 
 log = logging.getLogger("metering.metrics")
 
+# Read by prometheus_client when it is imported; set by `metering serve` for its workers.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 ROUTE = ("model", "provider")
@@ -74,8 +76,6 @@ TTFT = Histogram(
     list(ROUTE),
     buckets=SECONDS,
 )
-PICO = Decimal(10) ** 12
-
 
 def observe_event(event: dict) -> None:
     """Count one settled ledger event. Never raises: metrics must not fail a request."""
@@ -90,11 +90,11 @@ def observe_event(event: dict) -> None:
         }
         for kind, count in kinds.items():
             TOKENS.labels(*route, kind).inc(count)
-        COST.labels(*route).inc(float(Decimal(event["cost"]) / PICO))
+        COST.labels(*route).inc(float(pico_to_usd(event["cost"])))
         if event.get("usage_anomaly"):
             USAGE_ANOMALIES.labels(*route, event["usage_anomaly"]).inc()
         if event.get("uncharged"):
-            UNCHARGED.labels(*route).inc(float(Decimal(event["uncharged"]) / PICO))
+            UNCHARGED.labels(*route).inc(float(pico_to_usd(event["uncharged"])))
         if event.get("latency_ms") is not None:
             LATENCY.labels(*route).observe(event["latency_ms"] / 1000)
         if event.get("ttft_ms") is not None:
@@ -136,8 +136,7 @@ def render(open_holds: int | None) -> bytes:
 router = APIRouter()
 
 
-def _check_key(request: Request) -> None:
-    key = request.app.state.settings.metrics_key
+def _check_key(request: Request, key: str | None) -> None:
     if not key:
         return
     scheme, _, value = request.headers.get("authorization", "").partition(" ")
@@ -147,11 +146,15 @@ def _check_key(request: Request) -> None:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request, _: None = Depends(open_access)) -> Response:
+async def metrics(
+    request: Request,
+    _: None = Depends(open_access),
+    services: Services = Depends(get_services),
+) -> Response:
     """Open unless METERING_METRICS_KEY is set (then that key, as a Bearer token)."""
-    _check_key(request)
+    _check_key(request, services.settings.metrics_key)
     try:
-        async with request.app.state.db.sessions() as session:
+        async with services.db.sessions() as session:
             open_holds = await session.scalar(select(func.count()).select_from(Hold))
     except Exception:
         log.warning("open holds unavailable: the database cannot be reached", exc_info=True)
