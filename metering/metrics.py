@@ -77,6 +77,7 @@ TTFT = Histogram(
     buckets=SECONDS,
 )
 
+
 def observe_event(event: dict) -> None:
     """Count one settled ledger event. Never raises: metrics must not fail a request."""
     try:
