@@ -9,57 +9,17 @@ from sqlalchemy import select
 from metering import metrics
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
+from metering.ledger import retention
+from metering.ledger.outcome import unsettled_event
 from metering.models import Budget, Hold
-from metering.reports import retention
 
 log = logging.getLogger("metering.jobs")
 RETENTION_EVERY_S = 600
 
 
-def unsettled_event(hold: Hold, now) -> dict:
-    """A hold whose request never settled (its replica died) is charged in full. Should the
-    request settle after all, its real outcome replaces this event (budgets.settle_in)."""
-    return {
-        "id": hold.id,
-        "created_at": now,
-        "started_at": hold.created_at,
-        "token_id": hold.token_id,
-        "user_id": hold.user_id,
-        "team_id": hold.team_id,
-        "model": hold.model,
-        "provider": hold.provider,
-        "upstream_model": hold.upstream_model,
-        "upstream_id": None,
-        "stream": hold.stream,
-        "status": "unsettled",
-        "http_status": None,
-        "finish_reason": None,
-        "prompt_tokens": 0,
-        "completion_tokens": 0,
-        "total_tokens": 0,
-        "cached_tokens": 0,
-        "text_tokens": None,
-        "reasoning_tokens": None,
-        "audio_tokens": None,
-        "image_tokens": None,
-        "video_tokens": None,
-        "accepted_prediction_tokens": None,
-        "rejected_prediction_tokens": None,
-        "usage_source": "unsettled",
-        "usage_anomaly": None,
-        "input_price": hold.input_price,
-        "cached_price": hold.cached_price,
-        "output_price": hold.output_price,
-        "cost": hold.amount,
-        "uncharged": 0,
-        "ttft_ms": None,
-        "latency_ms": None,
-        "error": "the request never settled: its hold was charged in full",
-    }
-
-
 async def expire_holds(db: Database, batch: int = 500) -> int:
-    """Charge every expired hold as an `unsettled` event; a hold settled meanwhile is skipped."""
+    """Charge every expired hold as an `unsettled` event; a hold settled meanwhile is skipped.
+    Should its request settle after all, its real outcome replaces the event (budgets.settle)."""
     now = utcnow()
     async with db.sessions() as session:
         expired = list(
@@ -71,7 +31,7 @@ async def expire_holds(db: Database, batch: int = 500) -> int:
     for hold in expired:
         async with db.transaction() as session:
             event = unsettled_event(hold, utcnow())
-            settled = await budgets.settle_in(session, hold.id, event)
+            settled = await budgets.settle_in(session, event)
         if settled:
             charged += 1
             metrics.observe_event(event)

@@ -2,23 +2,12 @@
 
 from datetime import datetime
 
-from sqlalchemy import (
-    BigInteger,
-    Boolean,
-    Column,
-    ForeignKey,
-    Index,
-    Integer,
-    String,
-    Table,
-    Text,
-    text,
-)
+from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Table, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from metering.db import Base, UTCDateTime
-
-Pico = BigInteger  # 1e-12 USD
+from metering.ledger.event import Pico
+from metering.ledger.event import columns as ledger_columns
 
 
 class Team(Base):
@@ -115,55 +104,17 @@ class Hold(Base):
 
 
 class LedgerEvent(Base):
-    """One request that reached an upstream. Append-only: never deleted, and never updated but
-    in one case: an `unsettled` placeholder (its hold was swept while the request still ran)
-    is replaced by the request's real outcome when it settles after all."""
+    """One request that reached an upstream: the columns declared by metering.ledger.event."""
 
-    __tablename__ = "ledger_events"
-    __table_args__ = (
+    __table__ = Table(
+        "ledger_events",
+        Base.metadata,
+        *ledger_columns(),
         Index("ix_ledger_events_created", "created_at", "id"),
         Index("ix_ledger_events_token_created", "token_id", "created_at"),
         Index("ix_ledger_events_user_created", "user_id", "created_at"),
         Index("ix_ledger_events_team_created", "team_id", "created_at"),
     )
-
-    id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
-    token_id: Mapped[str | None] = mapped_column(String(40))
-    user_id: Mapped[str] = mapped_column(String(40))
-    team_id: Mapped[str] = mapped_column(String(40))
-    model: Mapped[str] = mapped_column(String(200))
-    provider: Mapped[str] = mapped_column(String(100))
-    upstream_model: Mapped[str] = mapped_column(String(200))
-    upstream_id: Mapped[str | None] = mapped_column(String(200))
-    stream: Mapped[bool] = mapped_column(Boolean)
-    status: Mapped[str] = mapped_column(String(32))
-    http_status: Mapped[int | None] = mapped_column(Integer)
-    finish_reason: Mapped[str | None] = mapped_column(String(64))
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
-    completion_tokens: Mapped[int] = mapped_column(BigInteger)
-    total_tokens: Mapped[int] = mapped_column(BigInteger)
-    cached_tokens: Mapped[int] = mapped_column(BigInteger)
-    text_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    reasoning_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    audio_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    image_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    video_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    accepted_prediction_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    rejected_prediction_tokens: Mapped[int | None] = mapped_column(BigInteger)
-    usage_source: Mapped[str] = mapped_column(String(16))
-    # Why the reported usage was not taken as it came (see metering.proxy.usage), or None.
-    usage_anomaly: Mapped[str | None] = mapped_column(String(40))
-    input_price: Mapped[int] = mapped_column(BigInteger)
-    cached_price: Mapped[int] = mapped_column(BigInteger)
-    output_price: Mapped[int] = mapped_column(BigInteger)
-    cost: Mapped[int] = mapped_column(Pico)  # what the budgets were charged
-    # The reported usage's cost above what was charged (the charge stops at the hold).
-    uncharged: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
-    ttft_ms: Mapped[int | None] = mapped_column(Integer)
-    latency_ms: Mapped[int | None] = mapped_column(Integer)
-    error: Mapped[str | None] = mapped_column(Text)
 
 
 class KeyValue(Base):
@@ -262,16 +213,7 @@ class LedgerEventArchive(Base):
     __table__ = Table(
         "ledger_events_archive",
         Base.metadata,
-        *(
-            Column(
-                c.name,
-                c.type,
-                primary_key=c.primary_key,
-                nullable=c.nullable,
-                server_default=c.server_default.arg if c.server_default is not None else None,
-            )
-            for c in LedgerEvent.__table__.columns
-        ),
+        *ledger_columns(),
         Index("ix_ledger_events_archive_created", "created_at", "id"),
     )
 

@@ -1,20 +1,18 @@
 """Holds and settles: the only code that writes budget counters.
 
-reserve(): one short transaction. Each budget (token, user, team, in that order,
-so concurrent transactions lock rows in one order and never deadlock) is moved
-into its current window if it has rolled, then gets `reserved += hold` by a
-conditional UPDATE that only matches while `spent + reserved + hold <= limit`.
-The database decides, so replicas sharing one PostgreSQL cannot together pass a
-limit. settle(): one short transaction that deletes the hold (a retried settle
-finds nothing and does nothing), moves `hold` from reserved and `cost` to spent,
-and appends the ledger event.
+reserve(): one short transaction. The request's budgets (its token's, its user's, its
+team's) are locked in subject_id order, the one order every writer here uses, so concurrent
+transactions queue instead of deadlocking. Each is moved into its current window if it has
+rolled, then gets `reserved += hold` by a conditional UPDATE that only matches while
+`spent + reserved + hold <= limit`. The database decides, so replicas sharing one PostgreSQL
+cannot together pass a limit. settle(): one short transaction that deletes the hold (a
+retried settle finds nothing and does nothing), moves `hold` from reserved and `cost` to
+spent, and appends the request's ledger event through metering.ledger.writer.
 
-settle() charges at most the hold: a cost above it (usage the upstream reported beyond what
-the request allowed) moves to the event's `uncharged`. A request that settles after its hold
-was swept (charged in full as an `unsettled` event, see metering.jobs) replaces that event
-with its real outcome in one transaction: the budgets and the rollup get back the difference.
-That placeholder is the one ledger row that is ever updated; it keeps its id and created_at,
-so it stays in the same budget window and rollup hour.
+settle() charges at most the hold: a cost above it moves to the event's `uncharged`. A
+request that settles after its hold was swept (charged in full as an `unsettled` event, see
+metering.jobs) replaces that event with its real outcome in the same transaction, and the
+budgets get back the difference, in the window that was charged.
 
 A window rolls when the first request after its end touches it (no job needed):
 its total is kept in budget_windows, then spent restarts at 0. Outstanding holds
@@ -24,7 +22,7 @@ stay reserved across the roll, and a request is charged to the window it settles
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import Row, bindparam, delete, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -32,13 +30,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
-from metering.ledger import rollup
-from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
+from metering.ledger import writer
+from metering.ledger.event import UNSETTLED, Event
+from metering.ledger.outcome import Billing
+from metering.models import Budget, BudgetWindow, Hold
 
-# The uncharged amount kept per event (see metering.proxy.ledger).
-MAX_UNCHARGED = 10**15
-
-SCOPES = ("token", "user", "team")
 RESERVE_ATTEMPTS = 4
 
 
@@ -166,10 +162,11 @@ _LOAD_LOCKED = _LOAD.with_for_update()
 
 async def load(
     session: AsyncSession, subject_ids: list[str], *, lock: bool = False
-) -> dict[str, Budget]:
-    """Budget rows as plain rows (not tracked objects): the UPDATEs below are the writes.
-    With `lock`, the rows are locked in key order, the one order every writer here uses, so
-    concurrent transactions on the same budgets queue instead of deadlocking."""
+) -> dict[str, Row]:
+    """Budget rows as plain rows (the columns of Budget, not tracked objects): the UPDATEs
+    below are the writes. With `lock`, the rows are locked in subject_id order, the one order
+    every writer here uses, so concurrent transactions on the same budgets queue instead of
+    deadlocking."""
     rows = await session.execute(_LOAD_LOCKED if lock else _LOAD, {"ids": subject_ids})
     return {row.subject_id: row for row in rows}
 
@@ -212,7 +209,6 @@ _TAKE_HOLD = (
     .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
 )
 _INSERT_HOLD = insert(Hold.__table__)
-_INSERT_EVENT = insert(LedgerEvent.__table__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,30 +226,25 @@ class BudgetShortfall(Exception):
 
 @dataclass(frozen=True, slots=True)
 class HoldSpec:
-    """What reserve() needs to know about a request."""
+    """What reserve() needs: the request's billing (whose budgets; kept with the hold, so an
+    expired hold can be charged) and what it may cost."""
 
-    hold_id: str
-    token_id: str | None
-    user_id: str
-    team_id: str
-    model: str
-    provider: str
-    upstream_model: str
-    stream: bool
-    input_price: int
-    cached_price: int
-    output_price: int
-    prompt_bound: int
+    billing: Billing
+    prompt_cost: int  # picodollars held whatever the output: the prompt at its bound
+    token_cost: int  # picodollars per output token allowed, every choice counted
     max_tokens: int | None  # the client's own, or None
     model_max_output: int
 
     @property
+    def hold_id(self) -> str:
+        return self.billing.id
+
+    @property
     def subjects(self) -> list[str]:
-        return [s for s in (self.token_id, self.user_id, self.team_id) if s]
+        return self.billing.subjects
 
     def amount(self, output_tokens: int) -> int:
-        prompt = self.prompt_bound * max(self.input_price, self.cached_price)
-        return prompt + output_tokens * self.output_price
+        return self.prompt_cost + output_tokens * self.token_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +274,7 @@ def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
     if spec.max_tokens is not None:
         raise BudgetShortfall(Shortfall(tightest))
     left = tightest.remaining - spec.amount(0)
-    affordable = left // spec.output_price if spec.output_price else wanted
+    affordable = left // spec.token_cost if spec.token_cost else wanted
     if affordable < 1:
         raise BudgetShortfall(Shortfall(tightest))
     return min(affordable, wanted), True
@@ -303,21 +294,22 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
     result = await session.execute(_RESERVE, {"ids": list(starts), "amount": amount})
     if result.rowcount != len(starts):
         return None
+    billing = spec.billing
     await session.execute(
         _INSERT_HOLD,
         {
-            "id": spec.hold_id,
-            "token_id": spec.token_id,
-            "user_id": spec.user_id,
-            "team_id": spec.team_id,
+            "id": billing.id,
+            "token_id": billing.token_id,
+            "user_id": billing.user_id,
+            "team_id": billing.team_id,
             "amount": amount,
-            "model": spec.model,
-            "provider": spec.provider,
-            "upstream_model": spec.upstream_model,
-            "stream": spec.stream,
-            "input_price": spec.input_price,
-            "cached_price": spec.cached_price,
-            "output_price": spec.output_price,
+            "model": billing.model,
+            "provider": billing.provider,
+            "upstream_model": billing.upstream_model,
+            "stream": billing.stream,
+            "input_price": billing.input_price,
+            "cached_price": billing.cached_price,
+            "output_price": billing.output_price,
             "created_at": now,
             "expires_at": now + timedelta(seconds=ttl_s),
         },
@@ -348,92 +340,59 @@ async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
     raise BudgetShortfall(Shortfall(min(limited, key=lambda v: v.remaining)))
 
 
-async def settle(
-    db: Database, hold_id: str, event: dict, reservation: Reservation | None = None
-) -> bool:
-    """Turn a hold into its ledger event; False when it was already settled (or expired)."""
+async def settle(db: Database, event: Event, reservation: Reservation | None = None) -> bool:
+    """Turn a hold into its ledger event (the event's id is the hold's); False when it was
+    already settled (or expired)."""
     async with db.begin() as session:
-        return await settle_in(session, hold_id, event, reservation)
+        return await settle_in(session, event, reservation)
 
 
 async def settle_in(
-    session: AsyncSession, hold_id: str, event: dict, reservation: Reservation | None = None
+    session: AsyncSession, event: Event, reservation: Reservation | None = None
 ) -> bool:
-    hold = (await session.execute(_TAKE_HOLD, {"hold_id": hold_id})).first()
+    hold = (await session.execute(_TAKE_HOLD, {"hold_id": event.id})).first()
     if hold is None:
-        if event["status"] == "unsettled":
+        if event.status == UNSETTLED:
             return False  # the sweeper, after the request settled: nothing to do
-        return await _replace_unsettled(session, hold_id, event)
-    _cap(event, hold.amount)
-    now = event["created_at"]
+        return await _settle_late(session, event)
+    event.cap(hold.amount)
+    now = event.created_at
     subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
     if reservation is None or not reservation.window_unchanged(now):
         # A window may have ended while the request ran: close it before charging.
         for budget in (await load(session, subjects, lock=True)).values():
             await roll(session, budget, now)
-    await session.execute(_CHARGE, {"ids": subjects, "cost": event["cost"], "amount": hold.amount})
-    await session.execute(_INSERT_EVENT, event)
-    await rollup.add_event(session, event)  # same transaction: the rollup equals the ledger
+    await session.execute(_CHARGE, {"ids": subjects, "cost": event.cost, "amount": hold.amount})
+    await writer.append(session, event)
     return True
 
 
-def _cap(event: dict, amount: int) -> None:
-    """A charge never exceeds what was held: the rest is recorded as uncharged."""
-    event.setdefault("uncharged", 0)
-    if event["cost"] > amount:
-        excess = event["cost"] - amount
-        event["cost"] = amount
-        event["uncharged"] = min(event["uncharged"] + excess, MAX_UNCHARGED)
+_CORRECT = _add_to_budgets(spent=Budget.spent + bindparam("delta")).where(
+    Budget.window_start <= bindparam("at")
+)
+_CORRECT_CLOSED = (
+    update(BudgetWindow.__table__)
+    .where(
+        BudgetWindow.subject_id.in_(_ids()),
+        BudgetWindow.window_start <= bindparam("at"),
+        (BudgetWindow.window_end.is_(None)) | (BudgetWindow.window_end > bindparam("at")),
+    )
+    .values(spent=BudgetWindow.spent + bindparam("delta"))
+)
 
 
-_UNSETTLED = select(
-    LedgerEvent.created_at,
-    LedgerEvent.cost,
-    LedgerEvent.token_id,
-    LedgerEvent.user_id,
-    LedgerEvent.team_id,
-).where(LedgerEvent.id == bindparam("id"), LedgerEvent.status == "unsettled")
-# Columns a late settle replaces: all but the identity and the moment it was charged.
-_KEPT = ("id", "created_at", "token_id", "user_id", "team_id", "model", "provider")
-
-
-async def _replace_unsettled(session: AsyncSession, hold_id: str, event: dict) -> bool:
-    """The request settled after its hold was swept: its real usage replaces the `unsettled`
-    charge, in the same window and rollup hour. False when there is no such placeholder
+async def _settle_late(session: AsyncSession, event: Event) -> bool:
+    """The request settled after its hold was swept: the ledger replaces its `unsettled`
+    charge, and the budgets get back the difference. False when there is no such placeholder
     (the request was settled already)."""
-    old = (await session.execute(_UNSETTLED, {"id": hold_id})).first()
-    if old is None:
+    replaced = await writer.replace_unsettled(session, event)
+    if replaced is None:
         return False
-    _cap(event, old.cost)  # the placeholder charged the whole hold
-    values = {k: v for k, v in event.items() if k not in _KEPT}
-    replaced = await session.execute(
-        update(LedgerEvent.__table__)
-        .where(LedgerEvent.id == hold_id, LedgerEvent.status == "unsettled")
-        .values(**values)
-    )
-    if replaced.rowcount != 1:
-        return False  # replaced meanwhile by a concurrent settle of the same request
-    at, delta = old.created_at, event["cost"] - old.cost
-    event["created_at"] = at
-    subjects = [s for s in (old.token_id, old.user_id, old.team_id) if s]
-    # The charge was made in the window that held `at`: the current one, or a closed one.
-    # The two conditions are exclusive, so each budget is corrected once.
-    await session.execute(
-        _add_to_budgets(spent=Budget.spent + bindparam("delta")).where(
-            Budget.window_start <= bindparam("at")
-        ),
-        {"ids": subjects, "delta": delta, "at": at},
-    )
-    await session.execute(
-        update(BudgetWindow.__table__)
-        .where(
-            BudgetWindow.subject_id.in_(subjects),
-            BudgetWindow.window_start <= at,
-            (BudgetWindow.window_end.is_(None)) | (BudgetWindow.window_end > at),
-        )
-        .values(spent=BudgetWindow.spent + delta)
-    )
-    await rollup.add_event(session, event, requests=0, cost=delta)
+    # The charge was made in the window that held it: the current one, or a closed one. The
+    # two conditions are exclusive, so each budget is corrected once.
+    correction = {"ids": replaced.subjects, "delta": replaced.delta, "at": replaced.charged_at}
+    await session.execute(_CORRECT, correction)
+    await session.execute(_CORRECT_CLOSED, correction)
     return True
 
 

@@ -1,10 +1,11 @@
 """The hourly spend rollup (table spend_hourly): one row per UTC hour, team, user, token, model
 and provider, kept equal to the ledger's sums.
 
-settle appends each ledger event and calls add_event() in the same transaction, so the rollup
-can never disagree with the ledger: both are committed or neither is. A late settle that
-replaces an `unsettled` placeholder adds the difference (no new request) to the same hour. Reports read whole hours
-from here and only the partial hours at a range's edges from the ledger.
+metering.ledger.writer appends each event and adds it here in the same transaction, so the
+rollup can never disagree with the ledger: both are committed or neither is. A late settle
+that replaces an `unsettled` placeholder adds the difference (no new request) to the same
+hour. Reports read whole hours from here and only the partial hours at a range's edges from
+the ledger.
 """
 
 from datetime import UTC, datetime, timedelta
@@ -15,6 +16,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.db import dialect_name
+from metering.ledger.event import Event
 from metering.models import SpendHourly
 
 KEY = ("hour", "team_id", "user_id", "token_id", "model", "provider")
@@ -39,23 +41,23 @@ def ceil_hour(value: datetime) -> datetime:
     return floor if floor == value else floor + timedelta(hours=1)
 
 
-def row_for(event: dict, **override) -> dict:
+def row_for(event: Event, **override) -> dict:
     """The rollup increment one ledger event makes (`override`: e.g. requests=0 and the cost
     difference, when an event replaces a placeholder already counted)."""
     return {
-        "hour": floor_hour(event["created_at"]),
-        "team_id": event["team_id"],
-        "user_id": event["user_id"],
-        "token_id": event["token_id"] or "",
-        "model": event["model"],
-        "provider": event["provider"],
+        "hour": floor_hour(event.created_at),
+        "team_id": event.team_id,
+        "user_id": event.user_id,
+        "token_id": event.token_id or "",
+        "model": event.model,
+        "provider": event.provider,
         "requests": 1,
-        "prompt_tokens": event["prompt_tokens"],
-        "cached_tokens": event["cached_tokens"],
-        "completion_tokens": event["completion_tokens"],
-        "reasoning_tokens": event.get("reasoning_tokens") or 0,
-        "cost": event["cost"],
-        "uncharged": event.get("uncharged") or 0,
+        "prompt_tokens": event.prompt_tokens,
+        "cached_tokens": event.cached_tokens,
+        "completion_tokens": event.completion_tokens,
+        "reasoning_tokens": event.reasoning_tokens or 0,
+        "cost": event.cost,
+        "uncharged": event.uncharged,
         **override,
     }
 
@@ -76,11 +78,11 @@ def _upsert(insert):
     )
 
 
-# Built once per dialect: settle runs it for every request.
+# Built once per dialect: every appended event runs it.
 _UPSERTS = {"postgresql": _upsert(pg_insert), "sqlite": _upsert(sqlite_insert)}
 
 
-async def add_event(session: AsyncSession, event: dict, **override) -> None:
+async def add(session: AsyncSession, event: Event, **override) -> None:
     """Add one ledger event to its hour's row: one upsert, in the caller's transaction."""
     await session.execute(_UPSERTS[dialect_name(session)], row_for(event, **override))
 
@@ -111,7 +113,7 @@ def hour_value(column, dialect: str):
 
 def rebuild_statement(source, dialect: str):
     """INSERT INTO spend_hourly the sums of a ledger-shaped table (for tools that write events
-    in bulk, e.g. the benchmark's generator; settle keeps the rollup itself)."""
+    in bulk, e.g. the benchmark's generator; appending keeps the rollup itself)."""
     hour = hour_value(source.c.created_at, dialect)
     token = func.coalesce(source.c.token_id, "")
     keys = (hour, source.c.team_id, source.c.user_id, token, source.c.model, source.c.provider)

@@ -12,8 +12,10 @@ from sqlalchemy import exc as sa_exc
 from metering import metrics
 from metering.budgets import service as budgets
 from metering.budgets.service import HoldSpec, Reservation
+from metering.ledger.charge import Limits
+from metering.ledger.outcome import Outcome, event_for
 from metering.proxy.dialects import Dialect
-from metering.proxy.ledger import Outcome, event_for
+from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
 from metering.proxy.request import ChatRequest
 from metering.settings import Provider
 
@@ -83,14 +85,15 @@ async def _retrying(state, what: str, hold_id: str, write) -> bool | None:
 async def settle(state, attempt: Attempt, outcome: Outcome) -> bool:
     """Write the attempt's one ledger event. Shielded: a client going away must not cancel it.
     False when it could not be written (the hold is left to the sweeper)."""
+    billing, body = attempt.spec.billing, attempt.chat.body
     event = event_for(
-        attempt.spec,
-        attempt.chat.body,
-        attempt.started_at,
-        attempt.elapsed_ms(),
+        billing,
         outcome,
-        attempt.reservation,
-        attempt.chat.choices,
+        started_at=attempt.started_at,
+        latency_ms=attempt.elapsed_ms(),
+        limits=Limits.of(billing, attempt.reservation, attempt.chat.choices),
+        prompt_tokens=lambda: estimate_prompt_tokens(body),
+        text_tokens=estimate_text_tokens,
     )
     hold_id = attempt.spec.hold_id
     with anyio.CancelScope(shield=True):
@@ -99,7 +102,7 @@ async def settle(state, attempt: Attempt, outcome: Outcome) -> bool:
                 state,
                 "settle",
                 hold_id,
-                lambda: budgets.settle(state.db, hold_id, event, attempt.reservation),
+                lambda: budgets.settle(state.db, event, attempt.reservation),
             )
         finally:
             state.live_holds.discard(hold_id)

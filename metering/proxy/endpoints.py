@@ -12,6 +12,7 @@ from metering.auth.principal import Principal, any_principal, user_principal
 from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
 from metering.db import utcnow
 from metering.errors import InvalidRequest, MeteringError
+from metering.ledger.outcome import Billing
 from metering.money import format_usd
 from metering.proxy import forward
 from metering.proxy.attempt import Attempt, release
@@ -124,8 +125,8 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
     dialect = dialect_for(provider.dialect)
     if target.endpoint:
         route = replace(route, upstream_model=f"{route.upstream_model}/ep/{target.endpoint}")
-    spec = HoldSpec(
-        hold_id=attempt_id,
+    billing = Billing(
+        id=attempt_id,
         token_id=principal.token_id,
         user_id=principal.user_id,
         team_id=principal.team_id,
@@ -135,8 +136,13 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
         stream=chat.stream,
         input_price=route.input_micro,
         cached_price=route.cached_micro,
-        output_price=route.output_micro * chat.choices,
+        output_price=route.output_micro,
         prompt_bound=prompt_tokens_upper_bound(chat.size, chat.body),
+    )
+    spec = HoldSpec(
+        billing,
+        prompt_cost=billing.prompt_cost(),
+        token_cost=billing.output_price * chat.choices,  # every choice may use max_tokens
         max_tokens=chat.max_tokens,
         model_max_output=route.max_output_tokens,
     )
@@ -149,8 +155,6 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
     headers = {}
     if reservation.clamped:
         headers["x-max-tokens-clamped"] = str(reservation.max_tokens)
-    # The hold is per choice-token; the ledger charges the real output price.
-    spec = replace(spec, output_price=route.output_micro)
     attempt = Attempt(
         spec=spec,
         chat=chat,

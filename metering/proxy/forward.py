@@ -12,9 +12,9 @@ import httpx
 from starlette.responses import Response
 
 from metering.errors import MeteringError, error_body
+from metering.ledger.outcome import Outcome
 from metering.proxy.assemble import CompletionAssembler
 from metering.proxy.attempt import Attempt, release, settle
-from metering.proxy.ledger import Outcome
 from metering.proxy.limits import (
     EVENT_TOO_LARGE,
     RESPONSE_TOO_LARGE,

@@ -11,8 +11,8 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from metering.errors import error_body
+from metering.ledger.outcome import Outcome
 from metering.proxy.attempt import Attempt, settle
-from metering.proxy.ledger import Outcome
 from metering.proxy.limits import (
     EVENT_TOO_LARGE,
     RESPONSE_TOO_LARGE,

@@ -11,13 +11,25 @@ invalid. Then the counts are checked against each other (cached and the other pr
 details within prompt_tokens, each completion detail within completion_tokens). What
 was found is the usage's ``anomaly``, a short reason code; usage whose prompt or
 completion count is invalid or missing is not ``usable`` and the ledger estimates
-instead. The checks against what the request allowed are the ledger's (metering.proxy.ledger).
+instead. The checks against what the request allowed are the ledger's (metering.ledger.charge).
 """
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
+from metering.ledger.charge import (
+    ANOMALIES,
+    CACHED_ABOVE_PROMPT,
+    COUNT_ABOVE_CEILING,
+    DETAILS_ABOVE_COMPLETION,
+    DETAILS_ABOVE_PROMPT,
+    INVALID_COUNT,
+    INVALID_DETAIL,
+    MISSING_COUNT,
+    Usage,
+    first_anomaly,
+)
+from metering.ledger.event import DETAIL_FIELDS
 from metering.proxy.estimate import TextTokens
 
 __all__ = [
@@ -33,69 +45,7 @@ __all__ = [
 
 COUNT_CEILING = 10**9  # tokens in one count: far above any model's context or output
 
-# Reason codes, most serious first: an event records the first that applies.
-INVALID_COUNT = "invalid_count"  # a count that is not a whole number >= 0
-MISSING_COUNT = "missing_count"  # usage with prompt_tokens or completion_tokens absent
-INVALID_DETAIL = "invalid_detail"  # total_tokens or a detail that is not a whole number >= 0
-COUNT_ABOVE_CEILING = "count_above_ceiling"
-PROMPT_ABOVE_BOUND = "prompt_above_bound"
-COMPLETION_ABOVE_MAX_TOKENS = "completion_above_max_tokens"
-CACHED_ABOVE_PROMPT = "cached_above_prompt"
-DETAILS_ABOVE_PROMPT = "details_above_prompt"
-DETAILS_ABOVE_COMPLETION = "details_above_completion"
-ESTIMATE_ABOVE_HOLD = "estimate_above_hold"  # no usage reported; the estimate exceeds the hold
-ANOMALIES = (
-    INVALID_COUNT,
-    MISSING_COUNT,
-    COUNT_ABOVE_CEILING,
-    PROMPT_ABOVE_BOUND,
-    COMPLETION_ABOVE_MAX_TOKENS,
-    CACHED_ABOVE_PROMPT,
-    DETAILS_ABOVE_PROMPT,
-    DETAILS_ABOVE_COMPLETION,
-    INVALID_DETAIL,
-    ESTIMATE_ABOVE_HOLD,
-)
-# Usage with these cannot be used at all: the event is estimated.
-UNUSABLE = (INVALID_COUNT, MISSING_COUNT)
-
-_DETAIL_FIELDS = (
-    "text_tokens",
-    "reasoning_tokens",
-    "audio_tokens",
-    "image_tokens",
-    "video_tokens",
-    "accepted_prediction_tokens",
-    "rejected_prediction_tokens",
-)
 _MAX_PROMPT_DETAILS = 32  # prompt_tokens_details entries looked at
-
-
-def first_anomaly(found) -> str | None:
-    """The most serious of the reason codes found (see ANOMALIES), or None."""
-    found = set(found) - {None}
-    return next((code for code in ANOMALIES if code in found), None)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    cached_tokens: int = 0  # prompt_tokens_details.cached_tokens as reported (see anomaly)
-    # completion_tokens_details.*; None when the upstream did not report the field.
-    text_tokens: int | None = None
-    reasoning_tokens: int | None = None
-    audio_tokens: int | None = None
-    image_tokens: int | None = None
-    video_tokens: int | None = None
-    accepted_prediction_tokens: int | None = None
-    rejected_prediction_tokens: int | None = None
-    anomaly: str | None = None  # what was wrong with the usage as reported (see ANOMALIES)
-
-    @property
-    def usable(self) -> bool:
-        return self.anomaly not in UNUSABLE
 
 
 def parse_count(value: Any) -> tuple[int | None, str | None]:
@@ -151,7 +101,7 @@ def usage_from_json(obj: Any) -> Usage | None:
     if not isinstance(completion_details, dict):
         completion_details = {}
     details = {}
-    for name in _DETAIL_FIELDS:
+    for name in DETAIL_FIELDS:
         count, problem = parse_count(completion_details.get(name))
         found.append(_detail(problem))
         if count is not None and count > completion:

@@ -6,82 +6,64 @@ import csv
 import io
 from collections.abc import AsyncIterator
 from datetime import datetime
+from operator import attrgetter
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import and_, or_, select
 
 from metering.auth.principal import Principal, any_principal
+from metering.db import UTCDateTime
 from metering.errors import Forbidden, InvalidRequest
+from metering.ledger.event import PUBLIC, SPECS
 from metering.models import LedgerEvent
 from metering.money import format_usd
-from metering.proxy.ledger import DETAIL_FIELDS
 from metering.reports.cells import row as csv_cells
 from metering.timefmt import parse_rfc3339, rfc3339
 
 router = APIRouter(prefix="/v1")
 
-CSV_COLUMNS = (
-    "id",
-    "created_at",
-    "token_id",
-    "user_id",
-    "team_id",
-    "model",
-    "provider",
-    "upstream_model",
-    "upstream_id",
-    "stream",
-    "status",
-    "http_status",
-    "finish_reason",
-    "prompt_tokens",
-    "completion_tokens",
-    "total_tokens",
-    "cached_tokens",
-    *DETAIL_FIELDS,
-    "usage_source",
-    "usage_anomaly",
-    "cost",
-    "uncharged",
-    "ttft_ms",
-    "latency_ms",
-)
+CSV_COLUMNS = PUBLIC  # the event's public columns, the detail objects flattened
 
 
-def event_out(e: LedgerEvent) -> dict:
-    return {
-        "id": e.id,
-        "created_at": rfc3339(e.created_at),
-        "token_id": e.token_id,
-        "user_id": e.user_id,
-        "team_id": e.team_id,
-        "model": e.model,
-        "provider": e.provider,
-        "upstream_model": e.upstream_model,
-        "upstream_id": e.upstream_id,
-        "stream": e.stream,
-        "status": e.status,
-        "http_status": e.http_status,
-        "finish_reason": e.finish_reason,
-        "prompt_tokens": e.prompt_tokens,
-        "completion_tokens": e.completion_tokens,
-        "total_tokens": e.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": e.cached_tokens},
-        "completion_tokens_details": {name: getattr(e, name) for name in DETAIL_FIELDS},
-        "usage_source": e.usage_source,
-        "usage_anomaly": e.usage_anomaly,
-        "cost": format_usd(e.cost),
-        "uncharged": format_usd(e.uncharged),
-        "ttft_ms": e.ttft_ms,
-        "latency_ms": e.latency_ms,
-    }
+def _shown(name: str):
+    """How GET /v1/usage shows a column's value: money as decimal USD, times in RFC 3339."""
+    spec = SPECS[name]
+    if spec.money:
+        return format_usd
+    if isinstance(spec.sql, UTCDateTime):
+        return rfc3339
+    return None
 
 
-def csv_row(e: LedgerEvent) -> list:
-    out = event_out(e)
-    flat = {**out, "cached_tokens": e.cached_tokens, **out["completion_tokens_details"]}
-    return csv_cells(flat[c] for c in CSV_COLUMNS)
+_SHOWN = tuple((name, SPECS[name].group, _shown(name)) for name in PUBLIC)
+_CSV_SHOWN = tuple((i, shown) for i, (_, _, shown) in enumerate(_SHOWN) if shown is not None)
+_csv_values = attrgetter(*PUBLIC)
+
+
+def event_out(e) -> dict:
+    """One event (a LedgerEvent or a row of its columns) as JSON: the public columns, the
+    prompt and completion details nested as in OpenAI's usage object."""
+    out: dict = {}
+    for name, group, shown in _SHOWN:
+        value = getattr(e, name)
+        if shown is not None and value is not None:
+            value = shown(value)
+        if group is None:
+            out[name] = value
+        elif group in out:
+            out[group][name] = value
+        else:
+            out[group] = {name: value}
+    return out
+
+
+def csv_row(e) -> list:
+    values = list(_csv_values(e))
+    for i, shown in _CSV_SHOWN:
+        if values[i] is not None:
+            values[i] = shown(values[i])
+    return csv_cells(values)
 
 
 def encode_cursor(e: LedgerEvent) -> str:

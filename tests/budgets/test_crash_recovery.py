@@ -4,6 +4,7 @@ windows are recorded once. A killed `metering serve` and the jobs called directl
 import asyncio
 import threading
 import uuid
+from dataclasses import replace
 from datetime import timedelta
 from decimal import Decimal
 
@@ -14,10 +15,11 @@ from sqlalchemy import func, select
 from metering.budgets.service import HoldSpec, new_budget, reserve, settle, settle_in
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds, sweep_interval_s
+from metering.ledger.charge import Limits, Usage
+from metering.ledger.event import Event
+from metering.ledger.outcome import Billing, Outcome, event_for
 from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
 from metering.money import usd_to_pico
-from metering.proxy.ledger import Outcome, event_for
-from metering.proxy.usage import Usage
 from metering.timefmt import parse_rfc3339
 from tests.budgets.conftest import (
     budget,
@@ -137,8 +139,8 @@ def _subjects() -> dict[str, str]:
 
 
 def _spec(subjects: dict[str, str], max_tokens: int = 50) -> HoldSpec:
-    return HoldSpec(
-        hold_id=f"req_{uuid.uuid4().hex}",
+    billing = Billing(
+        id=f"req_{uuid.uuid4().hex}",
         token_id=subjects["token"],
         user_id=subjects["user"],
         team_id=subjects["team"],
@@ -150,6 +152,11 @@ def _spec(subjects: dict[str, str], max_tokens: int = 50) -> HoldSpec:
         cached_price=75_000,
         output_price=600_000,
         prompt_bound=100,
+    )
+    return HoldSpec(
+        billing,
+        prompt_cost=billing.prompt_cost(),
+        token_cost=billing.output_price,
         max_tokens=max_tokens,
         model_max_output=4096,
     )
@@ -204,11 +211,11 @@ def test_expire_holds_charges_each_hold_once(fresh_db):
 
             # A late settle of a charged hold replaces its unsettled charge: still one event.
             late = _event(_spec(subjects), 3, id=expired[0].hold_id)
-            assert await settle(db, expired[0].hold_id, late) is True
-            assert await settle(db, expired[0].hold_id, dict(late)) is False
+            assert await settle(db, late) is True
+            assert await settle(db, replace(late)) is False
             assert await _count(db, LedgerEvent) == len(expired)
             for row in (await _budgets(db, subjects)).values():
-                assert row.spent == sum(amounts.values()) - amounts[late["id"]] + late["cost"]
+                assert row.spent == sum(amounts.values()) - amounts[late.id] + late.cost
         finally:
             for replica in replicas:
                 await replica.dispose()
@@ -263,13 +270,13 @@ def test_expired_hold_after_settle_is_not_charged(fresh_db):
             subjects = _subjects()
             await _add_budgets(db, subjects, "1", "daily", utcnow())
             spec = _spec(subjects)
-            held = await reserve(db, spec, ttl_s=0)
+            await reserve(db, spec, ttl_s=0)
             event = _event(spec, 7)
-            assert event["cost"] == 10 * 150_000 + 7 * 600_000
-            assert await settle(db, held.hold_id, event) is True
+            assert event.cost == 10 * 150_000 + 7 * 600_000
+            assert await settle(db, event) is True
             assert await expire_holds(db) == 0
             for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (event["cost"], 0)
+                assert (row.spent, row.reserved) == (event.cost, 0)
             assert await _count(db, LedgerEvent) == 1
         finally:
             await db.dispose()
@@ -277,13 +284,21 @@ def test_expired_hold_after_settle_is_not_charged(fresh_db):
     asyncio.run(scenario())
 
 
-def _event(spec: HoldSpec, completion_tokens: int, **overrides) -> dict:
+def _event(spec: HoldSpec, completion_tokens: int, **overrides) -> Event:
     """A complete ledger event for the hold, as the proxy writes it (prompt of 10 tokens)."""
     usage = Usage(
         prompt_tokens=10, completion_tokens=completion_tokens, total_tokens=10 + completion_tokens
     )
-    event = event_for(spec, {}, utcnow(), 5, Outcome(http_status=200, usage=usage))
-    return {**event, **overrides}
+    event = event_for(
+        spec.billing,
+        Outcome(http_status=200, usage=usage),
+        started_at=utcnow(),
+        latency_ms=5,
+        limits=Limits.of(spec.billing, None),
+        prompt_tokens=lambda: 0,
+        text_tokens=len,
+    )
+    return replace(event, **overrides)
 
 
 def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
@@ -302,17 +317,17 @@ def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
                 session.add(
                     Hold(
                         id=spec.hold_id,
-                        token_id=spec.token_id,
-                        user_id=spec.user_id,
-                        team_id=spec.team_id,
+                        token_id=spec.billing.token_id,
+                        user_id=spec.billing.user_id,
+                        team_id=spec.billing.team_id,
                         amount=amount,
-                        model=spec.model,
-                        provider=spec.provider,
-                        upstream_model=spec.upstream_model,
+                        model=spec.billing.model,
+                        provider=spec.billing.provider,
+                        upstream_model=spec.billing.upstream_model,
                         stream=False,
-                        input_price=spec.input_price,
-                        cached_price=spec.cached_price,
-                        output_price=spec.output_price,
+                        input_price=spec.billing.input_price,
+                        cached_price=spec.billing.cached_price,
+                        output_price=spec.billing.output_price,
                         created_at=created,
                         expires_at=created + timedelta(hours=1),
                     )
@@ -326,7 +341,7 @@ def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
             event = _event(spec, 11, created_at=created + timedelta(seconds=0.5))
             session = settler.sessions()
             transaction = await session.begin()
-            assert await settle_in(session, spec.hold_id, event) is True
+            assert await settle_in(session, event) is True
             job = asyncio.create_task(close_windows(closer))
             await asyncio.sleep(0.5)  # the job is now waiting for the settle's row locks
             await transaction.commit()
@@ -338,7 +353,7 @@ def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
             assert set(windows) == set(subjects.values())
             for window in windows.values():
                 assert window.window_start == created
-                assert window.spent == event["cost"] > 0
+                assert window.spent == event.cost > 0
             for row in (await _budgets(closer, subjects)).values():
                 assert (row.spent, row.reserved) == (0, 0)
                 assert row.window_start == created + timedelta(seconds=1)

@@ -9,9 +9,9 @@ from sqlalchemy import select
 from metering.budgets.service import reserve, settle
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
+from metering.ledger.charge import Limits, Usage
+from metering.ledger.outcome import Outcome, event_for
 from metering.models import Budget, BudgetWindow, LedgerEvent, SpendHourly
-from metering.proxy.ledger import Limits, Outcome, event_for
-from metering.proxy.usage import Usage
 from tests.budgets.test_crash_recovery import _add_budgets, _budgets, _count, _spec, _subjects
 
 
@@ -35,7 +35,15 @@ def _real(spec, reservation, prompt: int, completion: int) -> dict:
     outcome = Outcome(
         http_status=200, usage=usage, upstream_id="chatcmpl-late", finish_reason="stop"
     )
-    return event_for(spec, {}, utcnow(), 9000, outcome, reservation)
+    return event_for(
+        spec.billing,
+        outcome,
+        started_at=utcnow(),
+        latency_ms=9000,
+        limits=Limits.of(spec.billing, reservation),
+        prompt_tokens=lambda: 0,
+        text_tokens=len,
+    )
 
 
 def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
@@ -52,32 +60,32 @@ def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
             charged_at = placeholder.created_at
 
             event = _real(spec, swept, 10, 7)
-            assert event["cost"] == 10 * 150_000 + 7 * 600_000 < swept.amount
-            assert await settle(db, spec.hold_id, event, swept) is True
+            assert event.cost == 10 * 150_000 + 7 * 600_000 < swept.amount
+            assert await settle(db, event, swept) is True
 
             row = (await _events(db, spec.hold_id))[spec.hold_id]
             assert (row.status, row.usage_source, row.http_status) == ("ok", "reported", 200)
             assert (row.prompt_tokens, row.completion_tokens) == (10, 7)
-            assert (row.cost, row.uncharged, row.usage_anomaly) == (event["cost"], 0, None)
+            assert (row.cost, row.uncharged, row.usage_anomaly) == (event.cost, 0, None)
             assert (row.upstream_id, row.latency_ms) == ("chatcmpl-late", 9000)
             assert row.created_at == charged_at  # same window, same rollup hour
             assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 1
             for budget in (await _budgets(db, subjects)).values():
-                assert (budget.spent, budget.reserved) == (event["cost"], 0)
+                assert (budget.spent, budget.reserved) == (event.cost, 0)
             (hour,) = await _rollup(db, subjects["token"])
             assert (hour.requests, hour.cost, hour.prompt_tokens, hour.completion_tokens) == (
                 1,
-                event["cost"],
+                event.cost,
                 10,
                 7,
             )
 
             # Settled now: a retry (or the sweeper) changes nothing.
-            assert await settle(db, spec.hold_id, _real(spec, swept, 99, 99), swept) is False
+            assert await settle(db, _real(spec, swept, 99, 99), swept) is False
             assert await expire_holds(db) == 0
-            assert (await _events(db, spec.hold_id))[spec.hold_id].cost == event["cost"]
+            assert (await _events(db, spec.hold_id))[spec.hold_id].cost == event.cost
             for budget in (await _budgets(db, subjects)).values():
-                assert budget.spent == event["cost"]
+                assert budget.spent == event.cost
         finally:
             await db.dispose()
 
@@ -95,9 +103,9 @@ def test_a_late_settle_is_capped_at_the_hold_and_reports_the_rest(fresh_db):
             assert await expire_holds(db) == 1
             event = _real(spec, swept, 10, 5000)  # 5000 completion tokens for max_tokens 50
             reported = 10 * 150_000 + 5000 * 600_000
-            assert (event["cost"], event["uncharged"]) == (swept.amount, reported - swept.amount)
-            assert event["usage_anomaly"] == "completion_above_max_tokens"
-            assert await settle(db, spec.hold_id, event, swept) is True
+            assert (event.cost, event.uncharged) == (swept.amount, reported - swept.amount)
+            assert event.usage_anomaly == "completion_above_max_tokens"
+            assert await settle(db, event, swept) is True
             row = (await _events(db, spec.hold_id))[spec.hold_id]
             assert (row.cost, row.uncharged) == (swept.amount, reported - swept.amount)
             assert row.completion_tokens == 5000
@@ -130,7 +138,7 @@ def test_a_late_settle_corrects_the_closed_window_it_was_charged_in(fresh_db):
             await asyncio.sleep(2.2)
             assert await close_windows(db) == 3  # the charge is now in closed windows
             event = _real(spec, swept, 10, 7)
-            assert await settle(db, spec.hold_id, event, swept) is True
+            assert await settle(db, event, swept) is True
             async with db.sessions() as session:
                 windows = list(
                     await session.scalars(
@@ -147,7 +155,7 @@ def test_a_late_settle_corrects_the_closed_window_it_was_charged_in(fresh_db):
             # The window that held the charge now holds the real cost; the current one nothing.
             holding = [w for w in windows if w.window_start <= charged_at < w.window_end]
             assert len(holding) == 3
-            assert {w.spent for w in holding} == {event["cost"]}
+            assert {w.spent for w in holding} == {event.cost}
             assert len(windows) == 3
             assert {b.spent for b in budgets} == {0}
             assert all(b.window_start > charged_at for b in budgets)
@@ -161,6 +169,6 @@ def test_limits_of_a_reservation_cover_every_choice():
     from metering.budgets.service import Reservation
 
     spec = _spec(_subjects())
-    limits = Limits.of(spec, Reservation(spec.hold_id, 123, 40, False), choices=3)
+    limits = Limits.of(spec.billing, Reservation(spec.hold_id, 123, 40, False), choices=3)
     assert limits == Limits(prompt_tokens=100, completion_tokens=120, hold=123)
-    assert Limits.of(spec, None) == Limits(prompt_tokens=100)
+    assert Limits.of(spec.billing, None) == Limits(prompt_tokens=100)

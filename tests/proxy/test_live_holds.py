@@ -15,6 +15,7 @@ from sqlalchemy import event, select
 from metering.budgets.service import HoldSpec, new_budget, reserve
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds, sweep_interval_s
+from metering.ledger.outcome import Billing
 from metering.models import Hold
 from metering.proxy.live import BATCH, LiveHolds
 from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite  # noqa: F401 - fixtures
@@ -171,8 +172,8 @@ def test_nim_polled_longer_than_the_hold_ttl_is_billed_as_reported(proxy, sim):
 
 
 def _spec(subjects: dict[str, str]) -> HoldSpec:
-    return HoldSpec(
-        hold_id=f"req_{uuid.uuid4().hex}",
+    billing = Billing(
+        id=f"req_{uuid.uuid4().hex}",
         token_id=subjects["token"],
         user_id=subjects["user"],
         team_id=subjects["team"],
@@ -184,6 +185,11 @@ def _spec(subjects: dict[str, str]) -> HoldSpec:
         cached_price=75_000,
         output_price=600_000,
         prompt_bound=100,
+    )
+    return HoldSpec(
+        billing,
+        prompt_cost=billing.prompt_cost(),
+        token_cost=billing.output_price,
         max_tokens=50,
         model_max_output=4096,
     )

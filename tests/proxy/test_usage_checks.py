@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from metering.ledger.charge import Limits, charge_for
+from metering.ledger.event import DETAIL_FIELDS, MAX_UNCHARGED
 from metering.money import cost_pico, format_usd
 from metering.proxy.estimate import UPPER_BOUND_MARGIN, estimate_prompt_tokens, estimate_text_tokens
-from metering.proxy.ledger import DETAIL_FIELDS, MAX_UNCHARGED, Limits, charge_for
 from metering.proxy.usage import COUNT_CEILING, Usage, usage_from_json
 from tests.budgets.conftest import budget, pico, usd
 

@@ -15,6 +15,8 @@ import pytest
 
 from metering.budgets.service import HoldSpec, reserve, settle_in
 from metering.db import Database
+from metering.ledger.event import Event
+from metering.ledger.outcome import Billing
 
 KEYS = ("team", "user", "token", "model", "provider", "day", "hour")
 FIELD = {
@@ -143,8 +145,8 @@ def settle_random_traffic(api, base: datetime, hours: int, count: int, seed: int
 
 def hold_spec(team_id, user_id, token_id, route, stream=False) -> HoldSpec:
     model, provider, upstream, input_price, cached_price, output_price = route
-    return HoldSpec(
-        hold_id=f"req_{uuid.uuid4().hex}",
+    billing = Billing(
+        id=f"req_{uuid.uuid4().hex}",
         token_id=token_id,
         user_id=user_id,
         team_id=team_id,
@@ -156,9 +158,19 @@ def hold_spec(team_id, user_id, token_id, route, stream=False) -> HoldSpec:
         cached_price=cached_price,
         output_price=output_price,
         prompt_bound=20_000,
+    )
+    return HoldSpec(
+        billing,
+        prompt_cost=billing.prompt_cost(),
+        token_cost=billing.output_price,
         max_tokens=None,
         model_max_output=4096,
     )
+
+
+def as_event(event: dict) -> Event:
+    """A ledger_event() as the typed event settle appends (no anomaly, nothing uncharged)."""
+    return Event(**{"usage_anomaly": None, "uncharged": 0, **event})
 
 
 def ledger_event(
@@ -172,13 +184,14 @@ def ledger_event(
     upstream_id: str | None = None,
 ) -> dict:
     """What the proxy's settle writes for one attempt (cost by the catalog formula)."""
+    spec = spec.billing
     cost = (
         (prompt - cached) * spec.input_price
         + cached * spec.cached_price
         + completion * spec.output_price
     )
     return {
-        "id": spec.hold_id,
+        "id": spec.id,
         "created_at": created,
         "started_at": created - timedelta(seconds=2),
         "token_id": spec.token_id,
@@ -218,7 +231,7 @@ async def reserve_and_settle(db: Database, spec: HoldSpec, event: dict) -> None:
     """The proxy's own two steps: a hold, then the settle that appends the event."""
     await reserve(db, spec, ttl_s=900)
     async with db.transaction() as session:
-        assert await settle_in(session, spec.hold_id, event)
+        assert await settle_in(session, as_event(event))
 
 
 async def settle_one(db, rng, team_id, user_id, token_id, route, created: datetime) -> None:
@@ -452,8 +465,8 @@ def test_the_migration_backfills_the_rollup_and_settle_continues_it(request, bac
 
     from metering import migrate
     from metering.db import sync_url
-    from metering.models import LedgerEvent, SpendHourly
-    from metering.reports.rollup import row_for
+    from metering.ledger.rollup import row_for
+    from metering.models import SpendHourly
 
     if backend == "postgresql":
         url = request.getfixturevalue("own_pg_empty")
@@ -480,19 +493,18 @@ def test_the_migration_backfills_the_rollup_and_settle_continues_it(request, bac
     async def settle_rest() -> None:
         db = Database(url, pool_size=1)
         try:
-            from metering.reports import rollup
+            from metering.ledger import writer
 
-            for event in events[50:]:  # what settle_in does after its ledger insert
+            for event in events[50:]:  # what settle_in appends
                 async with db.transaction() as session:
-                    await session.execute(insert(LedgerEvent).values(**event))
-                    await rollup.add_event(session, event)
+                    await writer.append(session, as_event(event))
         finally:
             await db.dispose()
 
     asyncio.run(settle_rest())
     wanted: dict = {}
     for event in events:
-        row = row_for(event)
+        row = row_for(as_event(event))
         key = tuple(row[k] for k in ("hour", "team_id", "user_id", "token_id", "model", "provider"))
         sums = wanted.setdefault(key, dict.fromkeys(METRICS + ("cost", "uncharged"), 0))
         for name in sums:

@@ -1,0 +1,141 @@
+"""A ledger event: one request that reached an upstream, the columns of table ledger_events.
+
+`Event` declares every column once: its name, its Python type (`| None`: the column is
+nullable), its SQL type and length, and how GET /v1/usage shows it. The ORM table
+(metering.models), the insert (metering.ledger.writer), the rollup, the JSON and CSV readers
+(metering.reports.usage) and the tests all take the columns from here.
+
+Money is integer picodollars (cost, uncharged); prices are micro-USD per 1M tokens, which is
+picodollars per token.
+"""
+
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from operator import attrgetter
+from types import NoneType, UnionType
+from typing import get_args
+
+from sqlalchemy import BigInteger, Boolean, Column, Integer, String, Text
+from sqlalchemy.types import TypeEngine
+
+from metering.db import UTCDateTime
+
+Pico = BigInteger  # 1e-12 USD
+PROMPT_DETAILS = "prompt_tokens_details"
+COMPLETION_DETAILS = "completion_tokens_details"
+# The reported usage's cost above the charge kept per event: 1,000 USD, far above any real
+# request's cost (the counts themselves are kept, so the reported cost can be recomputed), and
+# small enough that sums over millions of events fit a signed 64-bit column.
+MAX_UNCHARGED = 10**15
+UNSETTLED = "unsettled"  # status and usage_source of a hold charged in full on expiry
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """How one column is stored and shown."""
+
+    sql: TypeEngine
+    limit: int | None = None  # the longest text kept (a String's length unless given)
+    public: bool = True  # shown by GET /v1/usage
+    group: str | None = None  # the object GET /v1/usage nests it in
+    money: bool = False  # picodollars, shown as a decimal USD string
+    server_default: str | None = None
+
+
+def column(sql: TypeEngine, **spec) -> object:
+    return field(metadata={"spec": Spec(sql, **spec)})
+
+
+def _args(annotation) -> tuple:
+    return get_args(annotation) if isinstance(annotation, UnionType) else ()
+
+
+@dataclass(slots=True, kw_only=True)
+class Event:
+    """One row of the ledger. Append-only, but for the `unsettled` placeholder of a request
+    whose hold was swept while it ran: its real outcome replaces it when it settles after all."""
+
+    id: str = column(String(40))
+    created_at: datetime = column(UTCDateTime())  # when it was charged
+    started_at: datetime = column(UTCDateTime(), public=False)
+    token_id: str | None = column(String(40))
+    user_id: str = column(String(40))
+    team_id: str = column(String(40))
+    model: str = column(String(200))
+    provider: str = column(String(100))
+    upstream_model: str = column(String(200))
+    upstream_id: str | None = column(String(200))
+    stream: bool = column(Boolean())
+    status: str = column(String(32))
+    http_status: int | None = column(Integer())
+    finish_reason: str | None = column(String(64))
+    prompt_tokens: int = column(BigInteger())
+    completion_tokens: int = column(BigInteger())
+    total_tokens: int = column(BigInteger())
+    cached_tokens: int = column(BigInteger(), group=PROMPT_DETAILS)
+    # completion_tokens_details.*; None when the upstream did not report the field.
+    text_tokens: int | None = column(BigInteger(), group=COMPLETION_DETAILS)
+    reasoning_tokens: int | None = column(BigInteger(), group=COMPLETION_DETAILS)
+    audio_tokens: int | None = column(BigInteger(), group=COMPLETION_DETAILS)
+    image_tokens: int | None = column(BigInteger(), group=COMPLETION_DETAILS)
+    video_tokens: int | None = column(BigInteger(), group=COMPLETION_DETAILS)
+    accepted_prediction_tokens: int | None = column(BigInteger(), group=COMPLETION_DETAILS)
+    rejected_prediction_tokens: int | None = column(BigInteger(), group=COMPLETION_DETAILS)
+    usage_source: str = column(String(16))  # reported | estimated | unsettled
+    # Why the reported usage was not taken as it came (see metering.ledger.charge), or None.
+    usage_anomaly: str | None = column(String(40))
+    input_price: int = column(BigInteger(), public=False)
+    cached_price: int = column(BigInteger(), public=False)
+    output_price: int = column(BigInteger(), public=False)
+    cost: int = column(Pico(), money=True)  # what the budgets were charged
+    # The reported usage's cost above what was charged (the charge stops at the hold).
+    uncharged: int = column(Pico(), money=True, server_default="0")
+    ttft_ms: int | None = column(Integer())
+    latency_ms: int | None = column(Integer())
+    error: str | None = column(Text(), limit=2000, public=False)
+
+    def params(self) -> dict:
+        """The event as the insert's parameters (built by one C call, not dataclasses.asdict)."""
+        return dict(zip(NAMES, _values(self), strict=True))
+
+    def cap(self, amount: int) -> None:
+        """A charge never exceeds what was held: the rest is recorded as uncharged."""
+        if self.cost > amount:
+            self.uncharged = min(self.uncharged + self.cost - amount, MAX_UNCHARGED)
+            self.cost = amount
+
+
+SPECS: dict[str, Spec] = {f.name: f.metadata["spec"] for f in fields(Event)}
+NAMES = tuple(SPECS)
+NULLABLE = frozenset(f.name for f in fields(Event) if NoneType in _args(f.type))
+PUBLIC = tuple(name for name, spec in SPECS.items() if spec.public)  # the CSV columns, in order
+DETAIL_FIELDS = tuple(name for name, spec in SPECS.items() if spec.group == COMPLETION_DETAILS)
+LIMITS = {
+    name: spec.limit or getattr(spec.sql, "length", None)
+    for name, spec in SPECS.items()
+    if isinstance(spec.sql, String)
+}
+_values = attrgetter(*NAMES)
+
+
+def columns() -> list[Column]:
+    """The table's columns, new for each table built from them (ledger_events, its archive)."""
+    return [
+        Column(
+            name,
+            spec.sql,
+            primary_key=name == "id",
+            nullable=name in NULLABLE,
+            default=0 if spec.server_default == "0" else None,
+            server_default=spec.server_default,
+        )
+        for name, spec in SPECS.items()
+    ]
+
+
+def bounded(name: str, value: str | None) -> str | None:
+    """Text from outside as its column can store it: no NUL (PostgreSQL refuses it), and no
+    longer than the column, so a strange upstream can never make a settle fail."""
+    if not value:
+        return value
+    return value.replace("\x00", "")[: LIMITS[name]]

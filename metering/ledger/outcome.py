@@ -1,0 +1,168 @@
+"""How an event is made: from the outcome of an attempt, or from a hold that expired."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from metering.db import utcnow
+from metering.ledger.charge import Limits, Usage, charge_for
+from metering.ledger.event import UNSETTLED, Event, bounded
+
+
+@dataclass(frozen=True, slots=True)
+class Billing:
+    """Who a request is charged to and at which prices: what its event records before it ends.
+    Kept with its hold, so a hold that expires can be charged too."""
+
+    id: str  # the hold's and the event's
+    token_id: str | None
+    user_id: str
+    team_id: str
+    model: str
+    provider: str
+    upstream_model: str
+    stream: bool
+    input_price: int  # micro-USD per 1M tokens (picodollars per token), as the catalog lists
+    cached_price: int
+    output_price: int  # per output token of every choice
+    prompt_bound: int  # the most prompt tokens the request can count
+
+    @property
+    def subjects(self) -> list[str]:
+        """The budgets it is charged to: its token's (if any), its user's, its team's."""
+        return [s for s in (self.token_id, self.user_id, self.team_id) if s]
+
+    @property
+    def prices(self) -> tuple[int, int, int]:
+        return self.input_price, self.cached_price, self.output_price
+
+    def prompt_cost(self) -> int:
+        """The most its prompt can cost: the bound at the dearer of the input prices."""
+        return self.prompt_bound * max(self.input_price, self.cached_price)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How an attempt ended, as the forwarder saw it."""
+
+    status: str = "ok"
+    http_status: int | None = None
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    upstream_id: str | None = None
+    delivered_text: str = ""
+    # Estimated tokens of the generated text delivered; when None, delivered_text is
+    # estimated instead.
+    delivered_tokens: int | None = None
+    ttft_ms: int | None = None
+    error: str | None = None
+    billable: bool = True  # False: the upstream refused the request, nothing to estimate
+
+
+def event_for(
+    billing: Billing,
+    outcome: Outcome,
+    *,
+    started_at: datetime,
+    latency_ms: int,
+    limits: Limits,
+    prompt_tokens: Callable[[], int],
+    text_tokens: Callable[[str], int],
+) -> Event:
+    """The event of an attempt. `limits` bound what the reported usage may charge; when it
+    cannot be used, the usage is estimated: `prompt_tokens()` of the request, and the
+    delivered text's tokens (`text_tokens(text)` unless the forwarder counted them)."""
+
+    def estimate() -> Usage:
+        if not outcome.billable:
+            return Usage()
+        prompt = prompt_tokens()
+        if outcome.delivered_tokens is not None:
+            completion = outcome.delivered_tokens
+        else:
+            completion = text_tokens(outcome.delivered_text)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+
+    charge = charge_for(outcome.usage, estimate, limits, billing.prices, outcome.billable)
+    usage = charge.usage
+    return Event(
+        id=billing.id,
+        created_at=utcnow(),
+        started_at=started_at,
+        token_id=billing.token_id,
+        user_id=billing.user_id,
+        team_id=billing.team_id,
+        model=billing.model,
+        provider=billing.provider,
+        upstream_model=billing.upstream_model,
+        upstream_id=bounded("upstream_id", outcome.upstream_id),
+        stream=billing.stream,
+        status=outcome.status,
+        http_status=outcome.http_status,
+        finish_reason=bounded("finish_reason", outcome.finish_reason),
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.total_tokens,
+        cached_tokens=usage.cached_tokens,
+        text_tokens=usage.text_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        audio_tokens=usage.audio_tokens,
+        image_tokens=usage.image_tokens,
+        video_tokens=usage.video_tokens,
+        accepted_prediction_tokens=usage.accepted_prediction_tokens,
+        rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        usage_source=charge.source,
+        usage_anomaly=charge.anomaly,
+        input_price=billing.input_price,
+        cached_price=billing.cached_price,
+        output_price=billing.output_price,
+        cost=charge.cost,
+        uncharged=charge.uncharged,
+        ttft_ms=outcome.ttft_ms,
+        latency_ms=latency_ms,
+        error=bounded("error", outcome.error) or None,
+    )
+
+
+def unsettled_event(hold, now: datetime) -> Event:
+    """A hold (a metering.models.Hold) whose request never settled, its replica gone, is charged
+    in full. Should the request settle after all, its real outcome replaces this event."""
+    return Event(
+        id=hold.id,
+        created_at=now,
+        started_at=hold.created_at,
+        token_id=hold.token_id,
+        user_id=hold.user_id,
+        team_id=hold.team_id,
+        model=hold.model,
+        provider=hold.provider,
+        upstream_model=hold.upstream_model,
+        upstream_id=None,
+        stream=hold.stream,
+        status=UNSETTLED,
+        http_status=None,
+        finish_reason=None,
+        prompt_tokens=0,
+        completion_tokens=0,
+        total_tokens=0,
+        cached_tokens=0,
+        text_tokens=None,
+        reasoning_tokens=None,
+        audio_tokens=None,
+        image_tokens=None,
+        video_tokens=None,
+        accepted_prediction_tokens=None,
+        rejected_prediction_tokens=None,
+        usage_source=UNSETTLED,
+        usage_anomaly=None,
+        input_price=hold.input_price,
+        cached_price=hold.cached_price,
+        output_price=hold.output_price,
+        cost=hold.amount,
+        uncharged=0,
+        ttft_ms=None,
+        latency_ms=None,
+        error="the request never settled: its hold was charged in full",
+    )

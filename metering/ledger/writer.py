@@ -1,0 +1,63 @@
+"""Writing the ledger: append an event with its rollup row, or put a late request's real outcome
+in place of its `unsettled` placeholder. Both run in the caller's transaction (the one that
+moves the budget counters), so the ledger, the rollup and the budgets are committed together.
+"""
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from metering.ledger import rollup
+from metering.ledger.event import NAMES, UNSETTLED, Event
+from metering.models import LedgerEvent
+
+# Built once, on the table (not the ORM class, whose statements take the ORM's bulk paths):
+# building a statement costs more than running it.
+_INSERT = insert(LedgerEvent.__table__)
+_table = LedgerEvent.__table__
+_PLACEHOLDER = select(
+    _table.c.created_at, _table.c.cost, _table.c.token_id, _table.c.user_id, _table.c.team_id
+).where(_table.c.id == bindparam("placeholder_id"), _table.c.status == UNSETTLED)
+# Columns a late event does not replace: the identity and the moment it was charged.
+_KEPT = frozenset(("id", "created_at", "token_id", "user_id", "team_id", "model", "provider"))
+_REPLACED = tuple(name for name in NAMES if name not in _KEPT)
+_REPLACE = update(_table).where(
+    _table.c.id == bindparam("placeholder_id"), _table.c.status == UNSETTLED
+)
+
+
+async def append(conn: AsyncConnection | AsyncSession, event: Event) -> None:
+    """Insert the event and add it to its hour's rollup row."""
+    await conn.execute(_INSERT, event.params())
+    await rollup.add(conn, event)  # same transaction: the rollup equals the ledger
+
+
+@dataclass(frozen=True, slots=True)
+class Replaced:
+    """The placeholder a late event replaced: when and to whom it was charged, and the change."""
+
+    charged_at: datetime
+    subjects: list[str]
+    delta: int  # the event's cost minus the placeholder's
+
+
+async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) -> Replaced | None:
+    """The request settled after its hold was swept: its real outcome replaces the `unsettled`
+    charge, in the same hour (the event keeps the placeholder's created_at) and capped at it
+    (the placeholder charged the whole hold). None when there is no such placeholder."""
+    old = (await conn.execute(_PLACEHOLDER, {"placeholder_id": event.id})).first()
+    if old is None:
+        return None
+    event.cap(old.cost)
+    params = event.params()
+    values = {name: params[name] for name in _REPLACED}
+    replaced = await conn.execute(_REPLACE.values(values), {"placeholder_id": event.id})
+    if replaced.rowcount != 1:
+        return None  # replaced meanwhile by a concurrent settle of the same request
+    event.created_at = old.created_at
+    delta = event.cost - old.cost
+    await rollup.add(conn, event, requests=0, cost=delta)
+    subjects = [s for s in (old.token_id, old.user_id, old.team_id) if s]
+    return Replaced(old.created_at, subjects, delta)
