@@ -1,11 +1,11 @@
 """Reading one budget as it stands now, for the budget routes."""
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from metering.budgets.service import BudgetView, view
 from metering.db import Database, utcnow
 from metering.errors import NotFound
-from metering.models import ApiToken, Budget, Team, User
+from metering.models import ApiToken, Budget, Hold, Team, User
 
 # A budget is shown while its subject exists: a team or user not deleted, any token (a revoked
 # token's budget still shows what it spent).
@@ -30,3 +30,9 @@ async def current_budget(db: Database, scope: str, subject_id: str) -> BudgetVie
     if budget is None:
         raise NotFound(f"{scope} {subject_id} not found")
     return view(budget, utcnow())
+
+
+async def open_holds(db: Database) -> int:
+    """Holds of requests in flight (or of crashed replicas, until they expire)."""
+    async with db.sessions() as session:
+        return await session.scalar(select(func.count()).select_from(Hold))
