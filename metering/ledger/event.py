@@ -11,7 +11,6 @@ picodollars per token.
 
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from operator import attrgetter
 from types import NoneType, UnionType
 from typing import get_args
 
@@ -95,8 +94,8 @@ class Event:
     error: str | None = column(Text(), limit=2000, public=False)
 
     def params(self) -> dict:
-        """The event as the insert's parameters (built by one C call, not dataclasses.asdict)."""
-        return dict(zip(NAMES, _values(self), strict=True))
+        """The event as the insert's parameters (replaced below by its written-out form)."""
+        return {name: getattr(self, name) for name in NAMES}
 
     def cap(self, amount: int) -> None:
         """A charge never exceeds what was held: the rest is recorded as uncharged."""
@@ -115,7 +114,22 @@ LIMITS = {
     for name, spec in SPECS.items()
     if isinstance(spec.sql, String)
 }
-_values = attrgetter(*NAMES)
+
+
+def _params_method():
+    """Event.params(), written out for the declared columns when this module loads: a dict
+    display of attributes is the fastest way to the insert's parameters (settle runs it for
+    every request; dataclasses.asdict copies deeply and takes twenty times as long)."""
+    items = ", ".join(f"{name!r}: self.{name}" for name in NAMES)
+    namespace: dict = {}
+    exec(f"def params(self):\n    return {{{items}}}\n", namespace)
+    params = namespace["params"]
+    params.__doc__ = "The event as the insert's parameters: every column, by name."
+    params.__qualname__ = "Event.params"
+    return params
+
+
+Event.params = _params_method()  # type: ignore[method-assign]
 
 
 def columns() -> list[Column]:
