@@ -26,6 +26,7 @@ from metering.auth.principal import open_access
 from metering.auth.tokens import digest, same
 from metering.budgets import queries
 from metering.errors import Unauthorized
+from metering.ledger.event import Event
 from metering.money import pico_to_usd
 from metering.services import Services, get_services
 
@@ -77,30 +78,30 @@ TTFT = Histogram(
 )
 
 
-def observe_event(event: dict) -> None:
+def observe_event(event: Event) -> None:
     """Count one settled ledger event. Never raises: metrics must not fail a request."""
     try:
-        route = (event["model"], event["provider"])
-        REQUESTS.labels(*route, event["status"]).inc()
+        route = (event.model, event.provider)
+        REQUESTS.labels(*route, event.status).inc()
         kinds = {
-            "prompt": event["prompt_tokens"],
-            "cached": event["cached_tokens"],
-            "completion": event["completion_tokens"],
-            "reasoning": event.get("reasoning_tokens") or 0,
+            "prompt": event.prompt_tokens,
+            "cached": event.cached_tokens,
+            "completion": event.completion_tokens,
+            "reasoning": event.reasoning_tokens or 0,
         }
         for kind, count in kinds.items():
             TOKENS.labels(*route, kind).inc(count)
-        COST.labels(*route).inc(float(pico_to_usd(event["cost"])))
-        if event.get("usage_anomaly"):
-            USAGE_ANOMALIES.labels(*route, event["usage_anomaly"]).inc()
-        if event.get("uncharged"):
-            UNCHARGED.labels(*route).inc(float(pico_to_usd(event["uncharged"])))
-        if event.get("latency_ms") is not None:
-            LATENCY.labels(*route).observe(event["latency_ms"] / 1000)
-        if event.get("ttft_ms") is not None:
-            TTFT.labels(*route).observe(event["ttft_ms"] / 1000)
+        COST.labels(*route).inc(float(pico_to_usd(event.cost)))
+        if event.usage_anomaly:
+            USAGE_ANOMALIES.labels(*route, event.usage_anomaly).inc()
+        if event.uncharged:
+            UNCHARGED.labels(*route).inc(float(pico_to_usd(event.uncharged)))
+        if event.latency_ms is not None:
+            LATENCY.labels(*route).observe(event.latency_ms / 1000)
+        if event.ttft_ms is not None:
+            TTFT.labels(*route).observe(event.ttft_ms / 1000)
     except Exception:
-        log.exception("could not record metrics for event %s", event.get("id"))
+        log.exception("could not record metrics for event %s", getattr(event, "id", None))
 
 
 def budget_rejected(scope: str) -> None:
