@@ -21,6 +21,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -772,9 +773,20 @@ def run(args, meta: dict) -> dict:
         profiler = None
         if args.profile and "pg" in servers:
             out = args.profile.with_name(f"{args.profile.name}.postgresql.txt")
+            # --gil: only the thread holding the GIL is sampled, so a thread waiting (the event
+            # loop in epoll, an idle worker thread) is not counted as time spent.
+            py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             profiler = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(servers["pg"].pid), "--rate", "250"]
-                + ["--format", "raw", "--nonblocking", "--subprocesses", "--output", str(out)],
+                [py_spy, "record", "--pid", str(servers["pg"].pid), "--rate", "250"]
+                + [
+                    "--format",
+                    "raw",
+                    "--gil",
+                    "--nonblocking",
+                    "--subprocesses",
+                    "--output",
+                    str(out),
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
