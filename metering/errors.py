@@ -138,7 +138,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+def _schema_without_422(app: FastAPI) -> None:
+    """Invalid input answers 400 (below), so the schema must not promise FastAPI's 422."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    _schema_without_422(app)
+
     @app.exception_handler(MeteringError)
     async def _metering(_: Request, exc: MeteringError) -> JSONResponse:
         return error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)

@@ -8,7 +8,7 @@ from metering.budgets.schemas import BudgetOut
 from metering.errors import error_responses
 from metering.services import Services, get_services
 
-router = APIRouter(prefix="/v1", responses=error_responses(400, *RULE_ERRORS["self"]))
+router = APIRouter(prefix="/v1", responses=error_responses(*RULE_ERRORS["self"]))
 
 
 @router.get("/tokens/{token_id}/budget")
