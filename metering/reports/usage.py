@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from operator import attrgetter
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
 from sqlalchemy import and_, or_, select
 
@@ -19,6 +19,7 @@ from metering.ledger.event import PUBLIC, SPECS
 from metering.models import LedgerEvent
 from metering.money import format_usd
 from metering.reports.cells import row as csv_cells
+from metering.services import Services, get_services
 from metering.timefmt import parse_rfc3339, rfc3339
 
 router = APIRouter(prefix="/v1")
@@ -122,8 +123,8 @@ def scoped_filters(principal: Principal, **filters) -> list:
 
 @router.get("/usage")
 async def list_usage(
-    request: Request,
     principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
     start: str | None = Query(None, max_length=64),
     end: str | None = Query(None, max_length=64),
     team_id: str | None = Query(None, max_length=40),
@@ -154,7 +155,7 @@ async def list_usage(
         .where(*conditions)
         .order_by(LedgerEvent.created_at.desc(), LedgerEvent.id.desc())
     )
-    db = request.app.state.db
+    db = services.db
     if format == "csv":
         return StreamingResponse(
             _csv(db, query),
