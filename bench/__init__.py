@@ -1,2 +1,3 @@
 """Benchmark harness: the proxy's added latency, throughput, CPU and memory next to a direct
-call to the simulated upstream, measured in one run on one machine (`python -m bench.run`)."""
+call to the simulated upstream and a bare passthrough on the same stack (the floor), measured
+in one run on one machine (`python -m bench.run`); reports at scale (`python -m bench.reports`)."""
