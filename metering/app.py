@@ -34,7 +34,6 @@ from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
 from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reports_router
-from metering.reports.usage import router as usage_router
 from metering.services import Services, get_services
 from metering.settings import Catalog, Settings, load_catalog
 
@@ -215,7 +214,6 @@ def create_app(
     app.include_router(proxy_router)
     app.include_router(identity_router)
     app.include_router(budgets_router)
-    app.include_router(usage_router)
     app.include_router(reports_router)
     app.include_router(metrics_router)
     app.include_router(auth_router)

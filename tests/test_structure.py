@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[1] / "metering"
 NOT_YET = ("proxy", "sim")
 ENDPOINTS = sorted(ROOT.glob("*/endpoints.py")) + [ROOT / "auth" / "principal.py"]
 SERVICES = sorted(ROOT.glob("*/service.py")) + [
+    ROOT / "reports" / "usage.py",
     ROOT / "reports" / "spend.py",
     ROOT / "reports" / "reconciliation.py",
     ROOT / "budgets" / "queries.py",
 ]
 # Routes whose success responses are not declared as models yet.
-UNDECLARED = {"/v1/chat/completions", "/v1/models", "/v1/usage"}
+UNDECLARED = {"/v1/chat/completions", "/v1/models"}
 
 
 def imports(path: Path) -> set[str]:
@@ -115,6 +116,7 @@ def test_every_error_status_has_the_openai_error_model_and_none_is_422():
         ("GET /v1/tokens/{token_id}/budget", {"200", "401", "403", "404", "429", "503"}),
         ("GET /v1/me", {"200", "401", "429", "503"}),
         ("POST /v1/auth/login", {"200", "400", "401", "429", "503"}),
+        ("GET /v1/usage", {"200", "400", "401", "403", "429", "503"}),
         ("GET /v1/spend", {"200", "400", "401", "403", "404", "429", "503"}),
         ("POST /v1/reconciliations", {"201", "400", "401", "403", "413", "415", "429", "503"}),
         ("GET /healthz", {"200"}),
@@ -130,4 +132,11 @@ def test_spend_declares_json_and_csv():
     found = {label: op for label, op, _ in operations()}
     content = found["GET /v1/spend"]["responses"]["200"]["content"]
     assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/SpendOut"}
+    assert content["text/csv"]["schema"] == {"type": "string"}
+
+
+def test_usage_declares_json_and_csv():
+    found = {label: op for label, op, _ in operations()}
+    content = found["GET /v1/usage"]["responses"]["200"]["content"]
+    assert content["application/json"]["schema"] == {"$ref": "#/components/schemas/UsageOut"}
     assert content["text/csv"]["schema"] == {"type": "string"}

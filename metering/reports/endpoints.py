@@ -1,14 +1,13 @@
-"""GET /v1/spend (admin, or self) and /v1/reconciliations (admin). The usage listing is
-metering.reports.usage's."""
+"""GET /v1/usage and /v1/spend (admin, or self) and /v1/reconciliations (admin)."""
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
-from metering.reports import reconciliation
-from metering.reports.schemas import ReconciliationOut, SpendOut
+from metering.reports import reconciliation, usage
+from metering.reports.schemas import ReconciliationOut, SpendOut, UsageOut
 from metering.reports.spend import DEFAULT_ROWS, MAX_PAGE, MAX_ROWS, spend_report
 from metering.reports.usage import check_text
 from metering.services import Services, get_services
@@ -17,6 +16,48 @@ router = APIRouter(prefix="/v1")
 
 MAX_EXPORT_BYTES = 64 * 1024 * 1024
 CSV = {"text/csv": {"schema": {"type": "string"}}}
+# GET /v1/usage names no user, token or team in its path, so the self rule never answers 404.
+USAGE_ERRORS = tuple(status for status in RULE_ERRORS["self"] if status != 404)
+
+
+@router.get(
+    "/usage",
+    response_model=UsageOut,
+    responses={
+        200: {"description": "Events newest first, as JSON or (format=csv) as CSV", "content": CSV},
+        **error_responses(400, *USAGE_ERRORS),
+    },
+)
+async def list_usage(
+    principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    team_id: str | None = Query(None, max_length=40),
+    user_id: str | None = Query(None, max_length=40),
+    token_id: str | None = Query(None, max_length=40),
+    model: str | None = Query(None, max_length=200),
+    provider: str | None = Query(None, max_length=100),
+    limit: int = Query(100, ge=1, le=1000),
+    cursor: str | None = Query(None, max_length=500),
+    format: str = Query("json", pattern="^(json|csv)$"),
+) -> Response:
+    query = usage.events_query(
+        principal,
+        start=start,
+        end=end,
+        filters=dict(
+            team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
+        ),
+    )
+    if format == "csv":
+        return StreamingResponse(
+            usage.csv_stream(services.db, query),
+            media_type="text/csv",
+            headers={"content-disposition": 'attachment; filename="usage.csv"'},
+        )
+    # Sent as built: a page of events is not walked again by the response model.
+    return JSONResponse(await usage.page(services.db, query, limit=limit, cursor=cursor))
 
 
 @router.get(

@@ -1,8 +1,13 @@
-"""Response bodies of /v1/spend and /v1/reconciliations. Money is a decimal string of USD."""
+"""Response bodies of /v1/usage, /v1/spend and /v1/reconciliations. Money is a decimal string
+of USD."""
 
-from typing import Literal
+from dataclasses import fields
+from typing import Annotated, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from metering.db import UTCDateTime
+from metering.ledger.event import NULLABLE, Event, Spec
 
 
 class SpendSums(BaseModel):
@@ -90,3 +95,58 @@ class ReconciliationOut(BaseModel):
     note: str | None
     rows: list[ReconciledDay]
     requests: list[ReconciledRequest]
+
+
+EXACT = ConfigDict(extra="forbid")  # the schema says no other key is sent
+
+
+def _shown_type(name: str, annotation: object, spec: Spec) -> object:
+    """A column's type in GET /v1/usage's JSON: money as a decimal USD string, times as RFC 3339
+    text, everything else as the event declares it (nullable where the column is)."""
+    if spec.money:
+        shown: object = Annotated[str, Field(description="USD, as an exact decimal string")]
+    elif isinstance(spec.sql, UTCDateTime):
+        shown = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+    else:
+        return annotation
+    return shown | None if name in NULLABLE else shown
+
+
+def _usage_event_model() -> type[BaseModel]:
+    """One event of GET /v1/usage, built from the ledger event's declaration: its public
+    columns in their order, the grouped ones nested (as in OpenAI's usage object) where the
+    group's first column stands."""
+    top: dict[str, object] = {}
+    groups: dict[str, dict[str, object]] = {}
+    for column in fields(Event):
+        spec: Spec = column.metadata["spec"]
+        if not spec.public:
+            continue
+        definition = (_shown_type(column.name, column.type, spec), ...)
+        if spec.group is None:
+            top[column.name] = definition
+            continue
+        if spec.group not in groups:
+            groups[spec.group] = {}
+            top[spec.group] = None  # keeps the group's place among the columns
+        groups[spec.group][column.name] = definition
+    for group, members in groups.items():
+        title = "".join(part.capitalize() for part in group.split("_"))
+        top[group] = (create_model(title, __config__=EXACT, **members), ...)
+    return create_model(
+        "UsageEvent",
+        __config__=EXACT,
+        __doc__="One ledger event, as GET /v1/usage shows it.",
+        **top,
+    )
+
+
+UsageEvent = _usage_event_model()
+
+
+class UsageOut(BaseModel):
+    """A page of events, newest first; next_cursor fetches the next one (None: the last)."""
+
+    object: Literal["list"]
+    data: list[UsageEvent]  # type: ignore[valid-type]
+    next_cursor: str | None

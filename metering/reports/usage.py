@@ -1,4 +1,6 @@
-"""GET /v1/usage: ledger events, newest first, cursor-paginated, JSON or CSV."""
+"""GET /v1/usage: ledger events, newest first, cursor-paginated, as JSON or streamed CSV. The
+query and both encodings; the route is metering.reports.endpoints'. The filter checks here are
+shared with GET /v1/spend."""
 
 import asyncio
 import base64
@@ -8,21 +10,16 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from operator import attrgetter
 
-from fastapi import APIRouter, Depends, Query
-from fastapi.responses import StreamingResponse
-from sqlalchemy import and_, or_, select
+from sqlalchemy import Select, and_, or_, select
 
-from metering.auth.principal import Principal, any_principal
-from metering.db import UTCDateTime
+from metering.auth.service import Principal
+from metering.db import Database, UTCDateTime
 from metering.errors import Forbidden, InvalidRequest
 from metering.ledger.event import PUBLIC, SPECS
 from metering.models import LedgerEvent
 from metering.money import format_usd
 from metering.reports.cells import row as csv_cells
-from metering.services import Services, get_services
 from metering.timefmt import parse_rfc3339, rfc3339
-
-router = APIRouter(prefix="/v1")
 
 CSV_COLUMNS = PUBLIC  # the event's public columns, the detail objects flattened
 
@@ -121,47 +118,27 @@ def scoped_filters(principal: Principal, **filters) -> list:
     return conditions
 
 
-@router.get("/usage")
-async def list_usage(
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
-    start: str | None = Query(None, max_length=64),
-    end: str | None = Query(None, max_length=64),
-    team_id: str | None = Query(None, max_length=40),
-    user_id: str | None = Query(None, max_length=40),
-    token_id: str | None = Query(None, max_length=40),
-    model: str | None = Query(None, max_length=200),
-    provider: str | None = Query(None, max_length=100),
-    limit: int = Query(100, ge=1, le=1000),
-    cursor: str | None = Query(None, max_length=500),
-    format: str = Query("json", pattern="^(json|csv)$"),
-):
-    conditions = scoped_filters(
-        principal,
-        team_id=team_id,
-        user_id=user_id,
-        token_id=token_id,
-        model=model,
-        provider=provider,
-    )
+def events_query(
+    principal: Principal, *, start: str | None, end: str | None, filters: dict[str, str | None]
+) -> Select:
+    """The events matching the filters and the range [start, end), newest first; a user's
+    credential sees only its own user's."""
+    conditions = scoped_filters(principal, **filters)
     start_at, end_at = parse_time(start, "start"), parse_time(end, "end")
     check_range(start_at, end_at)
     if start_at:
         conditions.append(LedgerEvent.created_at >= start_at)
     if end_at:
         conditions.append(LedgerEvent.created_at < end_at)
-    query = (
+    return (
         select(LedgerEvent)
         .where(*conditions)
         .order_by(LedgerEvent.created_at.desc(), LedgerEvent.id.desc())
     )
-    db = services.db
-    if format == "csv":
-        return StreamingResponse(
-            _csv(db, query),
-            media_type="text/csv",
-            headers={"content-disposition": 'attachment; filename="usage.csv"'},
-        )
+
+
+async def page(db: Database, query: Select, *, limit: int, cursor: str | None) -> dict:
+    """One page of at most `limit` events, after the cursor's event if one is given."""
     if cursor:
         created, event_id = decode_cursor(cursor)
         query = query.where(before(created, event_id))
@@ -188,7 +165,7 @@ def before(created: datetime, event_id: str):
 COLUMNS = tuple(LedgerEvent.__table__.columns)
 
 
-async def _csv(db, query, batch: int = 2000) -> AsyncIterator[bytes]:
+async def csv_stream(db: Database, query: Select, batch: int = 2000) -> AsyncIterator[bytes]:
     """Streams every matching event in pages, so memory stays flat however many rows there are."""
     buffer = io.StringIO()
     writer = csv.writer(buffer)

@@ -433,7 +433,7 @@ def test_usage_csv_streams_100k_rows_in_flat_memory(own_pg):
         early_peak = 0
         tracemalloc.start()
         try:
-            async for chunk in usage._csv(db, query):
+            async for chunk in usage.csv_stream(db, query):
                 sent += len(chunk)
                 lines += chunk.count(b"\n")
                 if early_peak == 0 and lines > CSV_ROWS // 10:

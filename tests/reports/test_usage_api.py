@@ -2,11 +2,15 @@
 
 import csv
 import io
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import httpx
 import pytest
+
+from metering.ledger.event import NULLABLE, PUBLIC, SPECS, Event
+from metering.reports.schemas import UsageEvent, UsageOut
 
 EVENT_FIELDS = {
     "id",
@@ -357,3 +361,46 @@ def test_invalid_query_is_400_naming_the_parameter(api, params, param):
 def test_nul_in_a_filter_is_never_a_server_error(api):
     response = api.request("GET", "/v1/usage", params={"model": "a\x00b"})
     assert response.status_code in (200, 400), response.text
+
+
+# --- the declared response model -----------------------------------------------------------
+
+
+def test_the_response_model_is_built_from_the_event_declaration():
+    """UsageEvent holds the event's public columns in their order (the grouped ones nested), each
+    nullable exactly where its column is; money and times are text, the rest the event's type."""
+    flat, types = [], {}
+    for name, field in UsageEvent.model_fields.items():
+        nested = getattr(field.annotation, "model_fields", None)
+        if nested is None:
+            flat.append(name)
+            types[name] = field.annotation
+            continue
+        assert {SPECS[member].group for member in nested} == {name}
+        flat.extend(nested)
+        types.update((member, f.annotation) for member, f in nested.items())
+    assert tuple(flat) == PUBLIC
+    declared = {f.name: f.type for f in fields(Event)}
+    for name in PUBLIC:
+        if SPECS[name].money or name == "created_at":
+            assert types[name] is str, name
+        else:
+            assert types[name] == declared[name], name
+        assert (type(None) in getattr(types[name], "__args__", ())) == (name in NULLABLE), name
+    schema = UsageOut.model_json_schema()["$defs"]["UsageEvent"]
+    assert schema["required"] == list(UsageEvent.model_fields)
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["created_at"]["format"] == "date-time"
+
+
+def test_a_page_is_exactly_what_its_model_declares(api, world):
+    """Every key and value of a real page validates against UsageOut and nothing is left out or
+    added; the body is the compact JSON it always was."""
+    response = api.request("GET", "/v1/usage", params={"team_id": world.team_a["id"], "limit": 3})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert len(body["data"]) == 3 and body["next_cursor"] is not None
+    assert UsageOut.model_validate(body).model_dump(mode="json") == body
+    compact = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    assert response.content == compact.encode()
