@@ -20,11 +20,11 @@ from sqlalchemy import create_engine, pool, select, text
 from metering import migrate
 from metering.db import sync_url
 from metering.models import Hold
+from metering.money import PICO
 from metering.settings import Settings
 from metering.testing import free_port
 from tests.conftest import ADMIN_KEY, PG_ADMIN_DSN, Api, catalog_for
 
-PICO = Decimal(10) ** 12
 SIM_KEYS = {"SIM_OPENAI_KEY": "sim-key", "SIM_EXASCALE_KEY": "sim-key"}
 
 
