@@ -25,12 +25,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from metering.sim.dialects import (
-    SHAPES,
+from metering.sim.providers import (
+    PROVIDERS,
     STREAM_ERROR,
-    Dialect,
-    NimDialect,
     Reply,
+    SimNim,
+    SimProvider,
     Step,
 )
 from metering.sim.text import (
@@ -43,7 +43,6 @@ from metering.sim.text import (
 )
 from metering.sim.tokenizer import count_tokens
 
-DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
 LOG_SIZE = 10_000
 HANG_S = 3600.0
 FAULT_STATUS = {"http500": 500, "http429": 429, "http400": 400, "nim422": 422}
@@ -130,7 +129,7 @@ def _record_answer(record: dict, answer: Answer) -> None:
 class Exchange:
     """Everything one chat request's answer depends on."""
 
-    dialect: Dialect
+    provider: SimProvider
     reply: Reply
     answer: Answer
     directives: Directives
@@ -154,13 +153,13 @@ class Exchange:
     def steps(self) -> list[Step]:
         reasoning = split_chunks(self.answer.reasoning, self.chunks)
         content = split_chunks(self.answer.content, self.chunks)
-        return self.dialect.steps(reasoning, content, self.answer.finish_reason)
+        return self.provider.steps(reasoning, content, self.answer.finish_reason)
 
     def usage_of(self, steps: list[Step]) -> dict:
         """Usage of the steps sent: all of them, or those before a mid-stream error."""
         completion = sum(count_tokens(step.text) for step in steps)
         reasoning = sum(count_tokens(step.text) for step in steps if step.kind == "reasoning")
-        return self.dialect.usage(self.answer, completion, reasoning)
+        return self.provider.usage(self.answer, completion, reasoning)
 
 
 class Framer:
@@ -188,7 +187,7 @@ def _fault_cut(steps: list[Step], fault_after: int) -> int:
 
 async def _stream(exchange: Exchange) -> AsyncIterator[str]:
     """The SSE body; the record follows each chunk as the server takes it."""
-    dialect, reply, record = exchange.dialect, exchange.reply, exchange.record
+    provider, reply, record = exchange.provider, exchange.reply, exchange.record
     fault = exchange.directives.fault
     framer = Framer(exchange.directives)
     sent = exchange.steps()
@@ -198,17 +197,17 @@ async def _stream(exchange: Exchange) -> AsyncIterator[str]:
         if index:
             await asyncio.sleep(exchange.delay_s)
         choice = {"index": 0, "delta": step.delta, "finish_reason": step.finish_reason}
-        yield framer.chunk(dialect.chunk(reply, [choice]))
+        yield framer.chunk(provider.chunk(reply, [choice]))
         record["delivered_chunks"] += step.kind == "content"
         record["delivered_completion_tokens"] += count_tokens(step.text)
         if index == 0 and fault == "malformed":
             yield framer.event("{not json")
     if fault == "disconnect":
         raise SimulatedDisconnect
-    billed = fault != "stream_error" or dialect.bills_partial_streams
-    if billed and dialect.streams_usage(reply):
+    billed = fault != "stream_error" or provider.bills_partial_streams
+    if billed and provider.streams_usage(reply):
         usage = exchange.usage_of(sent)
-        chunk = {**dialect.chunk(reply, []), "usage": usage}
+        chunk = {**provider.chunk(reply, []), "usage": usage}
         if exchange.usage_raw is None:
             yield framer.chunk(chunk)
         else:
@@ -289,7 +288,7 @@ def _nim_headers(request_id: str, status: str) -> dict[str, str]:
 
 
 def _failed(exchange: Exchange, status: int) -> JSONResponse:
-    response = exchange.dialect.error(status, f"simulated fault {exchange.directives.fault}")
+    response = exchange.provider.error(status, f"simulated fault {exchange.directives.fault}")
     if status == 429:
         response.headers["retry-after"] = "1"
     exchange.record["status"] = status
@@ -304,7 +303,7 @@ def _broken_body(exchange: Exchange) -> Response:
         return Response('{"id": "x", "choices": [', media_type="application/json")
     if fault == "disconnect":
         record["status"] = 200
-        return DroppedResponse(exchange.dialect.completion(exchange.reply, exchange.answer))
+        return DroppedResponse(exchange.provider.completion(exchange.reply, exchange.answer))
     # Without a stream to break, a failure during generation surfaces as a 500.
     return _failed(exchange, 500)
 
@@ -331,13 +330,13 @@ def _with_raw_usage(payload: dict, usage_raw: str, invalid_utf8: bool = False) -
 
 
 def _complete(request: Request, exchange: Exchange) -> Response:
-    payload = exchange.dialect.completion(exchange.reply, exchange.answer)
+    payload = exchange.provider.completion(exchange.reply, exchange.answer)
     if exchange.usage_raw is not None or exchange.invalid_utf8:
         _deliver(exchange.record, payload)
         usage_raw = exchange.usage_raw or json.dumps(payload.get("usage"))
         body = _with_raw_usage(payload, usage_raw, exchange.invalid_utf8)
         return Response(body, media_type="application/json")
-    if not isinstance(exchange.dialect, NimDialect):
+    if not isinstance(exchange.provider, SimNim):
         _deliver(exchange.record, payload)
         return JSONResponse(payload)
     request_id = str(uuid.uuid4())
@@ -372,49 +371,49 @@ async def _respond(request: Request, exchange: Exchange) -> Response:
 
 # --- routes ---------------------------------------------------------------------------------
 
-_OPENAI = SHAPES["openai"]
+_OPENAI = PROVIDERS["openai"]
 
 
 async def chat(request: Request) -> Response:
     name = request.path_params["dialect"]
-    if name not in SHAPES:
+    if name not in PROVIDERS:
         return _OPENAI.error(404, f"no dialect {name!r}")
     if not _has_bearer(request):
         return _OPENAI.error(401, "missing bearer token")
-    dialect = SHAPES[name]
+    provider = PROVIDERS[name]
     body = await _read_json(request)
-    record = _new_record(dialect.new_id(), name, body, request)
+    record = _new_record(provider.new_id(), name, body, request)
     request.app.state.log.add(record)
-    problem = dialect.validate(body) if isinstance(body, dict) else "body must be a JSON object"
+    problem = provider.validate(body) if isinstance(body, dict) else "body must be a JSON object"
     if problem:
-        record["status"] = dialect.invalid_status
-        return dialect.error(dialect.invalid_status, problem)
+        record["status"] = provider.invalid_status
+        return provider.error(provider.invalid_status, problem)
     directives = parse_directives(last_user_text(body["messages"]))
     if "fault" in request.path_params:
         # /fault/{name}/...: every request on this base URL fails the same way.
         directives = replace(directives, fault=request.path_params["fault"])
     if directives.fault is not None and directives.fault not in FAULTS:
         record["status"] = 400
-        return dialect.error(400, f"unknown sim fault {directives.fault!r}")
+        return provider.error(400, f"unknown sim fault {directives.fault!r}")
     answer = plan_answer(
         body["messages"],
         _max_tokens(body),
         directives,
-        reasons=dialect.reasons,
-        caches=dialect.caches,
+        reasons=provider.reasons,
+        caches=provider.caches,
     )
     _record_answer(record, answer)
     record["fault"] = directives.fault
     reply = Reply(
         id=record["id"],
-        model=dialect.response_model(body.get("model") or ""),
+        model=provider.response_model(body.get("model") or ""),
         created=int(time.time()),
         include_usage=_include_usage(body),
         started=time.monotonic(),
     )
     settings = request.app.state.settings
     text = last_user_text(body["messages"])
-    exchange = Exchange(dialect, reply, answer, directives, settings, record)
+    exchange = Exchange(provider, reply, answer, directives, settings, record)
     exchange.usage_raw = _usage_override(text)
     exchange.invalid_utf8 = "sim:invalid_utf8=1" in text
     return await _respond(request, exchange)
@@ -422,13 +421,13 @@ async def chat(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     name = request.path_params["dialect"]
-    if name not in SHAPES:
+    if name not in PROVIDERS:
         return _OPENAI.error(404, f"no dialect {name!r}")
     if not _has_bearer(request):
         return _OPENAI.error(401, "missing bearer token")
     data = [
         {"id": model, "object": "model", "created": 1767225600, "owned_by": name}
-        for model in SHAPES[name].models
+        for model in PROVIDERS[name].models
     ]
     return JSONResponse({"object": "list", "data": data})
 
@@ -439,7 +438,7 @@ async def nim_status(request: Request) -> Response:
     request_id = request.path_params["request_id"]
     pending = request.app.state.pending.get(request_id)
     if pending is None:
-        return SHAPES["nim"].error(404, f"no pending request {request_id}")
+        return PROVIDERS["nim"].error(404, f"no pending request {request_id}")
     if pending.polls_left > 0:
         pending.polls_left -= 1
         return JSONResponse(

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metering.sim.app import DIALECTS, SHAPES, SimServer, SimSettings
+from metering.settings import DIALECTS
+from metering.sim.app import SimServer, SimSettings
+from metering.sim.providers import PROVIDERS
 from metering.sim.text import parse_directives, prose, split_chunks
 from metering.sim.tokenizer import count_prompt_tokens, count_tokens
 
@@ -213,8 +215,8 @@ def test_crlf_and_comments_still_parse_with_the_sdk(sim, http):
     assert text == completion.choices[0].message.content
 
 
-def test_every_dialect_has_a_shape():
-    assert tuple(SHAPES) == DIALECTS
+def test_every_dialect_has_a_simulated_provider():
+    assert tuple(PROVIDERS) == DIALECTS
 
 
 def test_models_lists_in_the_openai_shape(sim):

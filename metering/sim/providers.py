@@ -1,5 +1,6 @@
-"""The simulated upstream's dialects: how each provider shapes its answers, chunks and errors,
-as its own document shows (docs/dialects.md), and the checks each applies to a request."""
+"""The simulated providers: how each one shapes its answers, chunks and errors, as its own
+document shows (docs/dialects.md), and the checks each applies to a request. One SimProvider
+per dialect the catalog knows (metering.settings.DIALECTS), keyed by that name in PROVIDERS."""
 
 import time
 import uuid
@@ -15,12 +16,12 @@ NIM_FUNCTION_ID = "da9660c1-f121-46f7-ae2a-9ae22b727284"
 STREAM_ERROR = {"message": "upstream stream interrupted", "type": "server_error"}
 
 
-# --- dialects -------------------------------------------------------------------------------
+# --- providers ------------------------------------------------------------------------------
 
 
 @dataclass
 class Reply:
-    """One answer on its way out: what the dialects need to shape its bodies."""
+    """One answer on its way out: what the providers need to shape its bodies."""
 
     id: str
     model: str
@@ -40,7 +41,7 @@ class Step:
     text: str = ""
 
 
-class Dialect:
+class SimProvider:
     """The plain OpenAI-compatible shape; each provider below states how it differs."""
 
     models: tuple[str, ...] = ()
@@ -122,7 +123,7 @@ class Dialect:
         }
 
 
-class OpenAIDialect(Dialect):
+class SimOpenAI(SimProvider):
     """OpenAI itself: fingerprints, logprobs and the full usage details."""
 
     models = ("MiniMaxAI/MiniMax-M2.5",)
@@ -157,7 +158,7 @@ class OpenAIDialect(Dialect):
         return {**chunk, "usage": None} if reply.include_usage else chunk
 
 
-class ExascaleDialect(Dialect):
+class SimExascale(SimProvider):
     """MiniMax on Exascale: named messages, reasoning details, sla_metrics, usage always."""
 
     models = ("MiniMaxAI/MiniMax-M2.1",)
@@ -226,7 +227,7 @@ class ExascaleDialect(Dialect):
         }
 
 
-class GenesisDialect(Dialect):
+class SimGenesis(SimProvider):
     """Genesis: text blocks checked, usage without details, streams without id or usage."""
 
     models = ("MiniMax-M2.5",)
@@ -257,7 +258,7 @@ class GenesisDialect(Dialect):
         return {"object": "chat.completion.chunk", "choices": choices}
 
 
-class TokenChangeDialect(Dialect):
+class SimTokenChange(SimProvider):
     """TokenChange: streams only; usage on request, with cached tokens."""
 
     models = ("minimax/minimax-m2.5",)
@@ -283,7 +284,7 @@ class TokenChangeDialect(Dialect):
         return steps
 
 
-class NimDialect(Dialect):
+class SimNim(SimProvider):
     """NVIDIA NIM on NVCF: schema-checked requests, problem details, 202 and polling."""
 
     models = ("minimaxai/minimax-m2.5",)
@@ -318,12 +319,12 @@ class NimDialect(Dialect):
         return JSONResponse(problem, status_code=status)
 
 
-SHAPES: dict[str, Dialect] = {
-    "openai": OpenAIDialect(),
-    "exascale": ExascaleDialect(),
-    "genesis": GenesisDialect(),
-    "tokenchange": TokenChangeDialect(),
-    "nim": NimDialect(),
+PROVIDERS: dict[str, SimProvider] = {
+    "openai": SimOpenAI(),
+    "exascale": SimExascale(),
+    "genesis": SimGenesis(),
+    "tokenchange": SimTokenChange(),
+    "nim": SimNim(),
 }
 
 
