@@ -156,16 +156,13 @@ def create_app(
             catalog=catalog,
         )
         app.state.services = services
-        # The proxy still reads these from app.state.
-        for name in ("settings", "db", "upstreams", "breakers", "live_holds", "catalog"):
-            setattr(app.state, name, getattr(services, name))
         await record_prices(db, catalog)
         keep_alive = asyncio.create_task(services.live_holds.keep_alive(db, settings.hold_ttl_s))
 
         async def watch_catalog() -> None:
             if await store.reload_if_changed(db):
                 services.upstreams.ensure(store.current)
-                services.catalog = app.state.catalog = store.current
+                services.catalog = store.current
 
         scheduler = (
             jobs.start_scheduler(db, settings.hold_ttl_s, settings.retention_days)

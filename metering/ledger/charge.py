@@ -1,7 +1,7 @@
 """What an event charges: the usage it records, checked against what the request allowed.
 
 Usage is checked before it is charged. The upstream's counts are parsed with bounds and
-checked against each other (metering.proxy.usage), then here against what the request
+checked against each other (metering.proxy.reported), then here against what the request
 allowed: completion_tokens within the max_tokens sent upstream (times n, the choices asked
 for), and prompt_tokens within the prompt bound the hold was computed from. Usage that cannot
 be used (an invalid or missing count) is replaced by an estimate. Usage that can be used is

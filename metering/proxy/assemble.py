@@ -1,7 +1,44 @@
-"""One `chat.completion` from the chunks of a stream, for a non-streaming client of an upstream
-that only streams."""
+"""A non-streaming client of an upstream that only streams (TokenChange): the stream is read
+whole by the relay loop and answered as one `chat.completion` assembled from its chunks."""
 
+import json
 import time
+
+from starlette.responses import Response
+
+from metering.proxy.attempt import Attempt
+from metering.proxy.stream import StreamRelay
+from metering.proxy.transport import (
+    UpstreamFailed,
+    error_answer,
+    limit_error,
+    open_upstream,
+    read_all,
+)
+
+
+async def answer_from_stream(attempt: Attempt) -> Response:
+    """Read the whole stream, answer one chat.completion. An error event mid-stream bills what
+    was delivered, then 502."""
+    upstream = await open_upstream(attempt)
+    if upstream.status_code >= 400:
+        return error_answer(attempt, upstream, await read_all(attempt, upstream))
+    assembler = CompletionAssembler()
+    relay = StreamRelay(attempt, upstream, on_chunk=assembler.add)
+    try:
+        await relay.run()
+    finally:
+        await upstream.aclose()
+    outcome = attempt.outcome = relay.outcome()
+    outcome.ttft_ms = attempt.elapsed_ms()  # the client's first byte is the whole answer
+    if relay.limit is not None:
+        raise limit_error(attempt, relay.limit)
+    if outcome.status != "ok":
+        error = relay.observer.error or {}
+        message = error.get("message") or "the upstream stream ended early"
+        raise UpstreamFailed(f"provider {attempt.provider.name}: {message}")
+    body = json.dumps(assembler.completion(), ensure_ascii=False).encode()
+    return Response(body, 200, headers=attempt.headers, media_type="application/json")
 
 
 class CompletionAssembler:

@@ -1,9 +1,15 @@
-"""One upstream attempt of a request, and the two ways its hold ends: settle (a ledger event)
-or release (nothing reached an upstream)."""
+"""One upstream attempt of a request: the hold it reserved, and the one way that hold ends.
+
+An Attempt is an async context manager that ends exactly once. The code that forwards it
+records what happened as its `outcome`; when the attempt ends it settles that outcome (one
+ledger event: the request reached an upstream) or, when there is none, releases the hold
+(nothing went out). A streaming response takes the end over (`hand_over()`) and ends the
+attempt itself when its stream is done. Ending is shielded from cancellation and retried while
+the database cannot be reached; a hold that still cannot end is left to the sweeper.
+"""
 
 import logging
 import time
-from dataclasses import dataclass
 from datetime import datetime
 
 import anyio
@@ -12,11 +18,13 @@ from sqlalchemy import exc as sa_exc
 from metering import metrics
 from metering.budgets import service as budgets
 from metering.budgets.service import HoldSpec, Reservation
+from metering.db import utcnow
 from metering.ledger.charge import Limits
 from metering.ledger.outcome import Outcome, event_for
 from metering.proxy.dialects import Dialect
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
 from metering.proxy.request import ChatRequest
+from metering.services import Services
 from metering.settings import Provider
 
 log = logging.getLogger("metering.proxy")
@@ -24,18 +32,63 @@ RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
 
 
-@dataclass(slots=True)
 class Attempt:
-    spec: HoldSpec
-    chat: ChatRequest
-    provider: Provider
-    dialect: Dialect
-    upstream_body: bytes
-    started_at: datetime
-    t0: float
-    headers: dict  # response headers we add (x-request-id, x-max-tokens-clamped)
+    __slots__ = (
+        "services",
+        "spec",
+        "reservation",
+        "chat",
+        "provider",
+        "dialect",
+        "upstream_body",
+        "started_at",
+        "t0",
+        "headers",
+        "outcome",
+        "_handed_over",
+        "_ended",
+    )
 
-    reservation: Reservation | None = None
+    def __init__(
+        self,
+        services: Services,
+        spec: HoldSpec,
+        reservation: Reservation,
+        chat: ChatRequest,
+        provider: Provider,
+        dialect: Dialect,
+        t0: float,
+    ) -> None:
+        self.services = services
+        self.spec = spec
+        self.reservation = reservation
+        self.chat = chat
+        self.provider = provider
+        self.dialect = dialect
+        self.upstream_body = b""
+        self.started_at: datetime = utcnow()
+        self.t0 = t0  # perf_counter() when the request arrived
+        # Headers every answer of this attempt carries (the response's own are added to them).
+        self.headers: dict[str, str] = {}
+        if reservation.clamped:
+            self.headers["x-max-tokens-clamped"] = str(reservation.max_tokens)
+        # What reached an upstream and how it ended; None while nothing did.
+        self.outcome: Outcome | None = None
+        self._handed_over = False
+        self._ended = False
+
+    async def __aenter__(self) -> "Attempt":
+        # Until it ends, this process keeps the hold from expiring (metering.proxy.live).
+        self.services.live_holds.add(self.spec.hold_id)
+        return self
+
+    async def __aexit__(self, kind, exc, tb) -> None:
+        if not self._handed_over:
+            await self.end()
+
+    def hand_over(self) -> None:
+        """A streaming response ends the attempt when its stream is done, not the `with`."""
+        self._handed_over = True
 
     def elapsed_ms(self) -> int:
         return int((time.perf_counter() - self.t0) * 1000)
@@ -43,6 +96,47 @@ class Attempt:
     def deadline(self, max_s: float) -> float:
         """When a request that may run max_s seconds must end, on anyio's clock."""
         return anyio.current_time() + max_s - (time.perf_counter() - self.t0)
+
+    async def end(self) -> None:
+        """Settle the outcome (one ledger event) or release the hold when nothing reached an
+        upstream. Only the first call does anything; a client going away cannot cancel it."""
+        if self._ended:
+            return
+        self._ended = True
+        hold_id = self.spec.hold_id
+        with anyio.CancelScope(shield=True):
+            try:
+                if self.outcome is None:
+                    await _retrying(
+                        self.services,
+                        "release",
+                        hold_id,
+                        lambda: budgets.release(self.services.db, hold_id),
+                    )
+                else:
+                    await self._settle(self.outcome)
+            finally:
+                self.services.live_holds.discard(hold_id)
+
+    async def _settle(self, outcome: Outcome) -> None:
+        billing, body = self.spec.billing, self.chat.body
+        event = event_for(
+            billing,
+            outcome,
+            started_at=self.started_at,
+            latency_ms=self.elapsed_ms(),
+            limits=Limits.of(billing, self.reservation, self.chat.choices),
+            prompt_tokens=lambda: estimate_prompt_tokens(body),
+            text_tokens=estimate_text_tokens,
+        )
+        settled = await _retrying(
+            self.services,
+            "settle",
+            self.spec.hold_id,
+            lambda: budgets.settle(self.services.db, event, self.reservation),
+        )
+        if settled:
+            metrics.observe_event(event)
 
 
 def database_unreachable(exc: BaseException) -> bool:
@@ -64,10 +158,10 @@ def database_unreachable(exc: BaseException) -> bool:
 _UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
 
 
-async def _retrying(state, what: str, hold_id: str, write) -> bool | None:
+async def _retrying(services: Services, what: str, hold_id: str, write) -> bool | None:
     """Run `write` until it commits, retrying while the database cannot be reached (for at
     most settings.settle_retry_s); None when it never could."""
-    deadline = time.monotonic() + state.settings.settle_retry_s
+    deadline = time.monotonic() + services.settings.settle_retry_s
     pause = RETRY_FIRST_S
     while True:
         try:
@@ -80,41 +174,3 @@ async def _retrying(state, what: str, hold_id: str, write) -> bool | None:
             log.warning("%s of %s waits for the database: %s", what, hold_id, exc)
         await anyio.sleep(pause)
         pause = min(pause * 2, RETRY_MAX_S)
-
-
-async def settle(state, attempt: Attempt, outcome: Outcome) -> bool:
-    """Write the attempt's one ledger event. Shielded: a client going away must not cancel it.
-    False when it could not be written (the hold is left to the sweeper)."""
-    billing, body = attempt.spec.billing, attempt.chat.body
-    event = event_for(
-        billing,
-        outcome,
-        started_at=attempt.started_at,
-        latency_ms=attempt.elapsed_ms(),
-        limits=Limits.of(billing, attempt.reservation, attempt.chat.choices),
-        prompt_tokens=lambda: estimate_prompt_tokens(body),
-        text_tokens=estimate_text_tokens,
-    )
-    hold_id = attempt.spec.hold_id
-    with anyio.CancelScope(shield=True):
-        try:
-            settled = await _retrying(
-                state,
-                "settle",
-                hold_id,
-                lambda: budgets.settle(state.db, event, attempt.reservation),
-            )
-        finally:
-            state.live_holds.discard(hold_id)
-        if settled:
-            metrics.observe_event(event)
-        return settled is not None
-
-
-async def release(state, attempt: Attempt) -> None:
-    hold_id = attempt.spec.hold_id
-    with anyio.CancelScope(shield=True):
-        try:
-            await _retrying(state, "release", hold_id, lambda: budgets.release(state.db, hold_id))
-        finally:
-            state.live_holds.discard(hold_id)

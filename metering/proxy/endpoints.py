@@ -10,17 +10,17 @@ from fastapi.responses import Response
 from metering import metrics
 from metering.auth.principal import Principal, any_principal, user_principal
 from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
-from metering.db import utcnow
 from metering.errors import InvalidRequest, MeteringError
 from metering.ledger.outcome import Billing
 from metering.money import format_usd
-from metering.proxy import forward
-from metering.proxy.attempt import Attempt, release
+from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
 from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_bound
-from metering.proxy.forward import FailedBeforeAnswer
+from metering.proxy.forward import forward
 from metering.proxy.request import parse_json, read_body, validate
 from metering.proxy.routing import candidates, parse_model
+from metering.proxy.transport import FailedBeforeAnswer
+from metering.services import Services, get_services
 from metering.settings import ModelRoute
 from metering.timefmt import rfc3339
 
@@ -59,13 +59,14 @@ def _encode(body: dict) -> bytes:
 
 @router.post("/chat/completions")
 async def chat_completions(
-    request: Request, principal: Principal = Depends(user_principal)
+    request: Request,
+    principal: Principal = Depends(user_principal),
+    services: Services = Depends(get_services),
 ) -> Response:
-    state = request.app.state
     t0 = time.perf_counter()
-    raw = await read_body(request, state.settings.max_body_bytes)
+    raw = await read_body(request, services.settings.max_body_bytes)
     chat = validate(parse_json(raw), len(raw))
-    catalog = state.catalog  # the prices in effect when the request started
+    catalog = services.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)
     routes = candidates(
         catalog, target, chat.body, lambda: estimate_prompt_tokens(chat.body), chat.max_tokens
@@ -73,15 +74,17 @@ async def chat_completions(
     routes = usable_routes(routes, catalog, chat, target)
     request_id = request.scope["state"]["request_id"]
     last: FailedBeforeAnswer | None = None
-    for n, route in enumerate(state.breakers.order(routes), start=1):
+    for n, route in enumerate(services.breakers.order(routes), start=1):
         attempt_id = request_id if n == 1 else f"{request_id}_{n}"
         try:
-            response = await attempt(state, principal, chat, catalog, route, target, attempt_id, t0)
+            response = await try_route(
+                services, principal, chat, catalog, route, target, attempt_id, t0
+            )
         except FailedBeforeAnswer as failure:
-            state.breakers.failed(route.provider)
+            services.breakers.failed(route.provider)
             last = failure
             continue
-        state.breakers.succeeded(route.provider)
+        services.breakers.succeeded(route.provider)
         request.scope["state"]["request_id"] = attempt_id
         return response
     assert last is not None
@@ -102,10 +105,10 @@ def usable_routes(routes: list[ModelRoute], catalog, chat, target) -> list[Model
                     f"provider {route.provider} has no endpoints to pin with /ep/",
                     param="model",
                 )
-            if chat.max_tokens is not None and chat.max_tokens > route.max_output_tokens:
+            ceiling = dialect.output_ceiling(route)
+            if chat.max_tokens is not None and chat.max_tokens > ceiling:
                 raise InvalidRequest(
-                    f"max_tokens {chat.max_tokens} is above the model's maximum of "
-                    f"{route.max_output_tokens}",
+                    f"max_tokens {chat.max_tokens} is above the model's maximum of {ceiling}",
                     param="max_tokens",
                 )
             dialect.validate(chat.body)
@@ -118,9 +121,11 @@ def usable_routes(routes: list[ModelRoute], catalog, chat, target) -> list[Model
     return usable
 
 
-async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0) -> Response:
-    """One provider: reserve at its prices, forward, settle. Raises FailedBeforeAnswer when the
-    next provider may be tried."""
+async def try_route(
+    services: Services, principal, chat, catalog, route, target, attempt_id, t0
+) -> Response:
+    """One provider: reserve at its prices, forward, and end the attempt (settle or release).
+    Raises FailedBeforeAnswer when the next provider may be tried."""
     provider = catalog.providers[route.provider]
     dialect = dialect_for(provider.dialect)
     if target.endpoint:
@@ -144,44 +149,24 @@ async def attempt(state, principal, chat, catalog, route, target, attempt_id, t0
         prompt_cost=billing.prompt_cost(),
         token_cost=billing.output_price * chat.choices,  # every choice may use max_tokens
         max_tokens=chat.max_tokens,
-        model_max_output=route.max_output_tokens,
+        model_max_output=dialect.output_ceiling(route),
     )
     try:
-        reservation = await reserve(state.db, spec, state.settings.hold_ttl_s)
+        reservation = await reserve(services.db, spec, services.settings.hold_ttl_s)
     except BudgetShortfall as exc:
         raise budget_exceeded(exc) from None
-    # From here until it settles or is released, this process keeps the hold from expiring.
-    state.live_holds.add(spec.hold_id)
-    headers = {}
-    if reservation.clamped:
-        headers["x-max-tokens-clamped"] = str(reservation.max_tokens)
-    attempt = Attempt(
-        spec=spec,
-        chat=chat,
-        provider=provider,
-        dialect=dialect,
-        upstream_body=b"",
-        started_at=utcnow(),
-        t0=t0,
-        headers=headers,
-        reservation=reservation,
-    )
-    try:
-        # Built under the try: a body that cannot be sent must give its hold back too.
+    async with Attempt(services, spec, reservation, chat, provider, dialect, t0) as attempt:
+        # Built inside: a body that cannot be sent gives its hold back too.
         upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
         attempt.upstream_body = _encode(upstream_body)
-        if chat.stream:
-            return await forward.stream(state, attempt)
-        return await forward.complete(state, attempt)
-    except BaseException:
-        # Whatever went wrong, the hold is never left behind by this request.
-        await release(state, attempt)
-        raise
+        return await forward(attempt)
 
 
 @router.get("/models")
-async def list_models(request: Request, _: Principal = Depends(any_principal)) -> dict:
-    catalog = request.app.state.catalog
+async def list_models(
+    _: Principal = Depends(any_principal), services: Services = Depends(get_services)
+) -> dict:
+    catalog = services.catalog
     return {
         "object": "list",
         "data": [

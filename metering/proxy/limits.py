@@ -18,7 +18,11 @@ class Limit:
     status: str  # the ledger event's status
     code: str  # the client's error code
     http_status: int  # what a non-streaming client gets
+    setting: str  # the setting that sets the bound
     what: str
+
+    def bound(self, settings) -> float:
+        return getattr(settings, self.setting)
 
     def message(self, provider: str, bound: float) -> str:
         return f"provider {provider}: {self.what.format(bound=bound)}"
@@ -31,28 +35,23 @@ EVENT_TOO_LARGE = Limit(
     "event_too_large",
     "upstream_event_too_large",
     502,
+    "max_sse_event_bytes",
     "the answer has an event or line longer than {bound} bytes (METERING_MAX_SSE_EVENT_BYTES)",
 )
 RESPONSE_TOO_LARGE = Limit(
     "response_too_large",
     "upstream_response_too_large",
     502,
+    "max_response_bytes",
     "the answer is longer than {bound} bytes (METERING_MAX_RESPONSE_BYTES)",
 )
 RESPONSE_TOO_LONG = Limit(
     "response_too_long",
     "upstream_response_too_long",
     504,
+    "max_response_s",
     "the answer took longer than {bound} seconds (METERING_MAX_RESPONSE_S)",
 )
-
-
-def bound_of(limit: Limit, settings) -> float:
-    if limit is EVENT_TOO_LARGE:
-        return settings.max_sse_event_bytes
-    if limit is RESPONSE_TOO_LARGE:
-        return settings.max_response_bytes
-    return settings.max_response_s
 
 
 # A generated-text field of a chat completion and its string value, which may be cut short.

@@ -22,7 +22,7 @@ empty line dispatches the event. Two consequences shape the code:
 import re
 from dataclasses import dataclass
 
-__all__ = ["SSEEvent", "SSEParser", "is_done"]
+__all__ = ["SSEEvent", "SSEParser"]
 
 # A blank line is a line ending right after another one. Atomic groups keep a
 # CRLF from being re-read as CR then LF (which would look like a blank line).
@@ -37,11 +37,6 @@ class SSEEvent:
     raw: bytes  # exact bytes of the event, including its terminating blank line
     data: str | None  # data lines joined with "\n"; None when there was no data line
     event: str | None  # the event type, when an ``event:`` field was present
-
-
-def is_done(event: SSEEvent) -> bool:
-    """The OpenAI end-of-stream sentinel ``data: [DONE]``."""
-    return event.data == "[DONE]"
 
 
 def _fields(body: bytes, strip_bom: bool) -> tuple[str | None, str | None]:

@@ -1,9 +1,15 @@
-"""The streaming response: SSE events relayed byte for byte while usage is read on the side,
-and exactly one settle however the stream ends (done, upstream cut, client gone)."""
+"""Reading an upstream's SSE stream: the one relay loop (StreamRelay), and the response that
+relays it to a streaming client byte for byte (MeteredStream).
+
+The loop reads within the limits (event size, response size, time), reads each event's data
+on the side (usage, finish reason, delivered text, an error event) and stops at `[DONE]`; its
+outcome says how the stream ended: `ok` only when `[DONE]` came.
+"""
 
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
 
 import anyio
 import httpx
@@ -12,32 +18,140 @@ from starlette.types import Receive, Scope, Send
 
 from metering.errors import error_body
 from metering.ledger.outcome import Outcome
-from metering.proxy.attempt import Attempt, settle
-from metering.proxy.limits import (
-    EVENT_TOO_LARGE,
-    RESPONSE_TOO_LARGE,
-    RESPONSE_TOO_LONG,
-    Limit,
-    bound_of,
-)
+from metering.proxy.attempt import Attempt
+from metering.proxy.limits import EVENT_TOO_LARGE, RESPONSE_TOO_LARGE, RESPONSE_TOO_LONG, Limit
+from metering.proxy.reported import StreamObserver, is_usage_only_chunk
 from metering.proxy.sse import SSEParser
+from metering.proxy.transport import limit_message
 from metering.proxy.upstreams import failure_kind
-from metering.proxy.usage import StreamObserver, is_usage_only_chunk
 
 log = logging.getLogger("metering.proxy")
 
 DONE = b"data: [DONE]\n\n"
 
 
-class MeteredStream(Response):
-    """Relays SSE events byte for byte, reading usage on the side, and settles exactly once."""
+class StreamRelay:
+    """One pass over an upstream stream. `run(pass_on)` hands `pass_on` the raw bytes of the
+    events a client gets (a usage chunk the client did not ask for held back, `[DONE]` kept
+    for the end); `on_chunk`, if given, sees every parsed chunk."""
 
-    def __init__(self, state, attempt: Attempt, upstream: httpx.Response) -> None:
+    __slots__ = (
+        "attempt",
+        "upstream",
+        "observer",
+        "withhold_usage",
+        "on_chunk",
+        "done",
+        "limit",
+        "failure",
+        "ttft_ms",
+    )
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        upstream: httpx.Response,
+        withhold_usage: bool = False,
+        on_chunk: Callable[[dict], None] | None = None,
+    ) -> None:
+        self.attempt, self.upstream = attempt, upstream
+        self.observer = StreamObserver()
+        self.withhold_usage = withhold_usage
+        self.on_chunk = on_chunk
+        self.done: bytes | None = None  # the raw [DONE] event, once it came
+        self.limit: Limit | None = None  # the bound the answer passed, if any
+        self.failure: BaseException | None = None  # the connection's failure, if any
+        self.ttft_ms: int | None = None  # when the first bytes were passed on
+
+    async def run(self, pass_on: Callable[[bytes], Awaitable[None]] | None = None) -> None:
+        settings = self.attempt.services.settings
+        parser = SSEParser(settings.max_sse_event_bytes)
+        max_bytes = settings.max_response_bytes
+        received = 0
+        try:
+            with anyio.CancelScope(
+                deadline=self.attempt.deadline(settings.max_response_s)
+            ) as scope:
+                async for chunk in self.upstream.aiter_raw():
+                    received += len(chunk)
+                    if received > max_bytes:
+                        self.limit = RESPONSE_TOO_LARGE
+                        break
+                    out = self._select(parser.feed(chunk))
+                    if out and pass_on is not None:
+                        if self.ttft_ms is None:
+                            self.ttft_ms = self.attempt.elapsed_ms()
+                        await pass_on(out)
+                    if parser.too_large:
+                        self.limit = EVENT_TOO_LARGE
+                        break
+                    if self.done is not None:
+                        break
+                else:
+                    out = self._select(parser.flush())
+                    if out and pass_on is not None:
+                        await pass_on(out)
+            if scope.cancelled_caught:
+                self.limit = RESPONSE_TOO_LONG
+        except (httpx.HTTPError, OSError) as exc:
+            self.failure = exc
+
+    def _select(self, events) -> bytes:
+        out = []
+        observer = self.observer
+        for event in events:
+            data = event.data
+            if data is not None:
+                if data == "[DONE]":
+                    self.done = event.raw
+                    break
+                obj = observer.observe(data)
+                if obj is not None:
+                    if self.on_chunk is not None:
+                        self.on_chunk(obj)
+                    if self.withhold_usage and is_usage_only_chunk(obj):
+                        continue
+            out.append(event.raw)
+        return b"".join(out)
+
+    def outcome(self, client_gone: bool = False) -> Outcome:
+        """How the stream ended, what it reported and delivered."""
+        observer = self.observer
+        outcome = Outcome(
+            http_status=self.upstream.status_code,
+            usage=observer.usage,
+            finish_reason=observer.finish_reason,
+            upstream_id=observer.upstream_id,
+            delivered_tokens=observer.delivered_tokens(),
+            ttft_ms=self.ttft_ms,
+        )
+        if self.limit is not None:
+            outcome.status = self.limit.status
+            outcome.error = limit_message(self.attempt, self.limit)
+        elif client_gone and self.done is None:
+            outcome.status = "client_disconnected"
+        elif observer.error is not None:
+            outcome.status = "stream_error"
+            outcome.error = json.dumps(observer.error)[:2000]
+        elif self.failure is not None and not client_gone:
+            # A client that left breaks the relay too: that is not the upstream failing.
+            outcome.status = failure_kind(self.failure)
+            outcome.error = repr(self.failure)
+        elif self.done is None:
+            outcome.status = "upstream_disconnected"
+        return outcome
+
+
+class MeteredStream(Response):
+    """Relays SSE events byte for byte, reading usage on the side, and ends its attempt when
+    the stream is done (the upstream finished or failed, a limit was passed, the client left)."""
+
+    def __init__(self, attempt: Attempt, upstream: httpx.Response) -> None:
+        attempt.hand_over()
         self.status_code = upstream.status_code
         self.background = None
-        self.state, self.attempt, self.upstream = state, attempt, upstream
-        self.observer = StreamObserver()
-        self.outcome = Outcome(http_status=upstream.status_code)
+        self.attempt, self.upstream = attempt, upstream
+        self.relay = StreamRelay(attempt, upstream, withhold_usage=not attempt.chat.wants_usage)
         headers = {
             "content-type": upstream.headers.get("content-type", "text/event-stream"),
             "cache-control": "no-cache",
@@ -47,10 +161,6 @@ class MeteredStream(Response):
         # No content-length: the body is a stream of unknown length.
         self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.client_gone = False
-        self.done_seen = False
-        self.done_raw = DONE
-        self.error_seen = False
-        self.limit: Limit | None = None  # the bound the answer passed, if any
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -73,98 +183,19 @@ class MeteredStream(Response):
             if message["type"] == "http.disconnect":
                 return
 
-    async def _send(self, send: Send, body: bytes, more: bool = True) -> None:
-        try:
-            await send({"type": "http.response.body", "body": body, "more_body": more})
-        except OSError:
-            self.client_gone = True
-            raise
-
     async def _relay(self, send: Send) -> None:
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-        settings = self.state.settings
-        parser = SSEParser(settings.max_sse_event_bytes)
-        received = 0
-        deadline = self.attempt.deadline(settings.max_response_s)
-        try:
-            with anyio.CancelScope(deadline=deadline) as scope:
-                async for chunk in self.upstream.aiter_raw():
-                    received += len(chunk)
-                    if received > settings.max_response_bytes:
-                        self.limit = RESPONSE_TOO_LARGE
-                        break
-                    out = self._select(parser.feed(chunk))
-                    if out:
-                        await self._first_byte()
-                        await self._send(send, out)
-                    if parser.too_large:
-                        self.limit = EVENT_TOO_LARGE
-                        break
-                    if self.done_seen:
-                        break
-                else:
-                    out = self._select(parser.flush())
-                    if out:
-                        await self._send(send, out)
-            if scope.cancelled_caught:
-                self.limit = RESPONSE_TOO_LONG
-        except (httpx.HTTPError, OSError) as exc:
-            if self.client_gone:
-                return
-            self.outcome.status = failure_kind(exc)
-            self.outcome.error = repr(exc)
-        if self.limit is not None:
-            return
-        if not self.done_seen and not self.error_seen and self.outcome.status == "ok":
-            self.outcome.status = "upstream_disconnected"
 
-    async def _first_byte(self) -> None:
-        if self.outcome.ttft_ms is None:
-            self.outcome.ttft_ms = self.attempt.elapsed_ms()
+        async def pass_on(body: bytes) -> None:
+            try:
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+            except OSError:
+                self.client_gone = True
+                raise
 
-    def _select(self, events) -> bytes:
-        """The raw bytes to pass on: everything but a usage chunk the client did not ask for.
-        The [DONE] event is held back until the event is settled."""
-        out = []
-        for event in events:
-            data = event.data
-            if data is not None:
-                if data == "[DONE]":
-                    self.done_seen, self.done_raw = True, event.raw
-                    break
-                obj = self.observer.observe(data)
-                if (
-                    not self.attempt.chat.wants_usage
-                    and obj is not None
-                    and is_usage_only_chunk(obj)
-                ):
-                    continue
-                if self.observer.error is not None and not self.error_seen:
-                    self.error_seen = True
-            out.append(event.raw)
-        return b"".join(out)
-
-    def _outcome(self) -> Outcome:
-        outcome, observer = self.outcome, self.observer
-        if self.limit is not None:
-            outcome.status = self.limit.status
-            outcome.error = self._limit_message()
-        elif self.client_gone and not self.done_seen:
-            outcome.status = "client_disconnected"
-        elif self.error_seen:
-            outcome.status = "stream_error"
-            outcome.error = json.dumps(observer.error)[:2000]
-        outcome.usage = observer.usage
-        outcome.finish_reason = observer.finish_reason
-        outcome.upstream_id = observer.upstream_id
-        outcome.delivered_tokens = observer.delivered_tokens()
-        return outcome
-
-    def _limit_message(self) -> str:
-        limit = self.limit
-        return limit.message(self.attempt.provider.name, bound_of(limit, self.state.settings))
+        await self.relay.run(pass_on)
 
     async def _finish(self, send: Send) -> None:
         with anyio.CancelScope(shield=True):
@@ -172,16 +203,20 @@ class MeteredStream(Response):
                 await self.upstream.aclose()
             except Exception:
                 log.debug("closing upstream stream failed", exc_info=True)
-            await settle(self.state, self.attempt, self._outcome())
+            relay = self.relay
+            outcome = relay.outcome(self.client_gone)
+            self.attempt.outcome = outcome
+            await self.attempt.end()
             if self.client_gone:
                 return
-            tail = self.done_raw
-            if self.limit is not None:
+            if relay.limit is not None:
                 # The answer is cut: an error event, and no [DONE], which would say it ended.
-                error = error_body(502, self.limit.code, self._limit_message())
+                error = error_body(502, relay.limit.code, outcome.error)
                 tail = b"data: " + json.dumps(error).encode() + b"\n\n"
-            elif self.outcome.status in ("upstream_disconnected", "timeout"):
+            elif outcome.status in ("upstream_disconnected", "timeout"):
                 error = error_body(502, "upstream_error", "the upstream stream ended early")
                 tail = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE
+            else:
+                tail = relay.done or DONE
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -73,7 +73,6 @@ class Upstreams:
         self.max_connections = max_connections
         self.clients: dict[str, httpx.AsyncClient] = {}
         self.fresh: dict[str, httpx.AsyncClient] = {}  # new connection per request: retries
-        self.retried = 0
         self.ensure(catalog)
 
     def ensure(self, catalog: Catalog) -> None:
@@ -96,7 +95,6 @@ class Upstreams:
                 raise
         finally:
             _SEND.reset(token)
-        self.retried += 1
         if provider not in self.fresh:
             self.fresh[provider] = _client(self.max_connections, force_close=True)
         return await self.fresh[provider].send(request, stream=True)

@@ -12,12 +12,6 @@ MIB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def principal(api):
-    """A token whose every request in this module is refused: it must never be billed."""
-    return api.principal()
-
-
-@pytest.fixture(scope="module")
 def secret(principal):
     return principal[2]["token"]
 

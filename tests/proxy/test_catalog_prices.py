@@ -16,7 +16,7 @@ from metering.db import sync_url
 from metering.settings import Settings, load_catalog
 from metering.testing import metering_server
 from tests.conftest import ADMIN_KEY, Api
-from tests.proxy.test_e2e_completions import sim_log, wait_events
+from tests.proxy.conftest import sim_log, wait_events
 
 POLL_S = 0.2
 

@@ -7,7 +7,6 @@ Genesis (text blocks, its error shape, streams without usage: estimated), TokenC
 before anything is spent), and the OpenAI and Exascale shapes alongside.
 """
 
-import contextlib
 import json
 import random
 from decimal import Decimal
@@ -17,13 +16,17 @@ import openai
 import pytest
 
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
-from metering.settings import Settings, parse_catalog
 from metering.sim.text import prose
 from metering.sim.tokenizer import count_prompt_tokens, count_tokens
-from metering.testing import metering_server
-from tests.conftest import ADMIN_KEY, Api
-from tests.proxy.test_e2e_completions import assert_error_shape, sim_log, wait_events
-from tests.proxy.test_e2e_streaming import data_of
+from tests.proxy.conftest import (
+    assert_error_shape,
+    data_of,
+    provider_entry,
+    serving,
+    sim_log,
+    user,
+    wait_events,
+)
 
 # model: (provider, dialect, upstream model, input, cached input, output) in USD per 1M tokens
 MODELS = {
@@ -36,10 +39,6 @@ MODELS = {
 # NIM with a short polling bound, for a result that never arrives in time.
 SLOW_NIM = ("nim-slow", "d-nim-slow")
 POLL = {"poll_interval_s": 0.05, "poll_timeout_s": 5}
-
-
-def provider_entry(base_url: str, dialect: str, **extra) -> dict:
-    return {"base_url": base_url, "dialect": dialect, "api_key": "sim-key", "timeout_s": 5, **extra}
 
 
 def dialect_catalog(sim) -> dict:
@@ -63,19 +62,6 @@ def dialect_catalog(sim) -> dict:
     )
     models.append({**models[-1], "name": SLOW_NIM[0], "provider": SLOW_NIM[1]})
     return {"providers": providers, "models": models}
-
-
-@contextlib.contextmanager
-def serving(api: Api, catalog: dict, **settings):
-    """A metering server of its own (own catalog and settings) on the shared test database."""
-    config = Settings(
-        database_url=api.settings.database_url, admin_key=ADMIN_KEY, _env_file=None, **settings
-    )
-    server = metering_server(config, parse_catalog(catalog, environ={}))
-    try:
-        yield Api(server.url, api.backend, config)
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +89,6 @@ def cost_of(model: str, prompt: int, cached: int, completion: int) -> Decimal:
 
 def records_since(sim, before: int) -> list[dict]:
     return sim_log(sim)[before:]
-
-
-def user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
 
 
 def one_event(api, token: dict) -> dict:

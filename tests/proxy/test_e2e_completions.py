@@ -5,139 +5,26 @@ sim's log), upstream faults against the error contract, and x-request-id everywh
 """
 
 import re
-import time
 from decimal import Decimal
 
 import httpx
 import pytest
 
 from metering.proxy.estimate import estimate_prompt_tokens
-
-DETAIL_FIELDS = (
-    "text_tokens",
-    "reasoning_tokens",
-    "audio_tokens",
-    "image_tokens",
-    "video_tokens",
-    "accepted_prediction_tokens",
-    "rejected_prediction_tokens",
+from tests.proxy.conftest import (
+    MODELS,
+    ROUTES,
+    assert_error_shape,
+    assert_matches_upstream,
+    event_by_id,
+    expected_cost,
+    sim_record,
+    user_message,
+    wait_events,
 )
-# USD per 1M tokens: (input, cached input, output), as in conftest's catalog.
-PRICES = {
-    "gpt-sim": (Decimal("0.15"), Decimal("0.075"), Decimal("0.60")),
-    "minimax-m2.1": (Decimal("0.30"), Decimal("0.30"), Decimal("1.20")),
-}
-ROUTES = {
-    "gpt-sim": ("sim-openai", "sim/gpt"),
-    "minimax-m2.1": ("sim-exascale", "MiniMaxAI/MiniMax-M2.1"),
-}
-MODELS = tuple(PRICES)
+
 # Fields whose value depends on the moment or the request, not on the prompt.
 VOLATILE = re.compile(rb'"(id|created)": ?("[^"]*"|\d+)')
-
-
-def expected_cost(model: str, prompt: int, cached: int, completion: int) -> Decimal:
-    input_price, cached_price, output_price = PRICES[model]
-    return (
-        (prompt - cached) * input_price + cached * cached_price + completion * output_price
-    ) / Decimal(1_000_000)
-
-
-def assert_error_shape(response: httpx.Response, status: int, code: str | None) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"}
-    assert set(body["error"]) >= {"message", "type", "code", "param"}
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if code is not None:
-        assert body["error"]["code"] == code
-    return body["error"]
-
-
-def sim_log(sim) -> list[dict]:
-    response = httpx.get(f"http://{sim.host}:{sim.port}/_sim/log", timeout=10)
-    assert response.status_code == 200
-    return response.json()
-
-
-def sim_record(sim, upstream_id: str) -> dict:
-    records = [r for r in sim_log(sim) if r["id"] == upstream_id]
-    assert len(records) == 1, upstream_id
-    return records[0]
-
-
-def event_by_id(api, token_id: str, event_id: str) -> dict:
-    events = [e for e in api.events(token_id=token_id) if e["id"] == event_id]
-    assert len(events) == 1, event_id
-    return events[0]
-
-
-def wait_events(api, token_id: str, count: int, timeout: float = 10.0) -> list[dict]:
-    """The token's events once there are `count` of them (settling may trail the response)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        events = api.events(token_id=token_id)
-        if len(events) >= count or time.monotonic() > deadline:
-            return events
-        time.sleep(0.05)
-
-
-def assert_matches_upstream(event: dict, record: dict, principal, model: str, stream: bool):
-    """The ledger event says exactly what the upstream reported, at the catalog's price."""
-    team, user, token = principal
-    usage = record["usage"]
-    provider, upstream_model = ROUTES[model]
-    assert event["upstream_id"] == record["id"]
-    assert event["prompt_tokens"] == usage["prompt_tokens"]
-    assert event["completion_tokens"] == usage["completion_tokens"]
-    assert event["total_tokens"] == usage["total_tokens"]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    assert event["prompt_tokens_details"] == {"cached_tokens": cached}
-    details = usage.get("completion_tokens_details") or {}
-    assert event["completion_tokens_details"] == {name: details.get(name) for name in DETAIL_FIELDS}
-    assert event["finish_reason"] == "stop"
-    assert event["stream"] is stream
-    assert (event["model"], event["provider"], event["upstream_model"]) == (
-        model,
-        provider,
-        upstream_model,
-    )
-    assert (event["token_id"], event["user_id"], event["team_id"]) == (
-        token["id"],
-        user["id"],
-        team["id"],
-    )
-    assert event["usage_source"] == "reported"
-    assert event["http_status"] == 200
-    assert event["status"] == "ok"
-    assert Decimal(event["cost"]) == expected_cost(
-        model, usage["prompt_tokens"], cached, usage["completion_tokens"]
-    )
-
-
-@pytest.fixture(scope="module")
-def principal(api):
-    return api.principal()
-
-
-@pytest.fixture(scope="module")
-def token(principal):
-    return principal[2]
-
-
-@pytest.fixture(scope="module")
-def http(api, token):
-    with httpx.Client(
-        base_url=api.url, timeout=30, headers={"authorization": f"Bearer {token['token']}"}
-    ) as client:
-        yield client
-
-
-def user_message(text: str) -> list[dict]:
-    return [
-        {"role": "developer", "content": "You are a helpful assistant."},
-        {"role": "user", "content": text},
-    ]
 
 
 # --- metering what the upstream reported -----------------------------------------------------

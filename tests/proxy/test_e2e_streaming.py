@@ -11,11 +11,12 @@ import pytest
 
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
 from metering.sim.text import split_chunks
-from tests.proxy.test_e2e_completions import (
+from tests.proxy.conftest import (
     MODELS,
     ROUTES,
     assert_error_shape,
     assert_matches_upstream,
+    data_of,
     event_by_id,
     expected_cost,
     sim_record,
@@ -29,34 +30,6 @@ VOLATILE = re.compile(rb'"(id|created)": ("[^"]*"|\d+)|"sla_metrics": \{[^}]*\}'
 EVENT = re.compile(rb"(.*?)(\r\n\r\n|\n\n)", re.S)
 # The usage chunk alone: a keep-alive comment before it is an event of its own, relayed.
 USAGE_EVENT = re.compile(rb'data: [^\r\n]*"usage": \{[^\r\n]*(\r\n|\n){2}')
-
-
-@pytest.fixture(scope="module")
-def principal(api):
-    return api.principal()
-
-
-@pytest.fixture(scope="module")
-def token(principal):
-    return principal[2]
-
-
-@pytest.fixture(scope="module")
-def http(api, token):
-    with httpx.Client(
-        base_url=api.url, timeout=30, headers={"authorization": f"Bearer {token['token']}"}
-    ) as client:
-        yield client
-
-
-def data_of(raw: bytes) -> list[str]:
-    """The data of each SSE event, comments skipped, whatever the line ends."""
-    out = []
-    for event in re.split(r"\r\n\r\n|\n\n", raw.decode()):
-        lines = [line for line in re.split(r"\r\n|\n", event) if line.startswith("data: ")]
-        if lines:
-            out.append("\n".join(line[6:] for line in lines))
-    return out
 
 
 def chunks_of(raw: bytes) -> list[dict]:

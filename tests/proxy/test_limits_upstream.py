@@ -20,9 +20,7 @@ from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
 from metering.proxy.limits import partial_text
 from metering.proxy.sse import SSEParser
 from metering.testing import ServerThread
-from tests.proxy.test_dialects import provider_entry, serving
-from tests.proxy.test_e2e_completions import assert_error_shape, sim_record
-from tests.proxy.test_e2e_streaming import data_of
+from tests.proxy.conftest import assert_error_shape, data_of, provider_entry, serving, sim_record
 
 MAX_EVENT = 64 * 1024
 MAX_BYTES = 256 * 1024

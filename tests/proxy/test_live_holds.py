@@ -12,15 +12,13 @@ import httpx
 import pytest
 from sqlalchemy import event, select
 
-from metering.budgets.service import HoldSpec, new_budget, reserve
+from metering.budgets.service import new_budget, reserve
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds, sweep_interval_s
-from metering.ledger.outcome import Billing
 from metering.models import Hold
 from metering.proxy.live import BATCH, LiveHolds
 from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite  # noqa: F401 - fixtures
-from tests.proxy.test_dialects import provider_entry, serving
-from tests.proxy.test_e2e_completions import sim_record
+from tests.proxy.conftest import hold_spec, provider_entry, serving, sim_record
 
 TTL_S = 3
 WAIT_MS = 3 * TTL_S * 1000  # the upstream's first byte comes three hold TTLs late
@@ -171,30 +169,6 @@ def test_nim_polled_longer_than_the_hold_ttl_is_billed_as_reported(proxy, sim):
 # --- the registry, on the database directly -----------------------------------------------
 
 
-def _spec(subjects: dict[str, str]) -> HoldSpec:
-    billing = Billing(
-        id=f"req_{uuid.uuid4().hex}",
-        token_id=subjects["token"],
-        user_id=subjects["user"],
-        team_id=subjects["team"],
-        model="gpt-sim",
-        provider="sim-openai",
-        upstream_model="sim/gpt",
-        stream=False,
-        input_price=150_000,
-        cached_price=75_000,
-        output_price=600_000,
-        prompt_bound=100,
-    )
-    return HoldSpec(
-        billing,
-        prompt_cost=billing.prompt_cost(),
-        token_cost=billing.output_price,
-        max_tokens=50,
-        model_max_output=4096,
-    )
-
-
 def test_live_holds_are_extended_in_one_statement_and_never_swept(fresh_db):  # noqa: F811
     async def scenario() -> None:
         db = Database(fresh_db, 4)
@@ -209,7 +183,7 @@ def test_live_holds_are_extended_in_one_statement_and_never_swept(fresh_db):  # 
                 for scope, subject in subjects.items():
                     session.add(new_budget(subject, scope, None, "never", utcnow()))
             # Every hold has already expired; all but one belong to requests still running.
-            held = [await reserve(db, _spec(subjects), ttl_s=0) for _ in range(BATCH + 2)]
+            held = [await reserve(db, hold_spec(subjects), ttl_s=0) for _ in range(BATCH + 2)]
             live = LiveHolds()
             for reservation in held[1:]:
                 live.add(reservation.hold_id)

@@ -11,8 +11,7 @@ from decimal import Decimal
 import httpx
 import pytest
 
-from tests.proxy.test_dialects import provider_entry, serving
-from tests.proxy.test_e2e_completions import assert_error_shape
+from tests.proxy.conftest import assert_error_shape, provider_entry, serving
 
 ANSWER = {
     "id": "chatcmpl-raw",

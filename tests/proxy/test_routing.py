@@ -22,9 +22,15 @@ from metering.settings import parse_catalog
 from metering.sim.app import SimServer
 from metering.sim.text import prose
 from metering.testing import free_port
-from tests.proxy.test_dialects import provider_entry, serving
-from tests.proxy.test_e2e_completions import assert_error_shape, sim_log, wait_events
-from tests.proxy.test_e2e_streaming import data_of
+from tests.proxy.conftest import (
+    assert_error_shape,
+    data_of,
+    provider_entry,
+    serving,
+    sim_log,
+    user,
+    wait_events,
+)
 
 MODEL = "route-m25"
 # provider: (input, output) USD per 1M tokens; cheapest first for any request.
@@ -61,10 +67,6 @@ def failing(sim, fault: str) -> str:
     if fault == "connect":
         return f"http://127.0.0.1:{free_port()}/v1"
     return sim.base_url("openai", fault=fault)
-
-
-def user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
 
 
 def post(proxy, token: dict, body: dict, **kwargs) -> httpx.Response:

@@ -3,7 +3,7 @@ import time
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metering.proxy.sse import SSEEvent, SSEParser, is_done
+from metering.proxy.sse import SSEEvent, SSEParser
 
 
 def feed_all(chunks: list[bytes]) -> list[SSEEvent]:
@@ -25,7 +25,7 @@ def test_simple_events_and_done():
     events = feed_all([raw])
     assert [e.raw for e in events] == [b'data: {"a":1}\n\n', b"data: [DONE]\n\n"]
     assert [e.data for e in events] == ['{"a":1}', "[DONE]"]
-    assert not is_done(events[0]) and is_done(events[1])
+    assert events[0].data != "[DONE]" and events[1].data == "[DONE]"
 
 
 def test_byte_at_a_time_with_multibyte_utf8():

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metering.ledger.charge import Limits, charge_for
+from metering.ledger.charge import Limits, Usage, charge_for
 from metering.ledger.event import DETAIL_FIELDS, MAX_UNCHARGED
 from metering.money import cost_pico, format_usd
 from metering.proxy.estimate import UPPER_BOUND_MARGIN, estimate_prompt_tokens, estimate_text_tokens
-from metering.proxy.usage import COUNT_CEILING, Usage, usage_from_json
+from metering.proxy.reported import COUNT_CEILING, usage_from_json
 from tests.budgets.conftest import budget, pico, usd
 
 IN, CACHED, OUT = 150_000, 75_000, 600_000  # gpt-sim, micro-USD per 1M tokens = pico per token

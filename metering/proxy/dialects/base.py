@@ -8,12 +8,16 @@ OWN_FIELDS = frozenset({"max_input_usd_per_mtok", "max_output_usd_per_mtok"})
 OPENAI_ERROR_FIELDS = frozenset({"message", "type", "code", "param"})
 
 
+def developer_as_system(messages: list) -> list:
+    """The messages with `developer` turned into `system`, for an upstream that knows only the
+    older name of the system prompt."""
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+
+
 class Dialect:
     name = "openai"
     # Whether the upstream honours stream_options.include_usage (then the proxy always asks).
     include_usage = True
-    # Whether streams report usage even when not asked.
-    usage_always_in_stream = False
     # The upstream only streams: non-streaming clients get the stream assembled into one answer.
     stream_only = False
     # The upstream may answer 202 and want its result polled for (NVCF).
@@ -24,6 +28,15 @@ class Dialect:
     # max_completion_tokens). An upstream that documents only max_tokens gets max_tokens, so
     # the limit the hold was sized for is the one it honours.
     max_tokens_key: str | None = "max_tokens"
+    # The most output tokens the upstream takes in one request, whatever the catalog says.
+    max_output_tokens: int | None = None
+
+    def output_ceiling(self, route: ModelRoute) -> int:
+        """The most output tokens a request may ask of this route: the one bound on max_tokens
+        (a client asking more is refused; a hold without max_tokens is sized for it)."""
+        if self.max_output_tokens is None:
+            return route.max_output_tokens
+        return min(route.max_output_tokens, self.max_output_tokens)
 
     def validate(self, body: dict) -> None:
         """Refuse, before anything is spent, what this upstream documents it refuses."""

@@ -28,7 +28,6 @@ def _check_range(body: dict, key: str, low: float, high: float, integer: bool) -
 class ExascaleDialect(Dialect):
     name = "exascale"
     include_usage = True
-    usage_always_in_stream = True
 
     def validate(self, body: dict) -> None:
         _check_range(body, "top_k", -1, 200, integer=True)

@@ -7,7 +7,7 @@ metered from an estimate of the request and the delivered text
 """
 
 from metering.errors import InvalidRequest
-from metering.proxy.dialects.base import Dialect
+from metering.proxy.dialects.base import Dialect, developer_as_system
 from metering.settings import ModelRoute
 
 ROLES = ("system", "user", "assistant")
@@ -38,10 +38,6 @@ class GenesisDialect(Dialect):
 
     def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
         upstream = super().prepare(body, route, max_tokens=max_tokens)
-        # Genesis knows no `developer` role; it is the system prompt by another name.
-        upstream["messages"] = [
-            {**m, "role": "system"} if m.get("role") == "developer" else m
-            for m in upstream["messages"]
-        ]
+        upstream["messages"] = developer_as_system(upstream["messages"])
         upstream.pop("stream_options", None)
         return upstream

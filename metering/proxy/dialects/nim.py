@@ -18,7 +18,7 @@ import math
 from urllib.parse import urlsplit, urlunsplit
 
 from metering.errors import InvalidRequest
-from metering.proxy.dialects.base import OWN_FIELDS, Dialect
+from metering.proxy.dialects.base import OWN_FIELDS, Dialect, developer_as_system
 from metering.settings import ModelRoute, Provider
 
 MAX_TOKENS = 16384
@@ -108,7 +108,8 @@ def _text(content: object) -> str | None:
 def _messages(messages: list[dict]) -> list[dict]:
     """Role and content only; a first system message folded into the first user message."""
     out = [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
-    if out[0]["role"] not in SYSTEM_ROLES:
+    out = developer_as_system(out)
+    if out[0]["role"] != "system":
         return out
     system, rest = out[0]["content"] or "", out[1:]
     if rest and rest[0]["role"] == "user":
@@ -124,16 +125,11 @@ class NimDialect(Dialect):
     name = "nim"
     include_usage = False  # the schema has no stream_options: streams are estimated
     polls = True
+    max_output_tokens = MAX_TOKENS  # the catalog's maximum may be set higher than NIM takes
 
     def validate(self, body: dict) -> None:
         _number(body, "temperature", 0, 1)
         _number(body, "top_p", 0, 1, low_open=True)
-        for key in ("max_tokens", "max_completion_tokens"):
-            value = body.get(key)
-            if value is not None and value > MAX_TOKENS:
-                raise InvalidRequest(
-                    f"{key} must be at most {MAX_TOKENS} for this model", param=key
-                )
         _check_fields(body)
         for i, message in enumerate(body["messages"]):
             _check_message(i, message)
@@ -143,8 +139,7 @@ class NimDialect(Dialect):
         upstream.update((key, body[key]) for key in PASSED if body.get(key) is not None)
         upstream["stream"] = bool(body.get("stream"))
         if max_tokens is not None:
-            # The model's catalog maximum may be set higher than NIM accepts.
-            upstream["max_tokens"] = min(max_tokens, MAX_TOKENS)
+            upstream["max_tokens"] = max_tokens
         return upstream
 
     def status_url(self, provider: Provider, request_id: str) -> str:

@@ -1,4 +1,5 @@
-"""Reading token usage, finish reason and delivered text out of upstream responses.
+"""What an upstream reported: token usage, finish reason, id and delivered text, read out of
+its responses.
 
 Upstreams are not trusted to be well formed: every reader here tolerates missing
 fields, nulls, wrong types and garbage, and never raises.
@@ -18,7 +19,6 @@ import json
 from typing import Any
 
 from metering.ledger.charge import (
-    ANOMALIES,
     CACHED_ABOVE_PROMPT,
     COUNT_ABOVE_CEILING,
     DETAILS_ABOVE_COMPLETION,
@@ -31,17 +31,6 @@ from metering.ledger.charge import (
 )
 from metering.ledger.event import DETAIL_FIELDS
 from metering.proxy.estimate import TextTokens
-
-__all__ = [
-    "ANOMALIES",
-    "COUNT_CEILING",
-    "Usage",
-    "StreamObserver",
-    "usage_from_json",
-    "parse_json_object",
-    "is_usage_only_chunk",
-    "summarize_completion",
-]
 
 COUNT_CEILING = 10**9  # tokens in one count: far above any model's context or output
 
@@ -215,25 +204,13 @@ class StreamObserver:
     stays flat however long the stream runs.
     """
 
-    __slots__ = (
-        "usage",
-        "finish_reason",
-        "upstream_id",
-        "error",
-        "delivered_chars",
-        "chunks",
-        "malformed",
-        "_tokens",
-    )
+    __slots__ = ("usage", "finish_reason", "upstream_id", "error", "_tokens")
 
     def __init__(self) -> None:
         self.usage: Usage | None = None  # the last non-null usage seen
         self.finish_reason: str | None = None  # the last non-null finish_reason seen
         self.upstream_id: str | None = None  # the first non-empty id seen
         self.error: dict | None = None  # the error object, if an error event came
-        self.delivered_chars = 0  # characters of generated text delivered so far
-        self.chunks = 0  # data payloads parsed as JSON objects
-        self.malformed = 0  # data payloads that were not JSON objects
         self._tokens = TextTokens()
 
     def observe(self, data: str | None) -> dict | None:
@@ -245,15 +222,7 @@ class StreamObserver:
             return None
         obj = parse_json_object(data)
         if obj is None:
-            if data.strip() != "[DONE]":
-                self.malformed += 1
             return None
-        self.observe_object(obj)
-        return obj
-
-    def observe_object(self, obj: dict) -> None:
-        """Like observe, for a payload the caller already parsed."""
-        self.chunks += 1
         if self.upstream_id is None:
             upstream_id = obj.get("id")
             if isinstance(upstream_id, str) and upstream_id:
@@ -275,7 +244,7 @@ class StreamObserver:
                 parts.append(text)
             for part in parts:
                 self._tokens.add(part)
-                self.delivered_chars += len(part)
+        return obj
 
     def delivered_tokens(self) -> int:
         """Estimated tokens of the generated text delivered so far (content, reasoning, tool

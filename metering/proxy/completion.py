@@ -1,0 +1,35 @@
+"""Relaying a completion that is one JSON body: the upstream's bytes reach the client as they
+were sent, its usage read on the side."""
+
+import httpx
+from starlette.responses import Response
+
+from metering.ledger.outcome import Outcome
+from metering.proxy.attempt import Attempt
+from metering.proxy.reported import parse_json_object, summarize_completion
+from metering.proxy.transport import (
+    UpstreamFailed,
+    error_answer,
+    passed_headers,
+    read_all,
+)
+
+
+async def relay_completion(attempt: Attempt, upstream: httpx.Response) -> Response:
+    """The upstream's answer, read whole (an error status becomes the client's error)."""
+    raw = await read_all(attempt, upstream)
+    if upstream.status_code >= 400:
+        return error_answer(attempt, upstream, raw)
+    usage, finish, upstream_id, tokens = summarize_completion(raw)
+    outcome = attempt.outcome = Outcome(
+        http_status=upstream.status_code,
+        usage=usage,
+        finish_reason=finish,
+        upstream_id=upstream_id,
+        delivered_tokens=tokens,
+        ttft_ms=attempt.elapsed_ms(),
+    )
+    if not attempt.chat.stream and parse_json_object(raw.decode("utf-8", "replace")) is None:
+        outcome.status, outcome.error = "malformed", raw[:2000].decode("utf-8", "replace")
+        raise UpstreamFailed(f"provider {attempt.provider.name} sent a malformed answer")
+    return Response(raw, upstream.status_code, headers=passed_headers(attempt, upstream))

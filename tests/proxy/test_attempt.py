@@ -1,0 +1,124 @@
+"""An attempt ends exactly once: settled into one ledger event when it reached an upstream,
+released when nothing went out, whoever asks it to end and however often."""
+
+import asyncio
+import uuid
+from types import SimpleNamespace
+
+from sqlalchemy import select
+
+from metering.budgets.service import new_budget, reserve
+from metering.db import Database, utcnow
+from metering.ledger.charge import Usage
+from metering.ledger.outcome import Outcome
+from metering.models import Budget, Hold, LedgerEvent
+from metering.proxy.attempt import Attempt
+from metering.proxy.dialects import dialect_for
+from metering.proxy.live import LiveHolds
+from metering.proxy.request import validate
+from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite  # noqa: F401 - fixtures
+from tests.proxy.conftest import hold_spec
+
+# 100 prompt tokens at 150,000 and 20 completion tokens at 600,000 picodollars each.
+COST = 100 * 150_000 + 20 * 600_000
+
+
+def run(database_url: str, scenario) -> dict:
+    """Reserve one hold, run `scenario(attempt)`, and say what the database holds after."""
+
+    async def main() -> dict:
+        db = Database(database_url, 4)
+        try:
+            suffix = uuid.uuid4().hex[:12]
+            subjects = {
+                "token": f"tok_{suffix}",
+                "user": f"user_{suffix}",
+                "team": f"team_{suffix}",
+            }
+            async with db.transaction() as session:
+                for scope, subject in subjects.items():
+                    session.add(new_budget(subject, scope, None, "never", utcnow()))
+            spec = hold_spec(subjects)
+            reservation = await reserve(db, spec, ttl_s=60)
+            services = SimpleNamespace(
+                settings=SimpleNamespace(settle_retry_s=1.0), db=db, live_holds=LiveHolds()
+            )
+            chat = validate(
+                {"model": "gpt-sim", "messages": [{"role": "user", "content": "hi"}]}, 60
+            )
+            attempt = Attempt(
+                services, spec, reservation, chat, None, dialect_for("openai"), t0=0.0
+            )
+            await scenario(attempt)
+            async with db.sessions() as session:
+                events = list(await session.scalars(select(LedgerEvent.id)))
+                holds = list(await session.scalars(select(Hold.id)))
+                budgets = {
+                    b.subject_id: (b.spent, b.reserved)
+                    for b in await session.scalars(
+                        select(Budget).where(Budget.subject_id.in_(subjects.values()))
+                    )
+                }
+            return {
+                "hold_id": spec.hold_id,
+                "events": events,
+                "holds": holds,
+                "budgets": sorted(budgets.values()),
+                "live": len(services.live_holds),
+            }
+        finally:
+            await db.dispose()
+
+    return asyncio.run(main())
+
+
+def test_an_attempt_that_reached_an_upstream_settles_once_however_often_it_ends(fresh_db):  # noqa: F811
+    async def scenario(attempt: Attempt) -> None:
+        async with attempt:
+            assert len(attempt.services.live_holds) == 1  # kept alive while it runs
+            attempt.outcome = Outcome(
+                http_status=200,
+                usage=Usage(prompt_tokens=100, completion_tokens=20, total_tokens=120),
+            )
+        await attempt.end()
+        await attempt.end()
+
+    after = run(fresh_db, scenario)
+    assert after["events"] == [after["hold_id"]]
+    assert after["holds"] == []
+    assert after["budgets"] == [(COST, 0)] * 3
+    assert after["live"] == 0
+
+
+def test_an_attempt_with_nothing_sent_releases_its_hold_once(fresh_db):  # noqa: F811
+    async def scenario(attempt: Attempt) -> None:
+        try:
+            async with attempt:
+                raise ConnectionRefusedError("no upstream")
+        except ConnectionRefusedError:
+            pass
+        attempt.outcome = Outcome(http_status=200)  # too late: the attempt has ended
+        await attempt.end()
+
+    after = run(fresh_db, scenario)
+    assert after["events"] == []
+    assert after["holds"] == []
+    assert after["budgets"] == [(0, 0)] * 3
+    assert after["live"] == 0
+
+
+def test_a_streaming_response_takes_the_end_over_from_the_with(fresh_db):  # noqa: F811
+    async def scenario(attempt: Attempt) -> None:
+        async with attempt:
+            attempt.hand_over()
+        # The stream is still being relayed: the hold is live, nothing settled yet.
+        assert len(attempt.services.live_holds) == 1
+        attempt.outcome = Outcome(
+            http_status=200, usage=Usage(prompt_tokens=100, completion_tokens=20, total_tokens=120)
+        )
+        await attempt.end()
+
+    after = run(fresh_db, scenario)
+    assert after["events"] == [after["hold_id"]]
+    assert after["budgets"] == [(COST, 0)] * 3
+    assert after["live"] == 0
