@@ -24,6 +24,7 @@ from tests.proxy.conftest import (
     provider_entry,
     serving,
     sim_log,
+    sim_record,
     user,
     wait_events,
 )
@@ -769,3 +770,36 @@ def test_exascale_edges_of_its_ranges_are_accepted(api, sim, proxy, token):
     [record] = records_since(sim, before)
     assert record["status"] == 200
     assert (record["received"]["top_k"], record["received"]["stream"]) == (-1, False)
+
+
+def test_a_nim_hold_without_max_tokens_is_sized_for_what_nim_takes(api, sim):
+    """A catalog maximum above NIM's 16384 bounds nothing: the hold and the max_tokens sent
+    are 16384, so a budget that covers 16384 output tokens is not clamped (and the header does
+    not name a limit NIM was never sent); asking for more than 16384 is refused."""
+    entry = {
+        "name": "nim-big",
+        "provider": "big-nim",
+        "upstream_model": "minimaxai/minimax-m2.5",
+        "input_usd_per_mtok": "1",
+        "output_usd_per_mtok": "1",
+        "max_output_tokens": 32768,
+    }
+    catalog = {
+        "providers": {"big-nim": provider_entry(sim.base_url("nim"), "nim", **POLL)},
+        "models": [entry],
+    }
+    with serving(api, catalog) as own:
+        # 16384 output tokens and the prompt's bound fit in 0.02 USD; 32768 would not.
+        _, _, token = own.principal(token_limit="0.02")
+        body = {"model": "nim-big", "messages": user("Hi sim:tokens=3")}
+        response = own.request("POST", "/v1/chat/completions", key=token["token"], json=body)
+        assert response.status_code == 200, response.text
+        assert "x-max-tokens-clamped" not in response.headers
+        record = sim_record(sim, response.json()["id"])
+        assert record["received"]["max_tokens"] == 16384
+        refused = own.request(
+            "POST", "/v1/chat/completions", key=token["token"], json={**body, "max_tokens": 16385}
+        )
+        error = assert_error_shape(refused, 400, "invalid_request")
+        assert error["param"] == "max_tokens"
+        assert error["message"] == "max_tokens 16385 is above the model's maximum of 16384"
