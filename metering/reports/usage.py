@@ -1,6 +1,6 @@
-"""GET /v1/usage: ledger events, newest first, cursor-paginated, as JSON or streamed CSV. The
-query and both encodings; the route is metering.reports.endpoints'. The filter checks here are
-shared with GET /v1/spend."""
+"""GET /v1/usage's logic (its route is in metering.reports.endpoints): the ledger events a
+caller may see, newest first, as cursor-paginated JSON pages or streamed CSV. The filter checks
+are shared with GET /v1/spend."""
 
 import asyncio
 import base64
