@@ -36,7 +36,7 @@ class Services:
     catalog: Catalog
 
 
-def get_services(connection: HTTPConnection) -> Services:
+async def get_services(connection: HTTPConnection) -> Services:
     """The FastAPI dependency that hands an endpoint the app's services."""
     return connection.app.state.services
 

@@ -19,6 +19,7 @@ from metering import metrics
 from metering.budgets import service as budgets
 from metering.budgets.service import HoldSpec, Reservation
 from metering.db import utcnow
+from metering.errors import MeteringError
 from metering.ledger.charge import Limits
 from metering.ledger.outcome import Outcome, event_for
 from metering.proxy.dialects import Dialect
@@ -45,6 +46,7 @@ class Attempt:
         "t0",
         "headers",
         "outcome",
+        "sent",
         "_handed_over",
         "_ended",
     )
@@ -74,6 +76,9 @@ class Attempt:
             self.headers["x-max-tokens-clamped"] = str(reservation.max_tokens)
         # What reached an upstream and how it ended; None while nothing did.
         self.outcome: Outcome | None = None
+        # Set just before the request is handed to the upstream's client: from then on the
+        # upstream may have done (and billed) the work, whatever happens here.
+        self.sent = False
         self._handed_over = False
         self._ended = False
 
@@ -83,6 +88,10 @@ class Attempt:
         return self
 
     async def __aexit__(self, kind, exc, tb) -> None:
+        if exc is not None and self.outcome is None and self.sent and not expected(exc):
+            # A bug or a shutdown cancelling the request after it went out: the upstream may
+            # have answered, so the request is one estimated event, never a silent release.
+            self.outcome = Outcome(status=INTERRUPTED, billable=True, error=repr(exc)[:500])
         if not self._handed_over:
             await self.end()
 
@@ -137,6 +146,19 @@ class Attempt:
         )
         if settled:
             metrics.observe_event(event)
+
+
+INTERRUPTED = "interrupted"
+
+
+class Chosen(Exception):  # noqa: N818 - a base for signals, not an error
+    """An ending the forwarding code chose and recorded itself (e.g. try the next provider)."""
+
+
+def expected(exc: BaseException) -> bool:
+    """An answer the forwarding code chose (an error for the client, a signal to try the next
+    provider): it recorded the outcome itself when the request went out."""
+    return isinstance(exc, MeteringError | Chosen)
 
 
 def database_unreachable(exc: BaseException) -> bool:

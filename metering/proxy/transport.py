@@ -16,7 +16,7 @@ from starlette.responses import Response
 
 from metering.errors import MeteringError, error_body
 from metering.ledger.outcome import Outcome
-from metering.proxy.attempt import Attempt
+from metering.proxy.attempt import Attempt, Chosen
 from metering.proxy.limits import RESPONSE_TOO_LARGE, RESPONSE_TOO_LONG, Limit, text_of_cut_body
 from metering.proxy.upstreams import failure_kind
 
@@ -31,7 +31,7 @@ class UpstreamTimeout(MeteringError):
     status, code = 504, "upstream_timeout"
 
 
-class FailedBeforeAnswer(Exception):  # noqa: N818 - a signal to try the next provider
+class FailedBeforeAnswer(Chosen):  # a signal to try the next provider
     """The attempt failed (connect error, timeout, 5xx, 429) before a byte reached the client,
     so another provider may be tried. `answer` is what the client gets if none is left."""
 
@@ -64,6 +64,7 @@ async def open_upstream(attempt: Attempt) -> httpx.Response:
         with anyio.CancelScope(
             deadline=attempt.deadline(services.settings.max_response_s)
         ) as scope:
+            attempt.sent = True
             response = await services.upstreams.send(provider.name, request)
             if response.status_code == 202 and attempt.dialect.polls:
                 response = await _poll(attempt, response, headers)

@@ -2,6 +2,7 @@
 released when nothing went out, whoever asks it to end and however often."""
 
 import asyncio
+import contextlib
 import uuid
 from types import SimpleNamespace
 
@@ -122,3 +123,77 @@ def test_a_streaming_response_takes_the_end_over_from_the_with(fresh_db):  # noq
     assert after["events"] == [after["hold_id"]]
     assert after["budgets"] == [(COST, 0)] * 3
     assert after["live"] == 0
+
+
+def test_an_attempt_interrupted_after_it_went_out_is_one_estimated_event(fresh_db):  # noqa: F811
+    """A bug or a shutdown after the request was handed to the upstream: the upstream may have
+    done the work, so it is charged as an estimate, never released unrecorded."""
+
+    async def scenario(attempt: Attempt) -> None:
+        try:
+            async with attempt:
+                attempt.sent = True
+                raise RuntimeError("something unexpected")
+        except RuntimeError:
+            pass
+
+    after = run(fresh_db, scenario)
+    assert after["events"] == [after["hold_id"]]
+    assert after["holds"] == []
+    assert after["live"] == 0
+    spent = [s for s, _ in after["budgets"]]
+    assert spent[0] > 0 and spent == [spent[0]] * 3
+    assert [r for _, r in after["budgets"]] == [0, 0, 0]
+
+
+def test_an_attempt_cancelled_after_it_went_out_is_one_event_too(fresh_db):  # noqa: F811
+    async def scenario(attempt: Attempt) -> None:
+        async def forward() -> None:
+            async with attempt:
+                attempt.sent = True
+                await asyncio.sleep(30)  # waiting on the upstream when the server shuts down
+
+        task = asyncio.ensure_future(forward())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    after = run(fresh_db, scenario)
+    assert after["events"] == [after["hold_id"]]
+    assert after["holds"] == []
+
+
+def test_an_error_answer_chosen_after_sending_keeps_its_own_outcome(fresh_db):  # noqa: F811
+    """A refusal the forwarding code raised (here: the upstream's timeout) was recorded by it;
+    the attempt does not replace it with an estimate."""
+    from metering.proxy.transport import FailedBeforeAnswer, UpstreamTimeout
+
+    async def scenario(attempt: Attempt) -> None:
+        try:
+            async with attempt:
+                attempt.sent = True
+                attempt.outcome = Outcome(status="timeout", billable=False)
+                raise FailedBeforeAnswer(UpstreamTimeout("no answer"))
+        except FailedBeforeAnswer:
+            pass
+
+    after = run(fresh_db, scenario)
+    assert after["events"] == [after["hold_id"]]
+    assert after["budgets"] == [(0, 0)] * 3
+
+
+def test_a_connection_that_never_opened_releases_even_though_sending_began(fresh_db):  # noqa: F811
+    from metering.proxy.transport import FailedBeforeAnswer, UpstreamFailed
+
+    async def scenario(attempt: Attempt) -> None:
+        try:
+            async with attempt:
+                attempt.sent = True
+                raise FailedBeforeAnswer(UpstreamFailed("could not connect"))
+        except FailedBeforeAnswer:
+            pass
+
+    after = run(fresh_db, scenario)
+    assert after["events"] == []
+    assert after["budgets"] == [(0, 0)] * 3
