@@ -8,9 +8,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from metering import metrics
-from metering.auth.principal import Principal, any_principal, user_principal
+from metering.auth.principal import RULE_ERRORS, Principal, any_principal, user_principal
 from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
-from metering.errors import InvalidRequest, MeteringError
+from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
 from metering.money import format_usd
 from metering.proxy.attempt import Attempt
@@ -57,7 +57,21 @@ def _encode(body: dict) -> bytes:
         ) from None
 
 
-@router.post("/chat/completions")
+CHAT_RESPONSES = {
+    200: {
+        "description": "The upstream's answer as it sent it: a chat.completion, or (stream) "
+        "server-sent chat.completion.chunk events",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **error_responses(400, 402, 404, 413, 415, 502, 504, *RULE_ERRORS["user"]),
+    "4XX": {
+        "model": ErrorResponse,
+        "description": "An upstream's own refusal (e.g. 422), passed on with its status",
+    },
+}
+
+
+@router.post("/chat/completions", responses=CHAT_RESPONSES)
 async def chat_completions(
     request: Request,
     principal: Principal = Depends(user_principal),
@@ -162,7 +176,7 @@ async def try_route(
         return await forward(attempt)
 
 
-@router.get("/models")
+@router.get("/models", responses=error_responses(*RULE_ERRORS["self"]))
 async def list_models(
     _: Principal = Depends(any_principal), services: Services = Depends(get_services)
 ) -> dict:

@@ -1,5 +1,6 @@
 """Schemathesis over the server's own /openapi.json, as the admin and as a user: no request it
-generates gets a 5xx, and every response matches the schema declared for its status, if any.
+generates gets a 5xx, every status it gets is one the route declares, and every response
+matches the schema declared for its status.
 
 The real server on loopback, on SQLite and PostgreSQL, with the simulated upstream behind it.
 A bounded number of examples per operation keeps the run to a minute or two."""
@@ -11,7 +12,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core.failures import FailureGroup
-from schemathesis.specs.openapi.checks import response_schema_conformance
+from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 from metering import migrate
 from metering.settings import Settings, parse_catalog
@@ -19,7 +20,7 @@ from metering.testing import metering_server
 from tests.conftest import ADMIN_KEY, Api, catalog_for, database_url
 
 EXAMPLES = 10
-CHECKS = [not_a_server_error, response_schema_conformance]
+CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
 
 
 @pytest.fixture(
