@@ -104,7 +104,9 @@ async def add_many(session: AsyncSession, events: list[Event]) -> None:
     for row in rows.values():
         for name, most in SATURATED.items():
             row[name] = min(row[name], most)
-    await session.execute(_UPSERTS[dialect_name(session)], list(rows.values()))
+    # In key order: concurrent groups (other processes) lock shared rows in one order.
+    ordered = [rows[key] for key in sorted(rows)]
+    await session.execute(_UPSERTS[dialect_name(session)], ordered)
 
 
 def hour_text(column, dialect: str):
