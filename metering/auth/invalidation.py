@@ -105,6 +105,7 @@ class Listener:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._conn: asyncpg.Connection | None = None
+        self._up = True
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -165,6 +166,7 @@ class Listener:
             self.cache.clear()
             self.handled = 0
             await self._ping(conn)  # registers; trust waits for a second, committed beat
+            self._up = True
             while not conn.is_closed():
                 started = await self._ping(conn)
                 if started is not None:
@@ -193,7 +195,9 @@ class Listener:
                 raise
             except Exception as exc:  # the database went away: distrusted until back
                 self.cache.distrust()
-                log.warning("credential listener lost its connection: %s", exc)
+                if self._up:  # once per outage, not once per attempt
+                    log.warning("credential listener lost its connection: %s", exc)
+                self._up = False
             await asyncio.sleep(self.interval_s)
 
 
