@@ -104,7 +104,6 @@ class Listener:
         self.handled = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._conn: asyncpg.Connection | None = None
         self._up = True
 
     def start(self) -> None:
@@ -116,14 +115,16 @@ class Listener:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-        conn, self._conn = self._conn, None
-        if conn is not None and not conn.is_closed():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(
-                    conn.execute("DELETE FROM auth_replicas WHERE id = $1", self.replica_id), 2
-                )
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.close(), 2)
+        # Gone: callers stop waiting for this process's acknowledgements at once.
+        with contextlib.suppress(Exception):
+            await self._execute("DELETE FROM auth_replicas WHERE id = $1", self.replica_id)
+
+    async def _execute(self, statement: str, *args) -> None:
+        conn = await asyncio.wait_for(asyncpg.connect(self.dsn), 2)
+        try:
+            await asyncio.wait_for(conn.execute(statement, *args), 2)
+        finally:
+            conn.terminate()
 
     def _notified(self, _conn, _pid, _channel, payload: str) -> None:
         seq_text, *subjects = payload.split(" ")
@@ -158,7 +159,6 @@ class Listener:
         conn = await asyncio.wait_for(
             asyncpg.connect(self.dsn, server_settings={"application_name": "metering-auth"}), 5
         )
-        self._conn = conn
         try:
             conn.add_termination_listener(self._lost)
             await conn.add_listener(CHANNEL, self._notified)
@@ -175,19 +175,14 @@ class Listener:
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
         finally:
             self.cache.distrust()
-            self._conn = None
             with contextlib.suppress(Exception):
                 conn.terminate()
 
     async def _run(self) -> None:
         with contextlib.suppress(Exception):
-            conn = await asyncpg.connect(self.dsn)
-            try:
-                await conn.execute(
-                    "DELETE FROM auth_replicas WHERE heartbeat_at < now() - interval '1 hour'"
-                )
-            finally:
-                await conn.close()
+            await self._execute(
+                "DELETE FROM auth_replicas WHERE heartbeat_at < now() - interval '1 hour'"
+            )
         while True:
             try:
                 await self._session()
