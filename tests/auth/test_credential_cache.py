@@ -2,10 +2,14 @@
 changing call returns, and a replica whose notification channel is cut never serves a revoked
 credential from its cache."""
 
+import asyncio
+
+import asyncpg
 import psycopg
 import pytest
 
 from metering.auth.cache import CredentialCache
+from metering.auth.invalidation import Listener, _dsn
 from tests.auth.conftest import error_code, new_account
 
 pytestmark = pytest.mark.usefixtures("sim")
@@ -152,3 +156,54 @@ def test_a_changed_marker_empties_the_cache():
     assert cache.get("t:1").value == "principal"
     marker[0] = "b"
     assert cache.get("t:1") is None
+
+
+async def _until(condition) -> None:
+    for _ in range(2000):
+        if await condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not reached in 20 s")
+
+
+async def _lost_notification(url: str) -> tuple[object, int]:
+    cache = CredentialCache(10, 60, always_trusted=False)
+    listener = Listener(url, cache, interval_s=0.05)
+    listener.start()
+    try:
+
+        async def trusted() -> bool:
+            return cache.trusted()
+
+        await _until(trusted)
+        cache.put("t:1", "principal", frozenset({"token:tok_1"}), cache.epoch)
+        assert cache.get("t:1").value == "principal"
+        # A change committed without its notification reaching this listener.
+        conn = await asyncpg.connect(_dsn(url))
+        try:
+            seq = await conn.fetchval(
+                "INSERT INTO key_values (key, value) VALUES ('auth.change_seq', '1') "
+                "ON CONFLICT (key) DO UPDATE SET value = (key_values.value::bigint + 1)::text "
+                "RETURNING value::bigint"
+            )
+
+            async def acknowledged() -> bool:
+                acked = await conn.fetchval(
+                    "SELECT acked_seq FROM auth_replicas WHERE id = $1", listener.replica_id
+                )
+                return (acked or 0) >= seq
+
+            await _until(acknowledged)
+        finally:
+            await conn.close()
+        return cache.get("t:1"), seq
+    finally:
+        await listener.stop()
+
+
+def test_a_lost_notification_empties_the_cache_before_it_is_acknowledged(api):
+    if api.backend != "postgresql":
+        pytest.skip("the notification channel is PostgreSQL's")
+    entry, seq = asyncio.run(_lost_notification(api.settings.database_url))
+    assert seq >= 1
+    assert entry is None
