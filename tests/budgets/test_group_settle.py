@@ -5,6 +5,7 @@ others, and a request whose hold was swept meanwhile still replaces its placehol
 import asyncio
 from dataclasses import replace
 
+import httpx
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select
 
@@ -12,6 +13,7 @@ from metering.budgets.service import reserve, settle, settle_queue
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.models import Hold, LedgerEvent, SpendHourly
+from tests.budgets.conftest import budget, chat_body, marker, usd
 from tests.budgets.test_crash_recovery import (
     _add_budgets,
     _budgets,
@@ -134,3 +136,37 @@ def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db):
             await db.dispose()
 
     asyncio.run(scenario())
+
+
+def test_a_hundred_concurrent_requests_one_event_each(api):
+    """Through the server: 100 requests at once on one token (half streamed), each answered,
+    each one event with its request id, the budgets charged their exact sum."""
+    team, user, token = api.principal(token_limit="1", user_limit="1", team_limit="1")
+    tag = marker()
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = chat_body(f"group {tag} {i} sim:tokens=5", max_tokens=5, stream=i % 2 == 1)
+        headers = {"authorization": f"Bearer {token['token']}", "content-type": "application/json"}
+        response = await client.post(
+            f"{api.url}/v1/chat/completions", content=body, headers=headers
+        )
+        assert response.status_code == 200, response.text
+        if i % 2 == 1:
+            assert response.text.endswith("data: [DONE]\n\n")
+        return response.headers["x-request-id"]
+
+    async def burst() -> list[str]:
+        limits = httpx.Limits(max_connections=REQUESTS)
+        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(REQUESTS)))
+
+    ids = asyncio.run(burst())
+    events = api.events(token_id=token["id"])
+    assert sorted(e["id"] for e in events) == sorted(ids)
+    assert len(set(ids)) == REQUESTS
+    assert all((e["status"], e["completion_tokens"]) == ("ok", 5) for e in events)
+    total = sum(usd(e["cost"]) for e in events)
+    assert total > 0
+    for scope, subject in (("token", token), ("user", user), ("team", team)):
+        status = budget(api, scope, subject["id"])
+        assert (usd(status["spent"]), usd(status["reserved"])) == (total, 0), status
