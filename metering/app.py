@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from metering import jobs
 from metering.auth.endpoints import router as auth_router
 from metering.auth.failures import FailedCredentials
+from metering.auth.invalidation import Credentials
 from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
@@ -149,6 +150,9 @@ def create_app(
             passwords=Passwords(),
             signer=Signer(settings.secret),
             credential_failures=FailedCredentials(settings.auth_failures_per_minute),
+            credentials=Credentials(
+                db, size=settings.credential_cache_size, ttl_s=settings.credential_cache_ttl_s
+            ),
             upstreams=Upstreams(catalog, settings.upstream_max_connections),
             breakers=Breakers(settings.breaker_failures, settings.breaker_cooldown_s),
             # The holds of the requests being served here, extended while they run.
@@ -156,6 +160,7 @@ def create_app(
             catalog=catalog,
         )
         app.state.services = services
+        services.credentials.start()
         await record_prices(db, catalog)
         keep_alive = asyncio.create_task(services.live_holds.keep_alive(db, settings.hold_ttl_s))
 
@@ -186,6 +191,7 @@ def create_app(
             if scheduler is not None:
                 scheduler.shutdown(wait=False)
             await services.upstreams.close()
+            await services.credentials.stop()
             await db.dispose()
 
     openapi = settings.openapi_enabled

@@ -117,6 +117,17 @@ class LedgerEvent(Base):
     )
 
 
+class AuthReplica(Base):
+    """A process serving requests with a credential cache: its heartbeat and the last change
+    to credentials it has applied (metering.auth.invalidation)."""
+
+    __tablename__ = "auth_replicas"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    heartbeat_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    acked_seq: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
 class KeyValue(Base):
     """Small process-wide values shared by every replica (e.g. a generated signing secret)."""
 

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 from fastapi import Depends
 from starlette.requests import HTTPConnection
 
+from metering.auth import invalidation
 from metering.auth.failures import FailedCredentials
+from metering.auth.invalidation import Credentials
 from metering.auth.passwords import Passwords
 from metering.auth.tokens import Signer
 from metering.db import Database
@@ -29,6 +31,8 @@ class Services:
     passwords: Passwords
     signer: Signer
     credential_failures: FailedCredentials
+    # Credential -> principal, dropped on every replica when a credential's rights change.
+    credentials: Credentials
     upstreams: "Upstreams"
     breakers: "Breakers"
     live_holds: "LiveHolds"
@@ -46,3 +50,5 @@ async def unit_of_work(services: Services = Depends(get_services)):
     commits before the response leaves, so a client never sees a 201 for a row not yet there."""
     async with services.db.transaction() as session:
         yield session
+    # Committed: a change to what a credential may do reaches every replica before the answer.
+    await services.credentials.changed(invalidation.pending(session))

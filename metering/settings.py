@@ -43,6 +43,10 @@ class Settings(BaseSettings):
     forwarded_allow_ips: str = "127.0.0.1"
     # Failed bearer credentials one client address may present per minute (then 429).
     auth_failures_per_minute: int = Field(default=600, ge=1)
+    # Credentials (API tokens, login sessions) each process keeps, and for how long at most;
+    # a revocation or deletion drops them on every replica before its call returns.
+    credential_cache_size: int = Field(default=10_000, ge=0)
+    credential_cache_ttl_s: float = Field(default=60.0, gt=0)
     # GET /docs and /openapi.json; false closes both (404).
     openapi_enabled: bool = True
     access_token_ttl_s: int = 900

@@ -9,6 +9,7 @@ import anyio
 from sqlalchemy import bindparam, func, select
 
 from metering.auth import sessions, throttle
+from metering.auth.invalidation import subject
 from metering.auth.passwords import Passwords
 from metering.auth.tokens import ACCESS_PREFIX, API_TOKEN_PREFIX, Signer, digest, same
 from metering.db import Database, utcnow
@@ -64,10 +65,18 @@ TOKEN_LOOKUP = (
 )
 
 
-async def _api_token_principal(db: Database, token: str) -> Principal:
+async def _api_token_principal(services: Services, token: str) -> Principal:
     now = utcnow()
     hashed = digest(token)
-    async with db.sessions() as session:
+    cache = services.credentials.cache
+    key = "t:" + hashed
+    hit = cache.get(key)
+    if hit is not None:
+        if hit.expires_at is not None and hit.expires_at <= now:
+            raise Unauthorized("this API token has expired")
+        return hit.value
+    epoch = cache.epoch
+    async with services.db.sessions() as session:
         row = (await session.execute(TOKEN_LOOKUP, {"token_hash": hashed})).first()
     # Found by its hash; compared once more in constant time, whatever the database's collation.
     if row is None or not same(row[0], hashed):
@@ -79,7 +88,32 @@ async def _api_token_principal(db: Database, token: str) -> Principal:
         raise Unauthorized("this API token has expired")
     if user_deleted is not None or team_deleted is not None:
         raise Unauthorized("this API token's user or team has been deleted")
-    return Principal("api_token", user_id=user_id, team_id=team_id, token_id=token_id)
+    principal = Principal("api_token", user_id=user_id, team_id=team_id, token_id=token_id)
+    subjects = frozenset(
+        (subject("token", token_id), subject("user", user_id), subject("team", team_id))
+    )
+    cache.put(key, principal, subjects, epoch, expires_at)
+    return principal
+
+
+async def _session_user(services: Services, session_id: str) -> sessions.SessionUser:
+    """A valid access token's session, live: from the cache, or one indexed read."""
+    cache = services.credentials.cache
+    key = "s:" + session_id
+    hit = cache.get(key)
+    if hit is not None:
+        return hit.value
+    epoch = cache.epoch
+    user = await sessions.user_of(services.db, session_id)
+    subjects = frozenset(
+        (
+            subject("session", session_id),
+            subject("user", user.user_id),
+            subject("team", user.team_id),
+        )
+    )
+    cache.put(key, user, subjects, epoch)
+    return user
 
 
 async def _access_principal(services: Services, token: str, refresh_token: str) -> Authenticated:
@@ -87,7 +121,7 @@ async def _access_principal(services: Services, token: str, refresh_token: str) 
     `refresh-token` header, or empty) rotates its session and serves the request."""
     claims = Signer.read(await services.signer.key(services.db), token)
     if claims.expires_at > utcnow():
-        user = await sessions.user_of(services.db, claims.session_id)
+        user = await _session_user(services, claims.session_id)
         return Authenticated(Principal("access", user_id=user.user_id, team_id=user.team_id))
     if not refresh_token:
         raise Unauthorized(
@@ -110,7 +144,7 @@ async def authenticate(services: Services, token: str, refresh_token: str = "") 
     if _is_admin_key(token, services.settings.admin_key):
         return Authenticated(Principal("admin"))
     if token.startswith(API_TOKEN_PREFIX):
-        return Authenticated(await _api_token_principal(services.db, token))
+        return Authenticated(await _api_token_principal(services, token))
     if token.startswith(ACCESS_PREFIX):
         return await _access_principal(services, token, refresh_token)
     raise Unauthorized("invalid credential")

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import delete, insert, select, update
 
+from metering.auth import invalidation
 from metering.auth.tokens import Signer, digest, new_refresh_token, password_stamp, same
 from metering.db import utcnow
 from metering.errors import Unauthorized
@@ -141,11 +142,14 @@ async def user_of(db, session_id: str) -> SessionUser:
 
 
 async def revoke(db_session, session_id: str, reason: str) -> None:
+    """Inside the caller's transaction; once it commits, pass invalidation.pending(db_session)
+    to services.credentials.changed() so no replica still accepts the session's access tokens."""
     await db_session.execute(
         update(AuthSession)
         .where(AuthSession.id == session_id, AuthSession.revoked_at.is_(None))
         .values(revoked_at=utcnow(), revoked_reason=reason)
     )
+    await invalidation.record(db_session, invalidation.subject("session", session_id))
 
 
 async def _find(db_session, presented: str):
@@ -226,6 +230,7 @@ async def rotate(
                     RefreshToken.session_id == row.id, RefreshToken.expires_at <= now
                 )
             )
+    await services.credentials.changed(invalidation.pending(s))
     if reused is not None:
         # Committed above: the revocation stands although this request is refused.
         log.warning("refresh token reused on session %s: the session is revoked", reused)
@@ -237,3 +242,4 @@ async def logout(services: Services, presented: str) -> None:
     async with services.db.transaction() as s:
         row = await _find(s, presented)
         await revoke(s, row.id, "logout")
+    await services.credentials.changed(invalidation.pending(s))

@@ -19,6 +19,8 @@ its total is kept in budget_windows, then spent restarts at 0. Outstanding holds
 stay reserved across the roll, and a request is charged to the window it settles in.
 """
 
+import asyncio
+import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -342,7 +344,13 @@ async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
 
 async def settle(db: Database, event: Event, reservation: Reservation | None = None) -> bool:
     """Turn a hold into its ledger event (the event's id is the hold's); False when it was
-    already settled (or expired)."""
+    already settled (or expired). Settles that arrive together are written in one
+    transaction (see SettleQueue); this returns once the event is committed."""
+    return await _queue(db).settle(event, reservation)
+
+
+async def settle_one(db: Database, event: Event, reservation: Reservation | None = None) -> bool:
+    """settle() in a transaction of its own."""
     async with db.begin() as session:
         return await settle_in(session, event, reservation)
 
@@ -365,6 +373,157 @@ async def settle_in(
     await session.execute(_CHARGE, {"ids": subjects, "cost": event.cost, "amount": hold.amount})
     await writer.append(session, event)
     return True
+
+
+# A group of settles: its holds taken in one statement, its budgets locked in subject_id
+# order (the order every writer uses) and charged their sums, one row each.
+_TAKE_HOLDS = (
+    delete(Hold.__table__)
+    .where(Hold.id.in_(_ids()))
+    .returning(Hold.id, Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
+)
+_LOCK = select(Budget.subject_id).where(Budget.subject_id.in_(_ids())).order_by(Budget.subject_id)
+_LOCK = _LOCK.with_for_update()
+_CHARGE_ONE = (
+    update(Budget.__table__)
+    .where(Budget.subject_id == bindparam("charged_id"))
+    .values(spent=Budget.spent + bindparam("cost"), reserved=Budget.reserved - bindparam("amount"))
+    .execution_options(synchronize_session=False)
+)
+
+
+async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) -> list[bool | None]:
+    """Settle several requests in one transaction: their events in one INSERT, their rollup
+    rows summed per row, each budget charged once with the sums. Per request: True when
+    settled here, None when its hold was not found (settled alone afterwards: the late path)."""
+    results: list[bool | None] = []
+    taken: list[Event] = []
+    totals: dict[str, list[int]] = {}
+    async with db.begin() as conn:
+        rows = await conn.execute(_TAKE_HOLDS, {"ids": [event.id for event, _ in items]})
+        holds = {row.id: row for row in rows}
+        for event, _ in items:
+            hold = holds.pop(event.id, None)  # a repeated id: the first takes the hold
+            if hold is None:
+                results.append(None)
+                continue
+            event.cap(hold.amount)
+            taken.append(event)
+            results.append(True)
+            for subject in (hold.token_id, hold.user_id, hold.team_id):
+                if subject:
+                    sums = totals.setdefault(subject, [0, 0])
+                    sums[0] += event.cost
+                    sums[1] += hold.amount
+        if taken:
+            subjects = sorted(totals)
+            await conn.execute(_LOCK, {"ids": subjects})
+            charges = [
+                {"charged_id": s, "cost": totals[s][0], "amount": totals[s][1]} for s in subjects
+            ]
+            await conn.execute(_CHARGE_ONE, charges)
+            await writer.append_many(conn, taken)
+    return results
+
+
+def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    if future.done():  # its waiter was cancelled: the settle still happened (or not) as recorded
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+class SettleQueue:
+    """A process's settles, written in groups: the first settle starts a group at once; the
+    settles that arrive while it commits form the next. Each caller returns when its own
+    event is committed. A group that fails (say one bad row) is retried one settle at a time,
+    so one request's failure never costs the others their events."""
+
+    def __init__(self, db: Database, loop: asyncio.AbstractEventLoop) -> None:
+        self.db = db
+        self.loop = loop
+        self.pending: list[tuple[Event, Reservation, asyncio.Future]] = []
+        self.writing: asyncio.Task | None = None
+        self.grouped = 0  # settles committed in groups of two or more
+        self.retried = 0  # groups that failed and were retried one settle at a time
+
+    async def settle(self, event: Event, reservation: Reservation | None) -> bool:
+        if (
+            reservation is None
+            or event.status == UNSETTLED
+            or not reservation.window_unchanged(event.created_at)
+        ):
+            # A window to roll first, or no reservation to vouch for the windows: alone.
+            return await settle_one(self.db, event, reservation)
+        future = self.loop.create_future()
+        self.pending.append((event, reservation, future))
+        if self.writing is None:
+            self.writing = self.loop.create_task(self._write_all())
+        return await future
+
+    async def _write_all(self) -> None:
+        batch: list = []
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, []
+                await self._write(batch)
+                batch = []
+        except BaseException as exc:  # cancelled with the loop: no waiter is left hanging
+            for _, _, future in batch + self.pending:
+                _resolve(future, error=LedgerUnavailable("settle interrupted; retry"))
+            self.pending = []
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.writing = None
+
+    async def _write(self, batch: list[tuple[Event, Reservation, asyncio.Future]]) -> None:
+        results: list[bool | None] = [None] * len(batch)
+        if len(batch) > 1:
+            try:
+                results = await _settle_group(self.db, [(e, r) for e, r, _ in batch])
+            except Exception:
+                self.retried += 1
+                results = [None] * len(batch)  # one at a time below: the good ones commit
+            else:
+                self.grouped += sum(1 for result in results if result)
+        alone = []
+        for item, result in zip(batch, results, strict=True):
+            if result is None:
+                alone.append(item)
+            else:
+                _resolve(item[2], result)
+        if not alone:
+            return
+        # Side by side, each in its own transaction: a database that stopped answering costs
+        # one timeout, not one per settle.
+        ends = await asyncio.gather(
+            *(settle_one(self.db, event, reservation) for event, reservation, _ in alone),
+            return_exceptions=True,
+        )
+        for (_, _, future), end in zip(alone, ends, strict=True):
+            if isinstance(end, BaseException):
+                _resolve(future, error=end)
+            else:
+                _resolve(future, end)
+
+
+_QUEUES: "weakref.WeakKeyDictionary[Database, SettleQueue]" = weakref.WeakKeyDictionary()
+
+
+def _queue(db: Database) -> SettleQueue:
+    loop = asyncio.get_running_loop()
+    queue = _QUEUES.get(db)
+    if queue is None or queue.loop is not loop:
+        queue = _QUEUES[db] = SettleQueue(db, loop)
+    return queue
+
+
+def settle_queue(db: Database) -> SettleQueue:
+    """The process's settle queue for this database (for its counters)."""
+    return _queue(db)
 
 
 _CORRECT = _add_to_budgets(spent=Budget.spent + bindparam("delta")).where(

@@ -6,6 +6,7 @@ from datetime import datetime
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from metering.auth import invalidation
 from metering.auth.tokens import digest, new_api_token
 from metering.budgets.service import load, new_budget, roll
 from metering.budgets.windows import parse_interval, window_for
@@ -181,6 +182,7 @@ async def revoke_token(session: AsyncSession, token_id: str) -> None:
         .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
         .values(revoked_at=utcnow())
     )
+    await invalidation.record(session, invalidation.subject("token", token_id))
 
 
 async def delete_user(session: AsyncSession, user_id: str) -> None:
@@ -192,11 +194,13 @@ async def delete_user(session: AsyncSession, user_id: str) -> None:
         .where(ApiToken.user_id == user_id, ApiToken.revoked_at.is_(None))
         .values(revoked_at=now)
     )
+    await invalidation.record(session, invalidation.subject("user", user_id))
 
 
 async def delete_team(session: AsyncSession, team_id: str) -> None:
     await get_team(session, team_id)
     await session.execute(update(Team).where(Team.id == team_id).values(deleted_at=utcnow()))
+    await invalidation.record(session, invalidation.subject("team", team_id))
 
 
 async def update_team(session: AsyncSession, team_id: str, fields: dict) -> Team:
@@ -221,11 +225,15 @@ async def update_user(
         user.email = email
     if fields.get("name") is not None:
         user.name = fields["name"]
+    moved = fields.get("team_id") is not None and fields["team_id"] != user.team_id
     if fields.get("team_id") is not None:
         await get_team(session, fields["team_id"])
         user.team_id = fields["team_id"]
     if password_hash is not None:
         user.password_hash = password_hash
+    if moved or password_hash is not None:
+        # Its credentials now charge another team, or its sessions have ended.
+        await invalidation.record(session, invalidation.subject("user", user_id))
     await change_budget(session, user_id, fields)
     await session.flush()
     session.expire_all()

@@ -87,6 +87,28 @@ async def add(session: AsyncSession, event: Event, **override) -> None:
     await session.execute(_UPSERTS[dialect_name(session)], row_for(event, **override))
 
 
+async def add_many(session: AsyncSession, events: list[Event]) -> None:
+    """Add several events to their hours' rows: one upsert per row, summed here first (a row
+    is written once however many of the events it counts)."""
+    rows: dict[tuple, dict] = {}
+    for event in events:
+        row = row_for(event)
+        key = tuple(row[name] for name in KEY)
+        sums = rows.get(key)
+        if sums is None:
+            rows[key] = row
+            continue
+        sums["requests"] += 1
+        for name in SUMS:
+            sums[name] += row[name]
+    for row in rows.values():
+        for name, most in SATURATED.items():
+            row[name] = min(row[name], most)
+    # In key order: concurrent groups (other processes) lock shared rows in one order.
+    ordered = [rows[key] for key in sorted(rows)]
+    await session.execute(_UPSERTS[dialect_name(session)], ordered)
+
+
 def hour_text(column, dialect: str):
     """A UTC datetime column as RFC 3339 text on its hour (`2026-11-30T05:00:00Z`), in SQL."""
     if dialect == "postgresql":

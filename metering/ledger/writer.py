@@ -34,6 +34,12 @@ async def append(conn: AsyncConnection | AsyncSession, event: Event) -> None:
     await rollup.add(conn, event)  # same transaction: the rollup equals the ledger
 
 
+async def append_many(conn: AsyncConnection | AsyncSession, events: list[Event]) -> None:
+    """Insert several events (one statement) and add them to their rollup rows."""
+    await conn.execute(_INSERT, [event.params() for event in events])
+    await rollup.add_many(conn, events)
+
+
 @dataclass(frozen=True, slots=True)
 class Replaced:
     """The placeholder a late event replaced: when and to whom it was charged, and the change."""

@@ -16,7 +16,10 @@ instead. The checks against what the request allowed are the ledger's (metering.
 """
 
 import json
+import re
 from typing import Any
+
+import orjson
 
 from metering.ledger.charge import (
     CACHED_ABOVE_PROMPT,
@@ -114,6 +117,10 @@ def _bounded_int(text: str) -> int:
     return -1 if text.startswith("-") else COUNT_CEILING + 1
 
 
+_LONG_TEXT = re.compile(r"[0-9]{19}")
+_LONG_BYTES = re.compile(rb"[0-9]{19}")
+
+
 def parse_json_object(data: str | bytes) -> dict | None:
     """The JSON object in ``data``; None if it is not valid JSON or not an object.
 
@@ -121,6 +128,16 @@ def parse_json_object(data: str | bytes) -> dict | None:
     an answer with one broken character in its text is still found. An integer too long for
     Python to convert does not make the document unreadable (see _bounded_int).
     """
+    # The fast parser reads strict UTF-8 JSON; anything else takes the path below, and so does
+    # a run of 19 digits or more (the fast parser reads an integer beyond 64 bits as a float).
+    long_digits = _LONG_TEXT if isinstance(data, str) else _LONG_BYTES
+    if isinstance(data, str | bytes) and long_digits.search(data) is None:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            return obj if isinstance(obj, dict) else None
     try:
         obj = json.loads(data)
     except UnicodeDecodeError:

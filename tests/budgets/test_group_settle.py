@@ -1,0 +1,172 @@
+"""Settles that arrive together are written in one transaction: one event per request, the
+budgets charged exactly and nothing left reserved; a group with one bad row still commits the
+others, and a request whose hold was swept meanwhile still replaces its placeholder."""
+
+import asyncio
+from dataclasses import replace
+
+import httpx
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import func, select
+
+from metering.budgets.service import reserve, settle, settle_queue
+from metering.db import Database, utcnow
+from metering.jobs import expire_holds
+from metering.models import Hold, LedgerEvent, SpendHourly
+from tests.budgets.conftest import budget, chat_body, marker, usd
+from tests.budgets.test_crash_recovery import (
+    _add_budgets,
+    _budgets,
+    _count,
+    _event,
+    _spec,
+    _subjects,
+)
+
+REQUESTS = 100
+
+
+async def _rollup(db: Database, token_id: str) -> tuple[int, int]:
+    async with db.sessions() as session:
+        row = (
+            await session.execute(
+                select(func.sum(SpendHourly.requests), func.sum(SpendHourly.cost)).where(
+                    SpendHourly.token_id == token_id
+                )
+            )
+        ).one()
+        return int(row[0] or 0), int(row[1] or 0)
+
+
+def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
+    async def scenario() -> None:
+        db = Database(fresh_db, 8)
+        try:
+            subjects = _subjects()
+            await _add_budgets(db, subjects, "1", "daily", utcnow())
+
+            async def one(completion_tokens: int) -> tuple[str, int]:
+                spec = _spec(subjects)
+                reservation = await reserve(db, spec, ttl_s=60)
+                event = _event(spec, completion_tokens)
+                assert await settle(db, event, reservation) is True
+                return event.id, event.cost
+
+            done = await asyncio.gather(*(one(1 + i % 40) for i in range(REQUESTS)))
+            total = sum(cost for _, cost in done)
+            assert total == REQUESTS * 10 * 150_000 + sum(
+                (1 + i % 40) * 600_000 for i in range(REQUESTS)
+            )
+            assert settle_queue(db).grouped >= 2  # some settles shared a transaction
+            token = subjects["token"]
+            assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == REQUESTS
+            ids = {event_id for event_id, _ in done}
+            assert await _count(db, LedgerEvent, LedgerEvent.id.in_(ids)) == REQUESTS
+            assert await _count(db, Hold, Hold.token_id == token) == 0
+            for row in (await _budgets(db, subjects)).values():
+                assert (row.spent, row.reserved) == (total, 0)
+            assert await _rollup(db, token) == (REQUESTS, total)
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_group_with_a_bad_row_commits_the_others(fresh_db):
+    async def scenario() -> None:
+        db = Database(fresh_db, 4)
+        try:
+            subjects = _subjects()
+            await _add_budgets(db, subjects, "1", "daily", utcnow())
+            specs = [_spec(subjects) for _ in range(5)]
+            reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+            events = [_event(spec, 3 + i) for i, spec in enumerate(specs)]
+            events[2] = replace(events[2], model=None)  # refused by the ledger (NOT NULL)
+            results = await asyncio.gather(
+                *(settle(db, e, r) for e, r in zip(events, reservations, strict=True)),
+                return_exceptions=True,
+            )
+            assert results[:2] + results[3:] == [True] * 4
+            assert isinstance(results[2], sa_exc.IntegrityError)
+            queue = settle_queue(db)
+            assert (queue.grouped, queue.retried) == (0, 1)  # the group failed, then one by one
+
+            good = [e for i, e in enumerate(events) if i != 2]
+            total = sum(e.cost for e in good)
+            token = subjects["token"]
+            assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 4
+            assert await _count(db, LedgerEvent, LedgerEvent.id == events[2].id) == 0
+            # The bad request's hold stays, for the sweeper to charge as `unsettled`.
+            assert await _count(db, Hold, Hold.token_id == token) == 1
+            for row in (await _budgets(db, subjects)).values():
+                assert (row.spent, row.reserved) == (total, reservations[2].amount)
+            assert await _rollup(db, token) == (4, total)
+            assert await expire_holds(db) == 0  # not expired yet: nothing charged twice
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db):
+    async def scenario() -> None:
+        db = Database(fresh_db, 4)
+        try:
+            subjects = _subjects()
+            await _add_budgets(db, subjects, "1", "never", utcnow())
+            specs = [_spec(subjects) for _ in range(3)]
+            swept = await reserve(db, specs[0], ttl_s=0)
+            assert await expire_holds(db) == 1  # charged in full as `unsettled`
+            live = [await reserve(db, spec, ttl_s=60) for spec in specs[1:]]
+            events = [_event(spec, 4) for spec in specs]
+            results = await asyncio.gather(
+                *(settle(db, e, r) for e, r in zip(events, [swept, *live], strict=True))
+            )
+            assert results == [True, True, True]
+            assert settle_queue(db).grouped == 2
+            token = subjects["token"]
+            assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 3
+            assert await _count(db, LedgerEvent, LedgerEvent.status == "unsettled") == 0
+            total = sum(e.cost for e in events)
+            assert total == 3 * (10 * 150_000 + 4 * 600_000)
+            for row in (await _budgets(db, subjects)).values():
+                assert (row.spent, row.reserved) == (total, 0)
+            assert await _rollup(db, token) == (3, total)
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_hundred_concurrent_requests_one_event_each(api):
+    """Through the server: 100 requests at once on one token (half streamed), each answered,
+    each one event with its request id, the budgets charged their exact sum."""
+    team, user, token = api.principal(token_limit="1", user_limit="1", team_limit="1")
+    tag = marker()
+
+    async def one(client: httpx.AsyncClient, i: int) -> str:
+        body = chat_body(f"group {tag} {i} sim:tokens=5", max_tokens=5, stream=i % 2 == 1)
+        headers = {"authorization": f"Bearer {token['token']}", "content-type": "application/json"}
+        response = await client.post(
+            f"{api.url}/v1/chat/completions", content=body, headers=headers
+        )
+        assert response.status_code == 200, response.text
+        if i % 2 == 1:
+            assert response.text.endswith("data: [DONE]\n\n")
+        return response.headers["x-request-id"]
+
+    async def burst() -> list[str]:
+        limits = httpx.Limits(max_connections=REQUESTS)
+        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(REQUESTS)))
+
+    ids = asyncio.run(burst())
+    events = api.events(token_id=token["id"])
+    assert sorted(e["id"] for e in events) == sorted(ids)
+    assert len(set(ids)) == REQUESTS
+    assert all((e["status"], e["completion_tokens"]) == ("ok", 5) for e in events)
+    total = sum(usd(e["cost"]) for e in events)
+    assert total > 0
+    for scope, subject in (("token", token), ("user", user), ("team", team)):
+        status = budget(api, scope, subject["id"])
+        assert (usd(status["spent"]), usd(status["reserved"])) == (total, 0), status
