@@ -1,8 +1,5 @@
 """When the database cannot be reached, no request is served unmetered: 503 ledger_unavailable."""
 
-import contextlib
-import socket
-import threading
 import uuid
 
 import httpx
@@ -11,55 +8,9 @@ import pytest
 
 from metering import migrate
 from metering.settings import Settings, parse_catalog
-from metering.testing import free_port, metering_server
+from metering.testing import metering_server
 from tests.conftest import ADMIN_KEY, PG_ADMIN_DSN, Api, catalog_for
-
-
-class Cable:
-    """A TCP forwarder to PostgreSQL that can be cut, as a network outage would."""
-
-    def __init__(self, target=("127.0.0.1", 5432)) -> None:
-        self.target, self.port = target, free_port()
-        self.listener = socket.create_server(("127.0.0.1", self.port))
-        self.sockets: list[socket.socket] = []
-        self.cut_off = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.cut_off:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.cut_off:  # accept() may return once more after the cut
-                client.close()
-                return
-            upstream = socket.create_connection(self.target)
-            self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        self.cut_off = True
-        # shutdown() wakes the blocked accept(); close() alone leaves the socket listening.
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        for s in self.sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+from tests.resilience.link import DatabaseLink
 
 
 @pytest.fixture
@@ -68,7 +19,7 @@ def outage(sim):
     with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     migrate.upgrade(f"postgresql://postgres@127.0.0.1:5432/{name}")
-    cable = Cable()
+    cable = DatabaseLink()
     settings = Settings(
         database_url=f"postgresql://postgres@127.0.0.1:{cable.port}/{name}",
         admin_key=ADMIN_KEY,

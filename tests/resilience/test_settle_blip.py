@@ -1,9 +1,7 @@
 """A settle that meets the database gone for a moment waits for it (METERING_SETTLE_RETRY_S)
 and commits once it is back: the event is the real usage, not an unsettled charge."""
 
-import contextlib
 import json
-import socket
 import threading
 import uuid
 from decimal import Decimal
@@ -14,59 +12,9 @@ import pytest
 
 from metering import migrate
 from metering.settings import Settings, parse_catalog
-from metering.testing import free_port, metering_server
+from metering.testing import metering_server
 from tests.conftest import ADMIN_KEY, PG_ADMIN_DSN, Api, catalog_for
-
-
-class Blip:
-    """A TCP forwarder to PostgreSQL that can drop every connection and refuse new ones for a
-    while, as a database restart does, then serve again."""
-
-    def __init__(self, target=("127.0.0.1", 5432)) -> None:
-        self.target, self.port = target, free_port()
-        self.listener = socket.create_server(("127.0.0.1", self.port))
-        self.sockets: list[socket.socket] = []
-        self.down_now = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if self.down_now:
-                client.close()
-                continue
-            upstream = socket.create_connection(self.target)
-            self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def down(self) -> None:
-        self.down_now = True
-        for s in self.sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-        self.sockets = []
-
-    def up(self) -> None:
-        self.down_now = False
-
-    def close(self) -> None:
-        self.listener.close()
+from tests.resilience.link import DatabaseLink
 
 
 @pytest.fixture
@@ -75,7 +23,7 @@ def blipping(sim):
     with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
     migrate.upgrade(f"postgresql://postgres@127.0.0.1:5432/{name}")
-    blip = Blip()
+    blip = DatabaseLink()
     settings = Settings(
         database_url=f"postgresql://postgres@127.0.0.1:{blip.port}/{name}",
         admin_key=ADMIN_KEY,
