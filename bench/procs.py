@@ -137,3 +137,20 @@ def metering_command() -> list[str]:
     """`metering` from the same environment as this Python, else the module."""
     script = Path(sys.executable).parent / "metering"
     return [str(script)] if script.exists() else [sys.executable, "-m", "metering.cli"]
+
+
+def start_sim(tmp: Path, stack: contextlib.ExitStack, key: str) -> tuple["Process", int]:
+    """The simulated upstream in its own process, stopped with `stack`; (process, port)."""
+    port = free_port()
+    sim = Process(
+        "sim",
+        [sys.executable, "-m", "metering.sim", "--port", str(port)],
+        dict(os.environ),
+        tmp,
+        tmp,
+    )
+    stack.callback(sim.stop)
+    sim.wait_http(
+        f"http://127.0.0.1:{port}/openai/v1/models", headers={"authorization": f"Bearer {key}"}
+    )
+    return sim, port

@@ -42,6 +42,7 @@ from bench.procs import (
     cpu_seconds,
     free_port,
     metering_command,
+    start_sim,
     tree_cpu_seconds,
     tree_rss_kib,
 )
@@ -739,19 +740,7 @@ def run(args, meta: dict) -> dict:
         contextlib.ExitStack() as stack,
     ):
         tmp = Path(tmpdir)
-        sim_port = free_port()
-        sim = Process(
-            "sim",
-            [sys.executable, "-m", "metering.sim", "--port", str(sim_port)],
-            dict(os.environ),
-            tmp,
-            tmp,
-        )
-        stack.callback(sim.stop)
-        sim.wait_http(
-            f"http://127.0.0.1:{sim_port}/openai/v1/models",
-            headers={"authorization": f"Bearer {SIM_KEY}"},
-        )
+        sim, sim_port = start_sim(tmp, stack, SIM_KEY)
         print(f"sim: pid {sim.pid} on port {sim_port}", file=sys.stderr)
         servers: dict[str, Server] = {}
         if "floor" in args.modes:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.procs import Process, free_port, metering_command, tree, tree_rss_kib
+from bench.procs import Process, free_port, metering_command, start_sim, tree, tree_rss_kib
 from bench.run import MODEL, SIM_KEY_ENV, Admin, catalog_toml, postgres_database
 
 FLAT = Decimal("0.10")
@@ -211,19 +211,7 @@ def main(argv=None) -> int:
         contextlib.ExitStack() as stack,
     ):
         tmp = Path(tmpdir)
-        sim_port = free_port()
-        sim = Process(
-            "sim",
-            [sys.executable, "-m", "metering.sim", "--port", str(sim_port)],
-            dict(os.environ),
-            tmp,
-            tmp,
-        )
-        stack.callback(sim.stop)
-        sim.wait_http(
-            f"http://127.0.0.1:{sim_port}/openai/v1/models",
-            headers={"authorization": "Bearer sim-key"},
-        )
+        sim, sim_port = start_sim(tmp, stack, "sim-key")
         _, database_url = stack.enter_context(postgres_database(args.pg))
         config = tmp / "metering.toml"
         config.write_text(catalog_toml(sim_port))
