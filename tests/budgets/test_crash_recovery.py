@@ -17,7 +17,7 @@ from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds, sweep_interval_s
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.event import Event
-from metering.ledger.outcome import Outcome, event_for
+from metering.ledger.outcome import Billing, Outcome, event_for
 from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
 from metering.money import usd_to_pico
 from metering.timefmt import parse_rfc3339
@@ -32,7 +32,6 @@ from tests.budgets.conftest import (
     usd,
     wait_for,
 )
-from tests.proxy.conftest import hold_spec
 
 STREAMS = 10
 COMPLETED = 2
@@ -139,6 +138,30 @@ def _subjects() -> dict[str, str]:
     return {"token": f"tok_{suffix}", "user": f"user_{suffix}", "team": f"team_{suffix}"}
 
 
+def _spec(subjects: dict[str, str], max_tokens: int = 50) -> HoldSpec:
+    billing = Billing(
+        id=f"req_{uuid.uuid4().hex}",
+        token_id=subjects["token"],
+        user_id=subjects["user"],
+        team_id=subjects["team"],
+        model="gpt-sim",
+        provider="sim-openai",
+        upstream_model="sim/gpt",
+        stream=False,
+        input_price=150_000,
+        cached_price=75_000,
+        output_price=600_000,
+        prompt_bound=100,
+    )
+    return HoldSpec(
+        billing,
+        prompt_cost=billing.prompt_cost(),
+        token_cost=billing.output_price,
+        max_tokens=max_tokens,
+        model_max_output=4096,
+    )
+
+
 async def _add_budgets(db: Database, subjects: dict[str, str], limit: str, interval: str, at):
     async with db.transaction() as session:
         for scope, subject in subjects.items():
@@ -166,8 +189,8 @@ def test_expire_holds_charges_each_hold_once(fresh_db):
         try:
             subjects = _subjects()
             await _add_budgets(db, subjects, "1", "never", utcnow())
-            expired = [await reserve(db, hold_spec(subjects), ttl_s=0) for _ in range(5)]
-            live = await reserve(db, hold_spec(subjects), ttl_s=3600)
+            expired = [await reserve(db, _spec(subjects), ttl_s=0) for _ in range(5)]
+            live = await reserve(db, _spec(subjects), ttl_s=3600)
             amounts = {r.hold_id: r.amount for r in expired}
             held = sum(amounts.values()) + live.amount
             assert {b.reserved for b in (await _budgets(db, subjects)).values()} == {held}
@@ -187,7 +210,7 @@ def test_expire_holds_charges_each_hold_once(fresh_db):
             assert await _count(db, Hold) == 1  # the live one is left alone
 
             # A late settle of a charged hold replaces its unsettled charge: still one event.
-            late = _event(hold_spec(subjects), 3, id=expired[0].hold_id)
+            late = _event(_spec(subjects), 3, id=expired[0].hold_id)
             assert await settle(db, late) is True
             assert await settle(db, replace(late)) is False
             assert await _count(db, LedgerEvent) == len(expired)
@@ -246,7 +269,7 @@ def test_expired_hold_after_settle_is_not_charged(fresh_db):
         try:
             subjects = _subjects()
             await _add_budgets(db, subjects, "1", "daily", utcnow())
-            spec = hold_spec(subjects)
+            spec = _spec(subjects)
             await reserve(db, spec, ttl_s=0)
             event = _event(spec, 7)
             assert event.cost == 10 * 150_000 + 7 * 600_000
@@ -288,7 +311,7 @@ def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
             subjects = _subjects()
             created = utcnow() - timedelta(seconds=1.5)  # 1s windows: the first has ended
             await _add_budgets(settler, subjects, "1", "1s", created)
-            spec = hold_spec(subjects)
+            spec = _spec(subjects)
             amount = spec.amount(50)
             async with settler.transaction() as session:
                 session.add(
