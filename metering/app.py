@@ -22,6 +22,7 @@ from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
 from metering.budgets.endpoints import router as budgets_router
+from metering.budgets.leases import LeaseBook
 from metering.catalog import CatalogStore, record_prices
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
@@ -144,23 +145,34 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         db = Database(settings.database_url, settings.db_pool_size)
+        credentials = Credentials(
+            db, size=settings.credential_cache_size, ttl_s=settings.credential_cache_ttl_s
+        )
+        leases = LeaseBook(
+            db,
+            share=settings.lease_share,
+            ttl_s=settings.hold_ttl_s,
+            trusted=credentials.cache.trusted,
+        )
+        # A change to a credential or a budget drops its leases before it is acknowledged.
+        credentials.cache.on_change.append(leases.drop)
         services = Services(
             settings=settings,
             db=db,
             passwords=Passwords(),
             signer=Signer(settings.secret),
             credential_failures=FailedCredentials(settings.auth_failures_per_minute),
-            credentials=Credentials(
-                db, size=settings.credential_cache_size, ttl_s=settings.credential_cache_ttl_s
-            ),
+            credentials=credentials,
             upstreams=Upstreams(catalog, settings.upstream_max_connections),
             breakers=Breakers(settings.breaker_failures, settings.breaker_cooldown_s),
             # The holds of the requests being served here, extended while they run.
             live_holds=LiveHolds(),
+            leases=leases,
             catalog=catalog,
         )
         app.state.services = services
         services.credentials.start()
+        leases.start()
         await record_prices(db, catalog)
         keep_alive = asyncio.create_task(services.live_holds.keep_alive(db, settings.hold_ttl_s))
 
@@ -191,6 +203,7 @@ def create_app(
             if scheduler is not None:
                 scheduler.shutdown(wait=False)
             await services.upstreams.close()
+            await leases.close()
             await services.credentials.stop()
             await db.dispose()
 

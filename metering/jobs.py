@@ -7,6 +7,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy import select
 
 from metering import metrics
+from metering.budgets import leases
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
 from metering.ledger import retention
@@ -37,6 +38,8 @@ async def expire_holds(db: Database, batch: int = 500) -> int:
             metrics.observe_event(event)
     if charged:
         log.warning("charged %d expired holds as unsettled", charged)
+    # Then the leases of processes that stopped extending them, now that no hold names them.
+    await leases.expire_leases(db, batch)
     return charged
 
 

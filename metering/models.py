@@ -82,8 +82,27 @@ class BudgetWindow(Base):
     recorded_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class BudgetLease(Base):
+    """A slice of one budget's credit reserved by one serving process (metering.budgets.leases):
+    counted in the budget's `reserved`; the process admits requests against it in memory."""
+
+    __tablename__ = "budget_leases"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    subject_id: Mapped[str] = mapped_column(String(40), index=True)
+    owner: Mapped[str] = mapped_column(String(40))
+    amount: Mapped[int] = mapped_column(Pico)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
 class Hold(Base):
-    """Credit reserved for a request in flight; deleted when it settles."""
+    """Credit reserved for a request in flight; deleted when it settles.
+
+    A hold reserved in the database (`leased` false) is counted in each budget's `reserved`. A
+    hold admitted against leases (`leased` true) is carved out of them: each limited budget's
+    lease is named here (the foreign key keeps a lease from being returned while a hold still
+    names it); a budget without a limit has none and nothing reserved."""
 
     __tablename__ = "holds"
 
@@ -101,6 +120,10 @@ class Hold(Base):
     output_price: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    leased: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+    token_lease: Mapped[str | None] = mapped_column(ForeignKey("budget_leases.id"), index=True)
+    user_lease: Mapped[str | None] = mapped_column(ForeignKey("budget_leases.id"), index=True)
+    team_lease: Mapped[str | None] = mapped_column(ForeignKey("budget_leases.id"), index=True)
 
 
 class LedgerEvent(Base):

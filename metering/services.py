@@ -15,6 +15,7 @@ from metering.auth.failures import FailedCredentials
 from metering.auth.invalidation import Credentials
 from metering.auth.passwords import Passwords
 from metering.auth.tokens import Signer
+from metering.budgets.leases import LeaseBook
 from metering.db import Database
 from metering.settings import Catalog, Settings
 
@@ -36,6 +37,8 @@ class Services:
     upstreams: "Upstreams"
     breakers: "Breakers"
     live_holds: "LiveHolds"
+    # Slices of budgets' credit this process admits requests against in memory.
+    leases: LeaseBook
     # Replaced when the catalog file changes; a request reads it once, when it starts.
     catalog: Catalog
 

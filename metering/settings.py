@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     # a revocation or deletion drops them on every replica before its call returns.
     credential_cache_size: int = Field(default=10_000, ge=0)
     credential_cache_ttl_s: float = Field(default=60.0, gt=0)
+    # Credit leases (metering.budgets.leases): each process takes 1/lease_share of what is left
+    # of a budget and admits requests against it in memory; 0 turns leases off.
+    lease_share: int = Field(default=8, ge=0, le=1000)
     # GET /docs and /openapi.json; false closes both (404).
     openapi_enabled: bool = True
     access_token_ttl_s: int = 900

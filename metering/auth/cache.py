@@ -47,6 +47,8 @@ class CredentialCache:
         self._trusted_until = float("inf") if always_trusted else 0.0
         self._watch = watch
         self._seen = watch() if watch is not None else ""
+        # Called with the subjects a change names (None: everything) before it is acknowledged.
+        self.on_change: list[Callable[[frozenset[str] | None], None]] = []
 
     def _sync(self) -> None:
         if self._watch is not None:
@@ -104,6 +106,8 @@ class CredentialCache:
     def drop(self, subjects: set[str] | frozenset[str]) -> None:
         """Forget every entry naming one of `subjects`."""
         self._epoch += 1
+        for hook in self.on_change:
+            hook(frozenset(subjects))
         if not subjects:
             return
         stale = [key for key, entry in self._entries.items() if entry.subjects & subjects]
@@ -112,6 +116,8 @@ class CredentialCache:
 
     def clear(self) -> None:
         self._epoch += 1
+        for hook in self.on_change:
+            hook(None)
         self._entries.clear()
 
     def __len__(self) -> int:

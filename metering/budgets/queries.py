@@ -2,7 +2,7 @@
 
 from sqlalchemy import func, select
 
-from metering.budgets.service import BudgetView, view
+from metering.budgets.service import BudgetView, lease_slack, view
 from metering.db import Database, utcnow
 from metering.errors import NotFound
 from metering.models import ApiToken, Budget, Hold, Team, User
@@ -27,9 +27,10 @@ async def current_budget(db: Database, scope: str, subject_id: str) -> BudgetVie
     )
     async with db.sessions() as session:
         budget = await session.scalar(query)
-    if budget is None:
-        raise NotFound(f"{scope} {subject_id} not found")
-    return view(budget, utcnow())
+        if budget is None:
+            raise NotFound(f"{scope} {subject_id} not found")
+        slack = await lease_slack(session, [subject_id])
+    return view(budget, utcnow(), slack.get(subject_id, 0))
 
 
 async def open_holds(db: Database) -> int:

@@ -23,8 +23,9 @@ import asyncio
 import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING
 
-from sqlalchemy import Row, bindparam, delete, insert, select, update
+from sqlalchemy import Row, bindparam, delete, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -35,7 +36,10 @@ from metering.errors import LedgerUnavailable
 from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
 from metering.ledger.outcome import Billing
-from metering.models import Budget, BudgetWindow, Hold
+from metering.models import Budget, BudgetLease, BudgetWindow, Hold
+
+if TYPE_CHECKING:
+    from metering.budgets.leases import LeaseBook
 
 RESERVE_ATTEMPTS = 4
 
@@ -64,7 +68,9 @@ def current_window(budget: Budget, now: datetime) -> tuple[datetime, datetime | 
     return window_for(parse_interval(budget.reset_interval), budget.anchor_at, now)
 
 
-def view(budget: Budget, now: datetime) -> BudgetView:
+def view(budget: Budget, now: datetime, slack: int = 0) -> BudgetView:
+    """`slack`: the part of `reserved` that is leased credit no request holds (shown as free:
+    it is admitted against, or returned when idle)."""
     start, end = current_window(budget, now)
     rolled = budget.window_start < start
     return BudgetView(
@@ -75,8 +81,35 @@ def view(budget: Budget, now: datetime) -> BudgetView:
         window_start=max(start, budget.window_start),
         resets_at=end,
         spent=0 if rolled else budget.spent,
-        reserved=budget.reserved,
+        reserved=max(budget.reserved - slack, 0),
     )
+
+
+_LEASED = (
+    select(BudgetLease.subject_id, func.sum(BudgetLease.amount))
+    .where(BudgetLease.subject_id.in_(bindparam("ids", expanding=True)))
+    .group_by(BudgetLease.subject_id)
+)
+_LEASE_HELD = (
+    select(BudgetLease.subject_id, func.sum(Hold.amount))
+    .join(
+        Hold,
+        (Hold.token_lease == BudgetLease.id)
+        | (Hold.user_lease == BudgetLease.id)
+        | (Hold.team_lease == BudgetLease.id),
+    )
+    .where(BudgetLease.subject_id.in_(bindparam("ids", expanding=True)))
+    .group_by(BudgetLease.subject_id)
+)
+
+
+async def lease_slack(session, subject_ids: list[str]) -> dict[str, int]:
+    """Per budget: its leases' credit that no request in flight holds."""
+    leased = dict((await session.execute(_LEASED, {"ids": subject_ids})).all())
+    if not leased:
+        return {}
+    held = dict((await session.execute(_LEASE_HELD, {"ids": list(leased)})).all())
+    return {s: max(int(amount) - int(held.get(s) or 0), 0) for s, amount in leased.items()}
 
 
 def new_budget(
@@ -205,11 +238,17 @@ _RESERVE = (
     .values(reserved=Budget.reserved + bindparam("amount"))
     .execution_options(synchronize_session=False)
 )
-_TAKE_HOLD = (
-    delete(Hold.__table__)
-    .where(Hold.id == bindparam("hold_id"))
-    .returning(Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
+_HELD = (
+    Hold.amount,
+    Hold.token_id,
+    Hold.user_id,
+    Hold.team_id,
+    Hold.leased,
+    Hold.token_lease,
+    Hold.user_lease,
+    Hold.team_lease,
 )
+_TAKE_HOLD = delete(Hold.__table__).where(Hold.id == bindparam("hold_id")).returning(*_HELD)
 _INSERT_HOLD = insert(Hold.__table__)
 
 
@@ -249,6 +288,32 @@ class HoldSpec:
         return self.prompt_cost + output_tokens * self.token_cost
 
 
+class Claim:
+    """What a request admitted against leases took from them (metering.budgets.leases): given
+    back once, when the request ends. The process's view of a lease never exceeds its row: a
+    settle that charged `cost` takes that from both; when the outcome is unknown (a settle that
+    failed, or one that found its hold already swept) the whole hold is taken, as the sweeper
+    takes it from the row."""
+
+    __slots__ = ("leases", "amount", "ended", "swept")
+
+    def __init__(self, leases: tuple, amount: int) -> None:
+        self.leases = leases  # metering.budgets.leases.Lease, one per budget of the request
+        self.amount = amount
+        self.ended = False
+        self.swept = False
+
+    def end(self, *, released: bool = False, cost: int | None = None) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        taken = 0 if released else (self.amount if cost is None else cost)
+        for lease in self.leases:
+            if lease.id is not None:
+                lease.inflight -= self.amount
+                lease.amount -= taken
+
+
 @dataclass(frozen=True, slots=True)
 class Reservation:
     hold_id: str
@@ -258,6 +323,8 @@ class Reservation:
     # subject -> (reset_interval, anchor, window start) as reserved: settle needs no re-read
     # of the budgets unless a window has ended since.
     windows: dict = field(default_factory=dict)
+    # Set when the hold was admitted against this process's leases, not reserved in the rows.
+    claim: Claim | None = None
 
     def window_unchanged(self, now: datetime) -> bool:
         return bool(self.windows) and all(
@@ -282,6 +349,36 @@ def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
     return min(affordable, wanted), True
 
 
+def hold_row(
+    spec: HoldSpec, amount: int, now: datetime, ttl_s: int, leases: dict | None = None
+) -> dict:
+    """The hold's row; `leases` (scope -> lease id, limited budgets only) when it was admitted
+    against leases."""
+    billing = spec.billing
+    leased = leases is not None
+    leases = leases or {}
+    return {
+        "id": billing.id,
+        "token_id": billing.token_id,
+        "user_id": billing.user_id,
+        "team_id": billing.team_id,
+        "amount": amount,
+        "model": billing.model,
+        "provider": billing.provider,
+        "upstream_model": billing.upstream_model,
+        "stream": billing.stream,
+        "input_price": billing.input_price,
+        "cached_price": billing.cached_price,
+        "output_price": billing.output_price,
+        "created_at": now,
+        "expires_at": now + timedelta(seconds=ttl_s),
+        "leased": leased,
+        "token_lease": leases.get("token"),
+        "user_lease": leases.get("user"),
+        "team_lease": leases.get("team"),
+    }
+
+
 async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl_s: int):
     budgets = await load(session, spec.subjects, lock=True)
     ordered = [budgets[s] for s in spec.subjects if s in budgets]
@@ -296,32 +393,21 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
     result = await session.execute(_RESERVE, {"ids": list(starts), "amount": amount})
     if result.rowcount != len(starts):
         return None
-    billing = spec.billing
-    await session.execute(
-        _INSERT_HOLD,
-        {
-            "id": billing.id,
-            "token_id": billing.token_id,
-            "user_id": billing.user_id,
-            "team_id": billing.team_id,
-            "amount": amount,
-            "model": billing.model,
-            "provider": billing.provider,
-            "upstream_model": billing.upstream_model,
-            "stream": billing.stream,
-            "input_price": billing.input_price,
-            "cached_price": billing.cached_price,
-            "output_price": billing.output_price,
-            "created_at": now,
-            "expires_at": now + timedelta(seconds=ttl_s),
-        },
-    )
+    await session.execute(_INSERT_HOLD, hold_row(spec, amount, now, ttl_s))
     windows = {b.subject_id: (b.reset_interval, b.anchor_at, starts[b.subject_id]) for b in ordered}
     return Reservation(spec.hold_id, amount, output_tokens, clamped, windows)
 
 
-async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
-    """Reserve the request's worst case against every budget at once, or raise BudgetShortfall."""
+async def reserve(
+    db: Database, spec: HoldSpec, ttl_s: int, leases: "LeaseBook | None" = None
+) -> Reservation:
+    """Reserve the request's worst case against every budget at once, or raise BudgetShortfall.
+    With `leases`, a request their slices cover is admitted in memory (one INSERT of its hold,
+    written in a group); any other takes the database path below."""
+    if leases is not None:
+        reservation = await leases.admit(spec)
+        if reservation is not None:
+            return reservation
     for _ in range(RESERVE_ATTEMPTS):
         now = utcnow()
         async with db.begin() as conn:
@@ -333,7 +419,8 @@ async def reserve(db: Database, spec: HoldSpec, ttl_s: int) -> Reservation:
     # Lost every race to concurrent requests: what is left is genuinely too little.
     async with db.transaction() as session:
         budgets = await load(session, spec.subjects)
-        views = [view(budgets[s], utcnow()) for s in spec.subjects if s in budgets]
+        slack = await lease_slack(session, spec.subjects)
+        views = [view(budgets[s], utcnow(), slack.get(s, 0)) for s in spec.subjects if s in budgets]
     limited = [v for v in views if v.credit_limit is not None]
     if not limited:
         # Only unlimited budgets, yet every conditional write missed: the rows moved under us
@@ -346,7 +433,17 @@ async def settle(db: Database, event: Event, reservation: Reservation | None = N
     """Turn a hold into its ledger event (the event's id is the hold's); False when it was
     already settled (or expired). Settles that arrive together are written in one
     transaction (see SettleQueue); this returns once the event is committed."""
-    return await _queue(db).settle(event, reservation)
+    claim = reservation.claim if reservation is not None else None
+    if claim is None:
+        return await _queue(db).settle(event, reservation)
+    settled = None
+    try:
+        settled = await _queue(db).settle(event, reservation)
+        return settled
+    finally:
+        # Charged from its hold: the lease lost exactly the cost; otherwise (not settled here,
+        # or its hold swept first) the whole hold.
+        claim.end(cost=event.cost if settled and not claim.swept else None)
 
 
 async def settle_one(db: Database, event: Event, reservation: Reservation | None = None) -> bool:
@@ -362,6 +459,8 @@ async def settle_in(
     if hold is None:
         if event.status == UNSETTLED:
             return False  # the sweeper, after the request settled: nothing to do
+        if reservation is not None and reservation.claim is not None:
+            reservation.claim.swept = True  # its lease lost the whole hold to the sweeper
         return await _settle_late(session, event)
     event.cap(hold.amount)
     now = event.created_at
@@ -370,18 +469,63 @@ async def settle_in(
         # A window may have ended while the request ran: close it before charging.
         for budget in (await load(session, subjects, lock=True)).values():
             await roll(session, budget, now)
-    await session.execute(_CHARGE, {"ids": subjects, "cost": event.cost, "amount": hold.amount})
+    if hold.leased:
+        charges: dict[str, list[int]] = {}
+        leases: dict[str, int] = {}
+        _add_charges(charges, leases, hold, event.cost)
+        await _charge(session, charges, leases)
+    else:
+        charge = {"ids": subjects, "cost": event.cost, "amount": hold.amount}
+        await session.execute(_CHARGE, charge)
     await writer.append(session, event)
     return True
 
 
+def _add_charges(charges: dict[str, list[int]], leases: dict[str, int], hold, cost: int) -> None:
+    """Add one settled hold to per-budget [cost, reserved taken] and per-lease sums. A hold
+    reserved in the rows gives its whole amount back to `reserved`; one admitted against leases
+    turns `cost` of each lease into spent (the rest stays in the lease, for later requests),
+    and a budget without a limit had nothing reserved."""
+    scopes = (
+        (hold.token_id, hold.token_lease),
+        (hold.user_id, hold.user_lease),
+        (hold.team_id, hold.team_lease),
+    )
+    for subject, lease in scopes:
+        if not subject:
+            continue
+        sums = charges.setdefault(subject, [0, 0])
+        sums[0] += cost
+        if not hold.leased:
+            sums[1] += hold.amount
+        elif lease is not None:
+            sums[1] += cost
+            leases[lease] = leases.get(lease, 0) + cost
+
+
+_CHARGE_LEASE = (
+    update(BudgetLease.__table__)
+    .where(BudgetLease.id == bindparam("lease_id"))
+    .values(amount=BudgetLease.amount - bindparam("cost"))
+    .execution_options(synchronize_session=False)
+)
+
+
+async def _charge(conn, charges: dict[str, list[int]], leases: dict[str, int]) -> None:
+    """Charge the sums: budgets locked in subject_id order, then their leases (the order every
+    writer here uses)."""
+    subjects = sorted(charges)
+    await conn.execute(_LOCK, {"ids": subjects})
+    rows = [{"charged_id": s, "cost": charges[s][0], "amount": charges[s][1]} for s in subjects]
+    await conn.execute(_CHARGE_ONE, rows)
+    if leases:
+        taken = [{"lease_id": lease, "cost": cost} for lease, cost in sorted(leases.items())]
+        await conn.execute(_CHARGE_LEASE, taken)
+
+
 # A group of settles: its holds taken in one statement, its budgets locked in subject_id
 # order (the order every writer uses) and charged their sums, one row each.
-_TAKE_HOLDS = (
-    delete(Hold.__table__)
-    .where(Hold.id.in_(_ids()))
-    .returning(Hold.id, Hold.amount, Hold.token_id, Hold.user_id, Hold.team_id)
-)
+_TAKE_HOLDS = delete(Hold.__table__).where(Hold.id.in_(_ids())).returning(Hold.id, *_HELD)
 _LOCK = select(Budget.subject_id).where(Budget.subject_id.in_(_ids())).order_by(Budget.subject_id)
 _LOCK = _LOCK.with_for_update()
 _CHARGE_ONE = (
@@ -399,6 +543,7 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     results: list[bool | None] = []
     taken: list[Event] = []
     totals: dict[str, list[int]] = {}
+    leases: dict[str, int] = {}
     async with db.begin() as conn:
         rows = await conn.execute(_TAKE_HOLDS, {"ids": [event.id for event, _ in items]})
         holds = {row.id: row for row in rows}
@@ -410,18 +555,9 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
             event.cap(hold.amount)
             taken.append(event)
             results.append(True)
-            for subject in (hold.token_id, hold.user_id, hold.team_id):
-                if subject:
-                    sums = totals.setdefault(subject, [0, 0])
-                    sums[0] += event.cost
-                    sums[1] += hold.amount
+            _add_charges(totals, leases, hold, event.cost)
         if taken:
-            subjects = sorted(totals)
-            await conn.execute(_LOCK, {"ids": subjects})
-            charges = [
-                {"charged_id": s, "cost": totals[s][0], "amount": totals[s][1]} for s in subjects
-            ]
-            await conn.execute(_CHARGE_ONE, charges)
+            await _charge(conn, totals, leases)
             await writer.append_many(conn, taken)
     return results
 
@@ -566,11 +702,18 @@ async def extend(db: Database, hold_ids: list[str], ttl_s: int) -> None:
         )
 
 
-async def release(db: Database, hold_id: str) -> None:
+async def release(db: Database, hold_id: str, reservation: Reservation | None = None) -> None:
     """Give a hold back untouched: the request never reached an upstream."""
-    async with db.begin() as session:
-        hold = (await session.execute(_TAKE_HOLD, {"hold_id": hold_id})).first()
-        if hold is None:
-            return
-        subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
-        await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})
+    claim = reservation.claim if reservation is not None else None
+    released = False
+    try:
+        async with db.begin() as session:
+            hold = (await session.execute(_TAKE_HOLD, {"hold_id": hold_id})).first()
+            if hold is not None and not hold.leased:
+                subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
+                await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})
+        released = hold is not None
+    finally:
+        if claim is not None:
+            # A hold not found was swept (charged whole): its lease lost the whole hold.
+            claim.end(released=released)

@@ -271,3 +271,5 @@ async def change_budget(session: AsyncSession, subject_id: str, fields: dict) ->
         await session.execute(
             update(Budget).where(Budget.subject_id == subject_id).values(**values)
         )
+        # Every replica drops its leases of this budget before the change is answered.
+        await invalidation.record(session, invalidation.subject("budget", subject_id))

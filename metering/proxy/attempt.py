@@ -120,7 +120,7 @@ class Attempt:
                         self.services,
                         "release",
                         hold_id,
-                        lambda: budgets.release(self.services.db, hold_id),
+                        lambda: budgets.release(self.services.db, hold_id, self.reservation),
                     )
                 else:
                     await self._settle(self.outcome)

@@ -166,7 +166,9 @@ async def try_route(
         model_max_output=dialect.output_ceiling(route),
     )
     try:
-        reservation = await reserve(services.db, spec, services.settings.hold_ttl_s)
+        reservation = await reserve(
+            services.db, spec, services.settings.hold_ttl_s, services.leases
+        )
     except BudgetShortfall as exc:
         raise budget_exceeded(exc) from None
     async with Attempt(services, spec, reservation, chat, provider, dialect, t0) as attempt:

@@ -1,0 +1,499 @@
+"""Credit leases (escrow): a process reserves a slice of a budget's credit with one conditional
+write, then admits requests against it in memory, with no lock on the budget's row.
+
+A lease is a row of budget_leases, its amount counted in the budget's `reserved` like a hold.
+The process keeps, per lease, what it may still admit against (`amount`) and what its requests
+in flight took from it (`inflight`); a request is admitted only if every limited budget it
+charges (its token's, its user's, its team's) has a lease with `amount - inflight` covering
+its whole hold. Its hold row is still written before anything is forwarded (grouped with the
+holds of the requests that arrive together: one INSERT), naming its leases instead of adding
+to `reserved`; a hold that names a lease keeps the lease's row from being deleted (a foreign
+key). Settling such a hold moves its cost from the lease (and `reserved`) to `spent`.
+
+Why a budget never ends a window above its limit: a budget's `spent + reserved` only grows
+through conditional writes that check the limit (a hold reserved in the rows, a lease taken or
+grown), and a leased request is admitted only against credit its lease already counts in
+`reserved`: the process's own view of a lease never exceeds its row (a settle takes its cost
+from both; an outcome it cannot be sure of takes the whole hold from the view, as the sweeper
+takes it from the row). A limit lowered, a token revoked, a user or team deleted is a
+credential change (metering.auth.invalidation): every process drops its leases of those
+budgets before it acknowledges the change, and a process whose listener is not confirmed
+admits nothing against leases at all. A lease is used only inside the window it was taken in.
+
+Why nothing is lost when a process dies holding a lease: every request it admitted has a hold
+row naming the lease, so the sweeper charges it as `unsettled` (from the lease: `reserved` to
+`spent`) once it expires; a lease whose process stopped extending it is returned (its amount
+taken from `reserved`) once it has expired and no hold names it. A live process extends its
+leases' expiry every TTL/3 and admits against a lease only while two thirds of its TTL since
+the last extension have not passed.
+
+Slices shrink as a budget nears its limit: a process takes 1/`share` of what is left (neither
+spent nor reserved, leases of other processes included), and only when that covers at least
+MIN_REQUESTS of the request's hold; otherwise the request takes the database path, so the
+last credit is shared by the database's conditional writes. A lease nothing has used for
+IDLE_S with nothing in flight is returned.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, select, update
+from sqlalchemy import exc as sa_exc
+
+from metering.budgets.service import (
+    Claim,
+    HoldSpec,
+    Reservation,
+    current_window,
+    hold_row,
+    load,
+    roll,
+    view,
+)
+from metering.db import Database, utcnow
+from metering.models import Budget, BudgetLease, Hold
+
+log = logging.getLogger("metering.budgets")
+
+MIN_REQUESTS = 2  # a slice must cover this many of the request's holds
+IDLE_S = 1.0  # an unused lease with nothing in flight is returned after this
+TICK_S = 0.25  # how often idle leases are looked for
+SCOPES = ("token", "user", "team")
+
+
+class Lease:
+    """This process's side of one lease (id None: a budget without a limit, nothing leased;
+    kept so the request's windows are known and a change to the budget is noticed)."""
+
+    __slots__ = (
+        "id",
+        "subject_id",
+        "scope",
+        "amount",
+        "inflight",
+        "usable_until",
+        "resets_at",
+        "window",
+        "last_used",
+        "dropped",
+    )
+
+    def __init__(self, lease_id, subject_id, scope, amount, window, resets_at, usable_until):
+        self.id: str | None = lease_id
+        self.subject_id: str = subject_id
+        self.scope: str = scope
+        self.amount: int = amount  # what may be admitted in all, at most the row's amount
+        self.inflight = 0  # taken by requests not yet ended
+        self.window: tuple = window  # (reset_interval, anchor, window start)
+        self.resets_at: datetime | None = resets_at
+        self.usable_until: float = usable_until  # monotonic
+        self.last_used = time.monotonic()
+        self.dropped = False
+
+    def usable(self, mono: float, now: datetime) -> bool:
+        return (
+            not self.dropped
+            and mono < self.usable_until
+            and (self.resets_at is None or now < self.resets_at)
+        )
+
+
+_LEASE_AMOUNT = (
+    select(BudgetLease.amount).where(BudgetLease.id == bindparam("lease_id")).with_for_update()
+)
+_DELTA = bindparam("delta", type_=BigInteger)
+_GROW = (
+    update(Budget.__table__)
+    .where(
+        Budget.subject_id == bindparam("subject"),
+        or_(_DELTA <= 0, Budget.spent + Budget.reserved + _DELTA <= Budget.credit_limit),
+    )
+    .values(reserved=Budget.reserved + _DELTA)
+    .execution_options(synchronize_session=False)
+)
+_SET_LEASE = (
+    update(BudgetLease.__table__)
+    .where(BudgetLease.id == bindparam("lease_id"))
+    .values(amount=bindparam("amount"), expires_at=bindparam("expires_at"))
+)
+_NEW_LEASE = insert(BudgetLease.__table__)
+_LOCK_BUDGET = (
+    select(Budget.subject_id).where(Budget.subject_id == bindparam("subject")).with_for_update()
+)
+_NAMED = exists().where(
+    or_(
+        Hold.token_lease == BudgetLease.id,
+        Hold.user_lease == BudgetLease.id,
+        Hold.team_lease == BudgetLease.id,
+    )
+)
+_RETURN = (
+    delete(BudgetLease.__table__)
+    .where(BudgetLease.id == bindparam("lease_id"), ~_NAMED)
+    .returning(BudgetLease.amount)
+)
+_SHRINK = (
+    update(BudgetLease.__table__)
+    .where(BudgetLease.id == bindparam("lease_id"))
+    .values(amount=BudgetLease.amount - bindparam("amount"))
+)
+_UNRESERVE = (
+    update(Budget.__table__)
+    .where(Budget.subject_id == bindparam("subject"))
+    .values(reserved=Budget.reserved - bindparam("amount"))
+    .execution_options(synchronize_session=False)
+)
+
+
+async def give_back(db: Database, lease_id: str, subject_id: str) -> bool:
+    """Delete a lease no hold names and take its amount from `reserved`; False when a hold
+    still names it (or it is gone)."""
+    try:
+        async with db.begin() as conn:
+            await conn.execute(_LOCK_BUDGET, {"subject": subject_id})
+            amount = (await conn.execute(_RETURN, {"lease_id": lease_id})).scalar()
+            if amount is None:
+                return False
+            await conn.execute(_UNRESERVE, {"subject": subject_id, "amount": amount})
+    except sa_exc.IntegrityError:
+        return False  # a hold naming it committed meanwhile: it stays until that one ends
+    return True
+
+
+async def expire_leases(db: Database, batch: int = 500) -> int:
+    """Return every expired lease no hold names (its process stopped extending it); run after
+    expired holds were charged. Returns how many."""
+    async with db.sessions() as session:
+        rows = (
+            await session.execute(
+                select(BudgetLease.id, BudgetLease.subject_id)
+                .where(BudgetLease.expires_at <= utcnow())
+                .order_by(BudgetLease.expires_at)
+                .limit(batch)
+            )
+        ).all()
+    returned = 0
+    for lease_id, subject_id in rows:
+        returned += await give_back(db, lease_id, subject_id)
+    return returned
+
+
+class HoldWriter:
+    """Holds of leased requests, inserted in groups: the first starts a group at once; those
+    that arrive while it commits form the next. A group that fails is retried one at a time."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.pending: list[tuple[dict, asyncio.Future]] = []
+        self.writing: asyncio.Task | None = None
+
+    async def insert(self, row: dict) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((row, future))
+        if self.writing is None:
+            self.writing = asyncio.get_running_loop().create_task(self._write_all())
+        await future
+
+    async def _write_all(self) -> None:
+        batch: list = []
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, []
+                await self._write(batch)
+                batch = []
+        except BaseException as exc:
+            for _, future in batch + self.pending:
+                if not future.done():
+                    future.set_exception(RuntimeError("hold not written"))
+            self.pending = []
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.writing = None
+
+    async def _one(self, rows: list[dict]) -> None:
+        async with self.db.begin() as conn:
+            await conn.execute(insert(Hold.__table__), rows)
+
+    async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+        if len(batch) > 1:
+            try:
+                await self._one([row for row, _ in batch])
+            except Exception:
+                pass  # one at a time below: the good ones commit
+            else:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_result(None)
+                return
+        ends = await asyncio.gather(*(self._one([row]) for row, _ in batch), return_exceptions=True)
+        for (_, future), end in zip(batch, ends, strict=True):
+            if future.done():
+                continue
+            if isinstance(end, BaseException):
+                future.set_exception(end)
+            else:
+                future.set_result(None)
+
+
+class LeaseBook:
+    """This process's leases, by budget (subject_id)."""
+
+    def __init__(
+        self, db: Database, *, share: int, ttl_s: int, trusted: Callable[[], bool]
+    ) -> None:
+        self.db = db
+        self.share = share
+        self.ttl_s = ttl_s
+        self.trusted = trusted
+        self.owner = f"rep_{uuid.uuid4().hex[:16]}"
+        self.leases: dict[str, Lease] = {}
+        self.retiring: list[Lease] = []  # dropped while requests were in flight
+        self.holds = HoldWriter(db)
+        self._lock: asyncio.Lock | None = None
+        self._task: asyncio.Task | None = None
+        self.admitted = 0  # requests admitted against leases
+        self.taken = 0  # leases taken or grown
+
+    @property
+    def enabled(self) -> bool:
+        return self.share > 0
+
+    # --- changes seen by the credential listener -----------------------------------------
+
+    def drop(self, subjects: frozenset[str] | None) -> None:
+        """Stop admitting against the leases of these budgets ("kind:id" subjects; None: all).
+        Called before the process acknowledges a change, so the changing call returns only
+        once no process admits against what it changed."""
+        ids = list(self.leases) if subjects is None else [s.partition(":")[2] for s in subjects]
+        for subject_id in ids:
+            lease = self.leases.pop(subject_id, None)
+            if lease is not None:
+                lease.dropped = True
+                if lease.id is not None:
+                    self.retiring.append(lease)
+
+    # --- admission ---------------------------------------------------------------------------
+
+    def _claim(self, subjects: list[str], amount: int) -> Claim | None:
+        mono, now = time.monotonic(), utcnow()
+        taken = []
+        for subject in subjects:
+            lease = self.leases.get(subject)
+            if lease is None or not lease.usable(mono, now):
+                return None
+            if lease.id is not None and lease.amount - lease.inflight < amount:
+                return None
+            taken.append(lease)
+        for lease in taken:
+            if lease.id is not None:
+                lease.inflight += amount
+            lease.last_used = mono
+        return Claim(tuple(taken), amount)
+
+    async def admit(self, spec: HoldSpec) -> Reservation | None:
+        """The request's reservation against this process's leases (taking or growing them if
+        needed), or None: the database path decides."""
+        if not self.enabled or not self.trusted():
+            return None
+        wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
+        amount = spec.amount(wanted)
+        subjects = spec.subjects
+        claim = self._claim(subjects, amount)
+        if claim is None:
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                claim = self._claim(subjects, amount)  # grown meanwhile by another request
+                if claim is None:
+                    if not await self._take(spec, amount):
+                        # Too little left to lease: the database path decides, and sees the
+                        # credit this process's leases of these budgets were not using.
+                        await self._give_up(subjects)
+                        return None
+                    claim = self._claim(subjects, amount)
+                    if claim is None:
+                        return None
+        leases = {lease.scope: lease.id for lease in claim.leases if lease.id is not None}
+        try:
+            await self.holds.insert(hold_row(spec, amount, utcnow(), self.ttl_s, leases))
+        except sa_exc.IntegrityError:
+            # A lease was returned under us (this process stalled past its expiry).
+            claim.end(released=True)
+            self.drop(frozenset(f"budget:{lease.subject_id}" for lease in claim.leases))
+            return None
+        except BaseException:
+            claim.end(released=True)
+            raise
+        self.admitted += 1
+        windows = {lease.subject_id: lease.window for lease in claim.leases}
+        return Reservation(spec.hold_id, amount, wanted, False, windows, claim)
+
+    async def _take(self, spec: HoldSpec, amount: int) -> bool:
+        """Take or grow a lease on each of the request's limited budgets, in one transaction;
+        False when some budget has too little left to lease (the database path decides)."""
+        now = utcnow()
+        mono = time.monotonic()
+        expires_at = now + timedelta(seconds=self.ttl_s)
+        scopes = dict(
+            zip(
+                (spec.billing.token_id, spec.billing.user_id, spec.billing.team_id),
+                SCOPES,
+                strict=True,
+            )
+        )
+        planned: list[tuple] = []
+        async with self.db.begin() as conn:
+            budgets = await load(conn, spec.subjects, lock=True)
+            for subject_id in spec.subjects:
+                budget = budgets.get(subject_id)
+                if budget is None:
+                    return False
+                standing = view(budget, now)
+                await roll(conn, budget, now)
+                start, resets_at = current_window(budget, now)
+                window = (budget.reset_interval, budget.anchor_at, start)
+                current = self.leases.get(subject_id)
+                if budget.credit_limit is None:
+                    planned.append((subject_id, current, None, 0, None, window, resets_at))
+                    continue
+                grant = (standing.remaining or 0) // self.share
+                if grant < MIN_REQUESTS * amount:
+                    await conn.rollback()
+                    return False
+                if current is not None and current.id is not None and not current.dropped:
+                    held = (await conn.execute(_LEASE_AMOUNT, {"lease_id": current.id})).scalar()
+                else:
+                    current, held = None, None
+                lease_id = current.id if held is not None else f"lse_{uuid.uuid4().hex}"
+                target = (current.inflight if held is not None else 0) + grant
+                delta = target - (held or 0)
+                grown = await conn.execute(_GROW, {"subject": subject_id, "delta": delta})
+                if grown.rowcount != 1:
+                    await conn.rollback()
+                    return False
+                if held is None:
+                    row = {
+                        "id": lease_id,
+                        "subject_id": subject_id,
+                        "owner": self.owner,
+                        "amount": target,
+                        "created_at": now,
+                        "expires_at": expires_at,
+                    }
+                    await conn.execute(_NEW_LEASE, row)
+                else:
+                    values = {"lease_id": lease_id, "amount": target, "expires_at": expires_at}
+                    await conn.execute(_SET_LEASE, values)
+                planned.append((subject_id, current, lease_id, delta, held, window, resets_at))
+        usable_until = mono + self.ttl_s * 2 / 3
+        for subject_id, before, lease_id, delta, held, window, resets_at in planned:
+            current = self.leases.get(subject_id)
+            if held is not None and lease_id is not None:
+                # Grown (or shrunk) by delta, in the row and here alike: the view stays within
+                # the row. Dropped meanwhile (a change to the budget): it is returned whole
+                # once its requests end, so it is not installed again.
+                before.amount += delta
+                if current is before:
+                    before.window, before.resets_at = window, resets_at
+                    before.usable_until = usable_until
+                continue
+            if current is not None:
+                self.drop(frozenset({f"budget:{subject_id}"}))
+            scope = scopes.get(subject_id, "token")
+            amount = delta if lease_id is not None else 0
+            lease = Lease(lease_id, subject_id, scope, amount, window, resets_at, usable_until)
+            self.leases[subject_id] = lease
+        self.taken += 1
+        return True
+
+    async def _give_up(self, subjects: list[str]) -> None:
+        """Stop leasing these budgets: return each lease, or while requests are in flight on
+        it, the part they do not hold."""
+        mine = [self.leases[s] for s in subjects if s in self.leases]
+        self.drop(frozenset(f"budget:{lease.subject_id}" for lease in mine))
+        for lease in mine:
+            if lease.id is None:
+                continue
+            if lease.inflight == 0:
+                self.retiring.remove(lease)
+                await give_back(self.db, lease.id, lease.subject_id)
+                continue
+            free = lease.amount - lease.inflight
+            if free <= 0:
+                continue
+            async with self.db.begin() as conn:
+                await conn.execute(_LOCK_BUDGET, {"subject": lease.subject_id})
+                await conn.execute(_SHRINK, {"lease_id": lease.id, "amount": free})
+                await conn.execute(_UNRESERVE, {"subject": lease.subject_id, "amount": free})
+            lease.amount -= free
+
+    # --- upkeep --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.enabled:
+            self._task = asyncio.create_task(self._upkeep())
+
+    async def _upkeep(self) -> None:
+        extend_every = self.ttl_s / 3
+        extended = time.monotonic()
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                await self.return_idle()
+                if time.monotonic() - extended >= extend_every:
+                    await self.extend()
+                    extended = time.monotonic()
+            except Exception:
+                log.warning("lease upkeep failed; retrying", exc_info=True)
+
+    async def return_idle(self, idle_s: float = IDLE_S) -> int:
+        """Return the leases nothing is in flight on that were dropped or have been idle."""
+        mono = time.monotonic()
+        for subject_id, lease in list(self.leases.items()):
+            stale = not lease.usable(mono, utcnow())
+            if lease.inflight == 0 and (stale or mono - lease.last_used >= idle_s):
+                del self.leases[subject_id]
+                lease.dropped = True
+                if lease.id is not None:
+                    self.retiring.append(lease)
+        done, keep = [], []
+        for lease in self.retiring:
+            (done if lease.inflight <= 0 else keep).append(lease)
+        self.retiring = keep
+        returned = 0
+        for lease in done:
+            # A hold still naming it (a settle that failed): the sweeper ends both.
+            returned += await give_back(self.db, lease.id, lease.subject_id)
+        return returned
+
+    async def extend(self) -> None:
+        """Push the expiry of every lease this process holds out by the TTL."""
+        leases = [lease for lease in self.leases.values() if lease.id is not None]
+        leases += self.retiring
+        if not leases:
+            return
+        mono = time.monotonic()
+        async with self.db.begin() as conn:
+            await conn.execute(
+                update(BudgetLease.__table__)
+                .where(BudgetLease.id.in_([lease.id for lease in leases]))
+                .values(expires_at=utcnow() + timedelta(seconds=self.ttl_s))
+            )
+        for lease in leases:
+            lease.usable_until = mono + self.ttl_s * 2 / 3
+
+    async def close(self) -> None:
+        """At shutdown: stop admitting, return what nothing is in flight on."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self.drop(None)
+        with contextlib.suppress(Exception):
+            await self.return_idle()
