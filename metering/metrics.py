@@ -64,6 +64,13 @@ BUDGET_REJECTIONS = Counter(
     "Requests refused with 402 budget_exceeded, by the scope that could not cover them",
     ["scope"],
 )
+RESERVATIONS = Counter(
+    "metering_reservations",
+    "Requests admitted, by path: `lease` (against this process's credit leases, in memory) or "
+    "`database` (a hold reserved in the budgets' rows)",
+    ["path"],
+)
+_LEASED, _DIRECT = RESERVATIONS.labels("lease"), RESERVATIONS.labels("database")
 LATENCY = Histogram(
     "metering_upstream_latency_seconds",
     "From the request's arrival to its upstream answer's end",
@@ -102,6 +109,10 @@ def observe_event(event: Event) -> None:
             TTFT.labels(*route).observe(event.ttft_ms / 1000)
     except Exception:
         log.exception("could not record metrics for event %s", getattr(event, "id", None))
+
+
+def reserved(leased: bool) -> None:
+    (_LEASED if leased else _DIRECT).inc()
 
 
 def budget_rejected(scope: str) -> None:

@@ -171,6 +171,7 @@ async def try_route(
         )
     except BudgetShortfall as exc:
         raise budget_exceeded(exc) from None
+    metrics.reserved(reservation.claim is not None)
     async with Attempt(services, spec, reservation, chat, provider, dialect, t0) as attempt:
         # Built inside: a body that cannot be sent gives its hold back too.
         upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
