@@ -131,6 +131,7 @@ class Database:
         # (WAL lets these readers run beside the writer); PostgreSQL shares its pool.
         self.read_engine = _sqlite_reader(url) if self.dialect == "sqlite" else self.engine
         self.reads = async_sessionmaker(self.read_engine, expire_on_commit=False)
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
@@ -141,6 +142,11 @@ class Database:
     def begin(self):
         """A Core connection in a transaction, for the proxy's hot path: lighter than a Session."""
         return self.engine.begin()
+
+    def single(self):
+        """A Core connection in autocommit: each statement is its own transaction, with no
+        BEGIN and COMMIT round trips. Only for work that is one statement."""
+        return self._autocommit.connect()
 
     async def dispose(self) -> None:
         await self.engine.dispose()

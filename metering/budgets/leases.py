@@ -183,6 +183,9 @@ async def expire_leases(db: Database, batch: int = 500) -> int:
     return returned
 
 
+_INSERT_HOLDS = insert(Hold.__table__)
+
+
 class HoldWriter:
     """Holds of leased requests, inserted in groups: the first starts a group at once; those
     that arrive while it commits form the next. A group that fails is retried one at a time."""
@@ -217,8 +220,9 @@ class HoldWriter:
             self.writing = None
 
     async def _one(self, rows: list[dict]) -> None:
-        async with self.db.begin() as conn:
-            await conn.execute(insert(Hold.__table__), rows)
+        # One statement (one multi-row INSERT): atomic on its own, so no BEGIN/COMMIT.
+        async with self.db.single() as conn:
+            await conn.execute(_INSERT_HOLDS, rows)
 
     async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
         if len(batch) > 1:

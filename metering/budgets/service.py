@@ -512,10 +512,9 @@ _CHARGE_LEASE = (
 
 
 async def _charge(conn, charges: dict[str, list[int]], leases: dict[str, int]) -> None:
-    """Charge the sums: budgets locked in subject_id order, then their leases (the order every
-    writer here uses)."""
+    """Charge the sums: budgets in subject_id order (each UPDATE locks its row, so they are
+    locked in the order every writer here uses), then their leases."""
     subjects = sorted(charges)
-    await conn.execute(_LOCK, {"ids": subjects})
     rows = [{"charged_id": s, "cost": charges[s][0], "amount": charges[s][1]} for s in subjects]
     await conn.execute(_CHARGE_ONE, rows)
     if leases:
@@ -526,8 +525,6 @@ async def _charge(conn, charges: dict[str, list[int]], leases: dict[str, int]) -
 # A group of settles: its holds taken in one statement, its budgets locked in subject_id
 # order (the order every writer uses) and charged their sums, one row each.
 _TAKE_HOLDS = delete(Hold.__table__).where(Hold.id.in_(_ids())).returning(Hold.id, *_HELD)
-_LOCK = select(Budget.subject_id).where(Budget.subject_id.in_(_ids())).order_by(Budget.subject_id)
-_LOCK = _LOCK.with_for_update()
 _CHARGE_ONE = (
     update(Budget.__table__)
     .where(Budget.subject_id == bindparam("charged_id"))
