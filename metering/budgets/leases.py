@@ -484,13 +484,20 @@ class LeaseBook:
             return
         mono = time.monotonic()
         async with self.db.begin() as conn:
-            await conn.execute(
+            extended = await conn.execute(
                 update(BudgetLease.__table__)
                 .where(BudgetLease.id.in_([lease.id for lease in leases]))
                 .values(expires_at=utcnow() + timedelta(seconds=self.ttl_s))
+                .returning(BudgetLease.id)
             )
+            alive = set(extended.scalars())
         for lease in leases:
-            lease.usable_until = mono + self.ttl_s * 2 / 3
+            if lease.id in alive:
+                lease.usable_until = mono + self.ttl_s * 2 / 3
+            else:  # returned by a sweeper while this process stalled: never admitted against
+                lease.dropped = True
+                if self.leases.get(lease.subject_id) is lease:
+                    del self.leases[lease.subject_id]
 
     async def close(self) -> None:
         """At shutdown: stop admitting, return what nothing is in flight on."""

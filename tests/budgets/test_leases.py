@@ -448,3 +448,32 @@ def test_leases_can_be_turned_off(fresh_db):
             await db.dispose()
 
     asyncio.run(scenario())
+
+
+def test_a_lease_returned_while_its_process_stalled_is_never_used_again(fresh_db):
+    async def scenario() -> None:
+        db = Database(fresh_db, 4)
+        try:
+            subjects = _subjects()
+            await _add_budgets(db, subjects, "1", "never", utcnow())
+            book = _book(db)
+            first = await reserve(db, _spec(subjects), 3600, book)
+            event = _event(_spec(subjects), 5, id=first.hold_id)
+            assert await settle(db, event, first) is True
+            # The process stalls past the TTL: a sweeper returns its leases.
+            past = utcnow() - timedelta(seconds=1)
+            async with db.begin() as conn:
+                await conn.execute(update(BudgetLease).values(expires_at=past))
+            assert await expire_leases(db) == 3
+            # Back, its upkeep finds them gone: no request is admitted against them.
+            await book.extend()
+            assert book.leases == {}
+            again = await reserve(db, _spec(subjects), 3600, book)
+            assert again.claim is not None and book.taken == 2
+            for row in (await _budgets(db, subjects)).values():
+                assert row.spent == event.cost
+                assert row.reserved == (pico("1") - event.cost) // 8  # only the new slice
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
