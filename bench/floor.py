@@ -4,7 +4,8 @@
 
 FastAPI under uvicorn with the configuration `metering serve` uses (metering.server's
 server_config: the same HTTP protocol, keep-alive and limits), one pooled httpx client on the
-httpx-aiohttp transport as the proxy's upstream clients are built, and one route,
+httpx-aiohttp transport as the proxy's upstream clients are built, the collector settings of
+`metering serve`, and one route,
 POST /v1/chat/completions, that sends the body it received upstream unchanged and relays the
 answer: the whole body, or the stream chunk by chunk as it arrives. No authentication, no
 database, no parsing of the request or the answer. What the proxy costs beyond this row is the
@@ -13,6 +14,7 @@ metering's own.
 
 import argparse
 import contextlib
+import gc
 
 import aiohttp
 import httpx
@@ -23,6 +25,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 from httpx_aiohttp.transport import AiohttpTransport
 from starlette.background import BackgroundTask
 
+from metering.cli import GC_THRESHOLD
 from metering.server import server_config
 from metering.settings import Settings
 
@@ -92,6 +95,10 @@ def main(argv=None) -> None:
     p.add_argument("--key", required=True, help="the upstream's bearer key")
     args = p.parse_args(argv)
     app = create_app(args.upstream, args.key)
+    # The collector settings `metering serve` runs with (metering.cli.serving_app).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLD)
     config = server_config(app, Settings(), host=args.host, port=args.port, log_level="warning")
     uvicorn.Server(config).run()
 
