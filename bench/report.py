@@ -314,7 +314,12 @@ def targets(meta: dict, rows: list[dict], hot: dict) -> str:
             ]
         )
     out.append(
-        ["RSS flat (within 10%) over a 10-minute run", "≤ +10%", "`python -m bench.soak`", "see \"Soak\" below"]
+        [
+            "RSS flat (within 10%) over a 10-minute run",
+            "≤ +10%",
+            "`python -m bench.soak`",
+            'see "Soak" below',
+        ]
     )
     return _table(["target", "wanted", "this run", ""], out, right_from=4)
 
