@@ -3,6 +3,7 @@ changing call returns, and a replica whose notification channel is cut never ser
 credential from its cache."""
 
 import asyncio
+import time
 
 import asyncpg
 import psycopg
@@ -106,6 +107,16 @@ def test_a_replica_whose_listener_is_cut_never_serves_a_revoked_token(api, clien
     credential = account.api_token["token"]
     _warm([client, other], credential)
     with _pg(api) as conn:
+        # Both listeners connected (a loaded machine may still be starting the replica's).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            listening = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name = 'metering-auth' AND datname = current_database()"
+            ).fetchone()[0]
+            if listening >= 2:
+                break
+            time.sleep(0.05)
         cut = conn.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             "WHERE application_name = 'metering-auth' AND datname = current_database()"
