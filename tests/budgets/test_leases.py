@@ -420,6 +420,17 @@ def test_a_lowered_limit_stops_the_other_replicas_leases_even_with_its_listener_
             assert chat(b.api(), key, f"warm {marker()}", max_tokens=5).status_code == 200
         assert query(url, "SELECT id FROM budget_leases WHERE subject_id = :id", id=token["id"])
         if cut:
+            wait_for(
+                lambda: (
+                    query(
+                        url,
+                        "SELECT count(*) AS n FROM pg_stat_activity WHERE application_name = "
+                        "'metering-auth' AND datname = current_database()",
+                    )[0].n
+                    >= 2
+                ),
+                message="both listeners connected",
+            )
             killed = query(
                 url,
                 "SELECT count(pg_terminate_backend(pid)) AS n FROM pg_stat_activity "
