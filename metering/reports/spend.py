@@ -1,21 +1,26 @@
 """GET /v1/spend: spend summed by any combination of team, user, token, model, provider, day and
 hour, computed in SQL.
 
-Whole hours come from the hourly rollup (spend_hourly), which settle keeps equal to the ledger;
-only the partial hours at the range's edges are read from the ledger itself (and its archive),
-so a report over months reads a few thousand rollup rows, never millions of events, and is
+Settle keeps several rollups equal to the ledger (metering.ledger.rollup): per hour and per UTC
+day, each with every key or only the team, user and token, or only the team, model and
+provider. A report reads its whole days from the coarsest daily rollup that has every key it
+groups or filters on (unless it is by hour), the whole hours left at the days' edges from the
+coarsest hourly one, and only the partial hours at the range's edges from the ledger itself (and
+its archive): a report over a month of a whole organisation reads a few thousand rows, and is
 exact for any start and end.
 
-A report holds at most `limit` rows (default DEFAULT_ROWS, at most MAX_ROWS), ordered by its
-group keys; `page` walks the rest. Rows are read and written in chunks with the event loop
-free between them, so a large report never stalls the requests the proxy is serving.
+A report holds at most MAX_REPORT_ROWS rows: one that could hold more (check_size's bound) is
+refused with a 400 naming the limit. A page holds at most `limit` rows (default DEFAULT_ROWS,
+at most MAX_ROWS), ordered by the group keys; `page` walks the rest. Rows are read and written
+in chunks of CHUNK, never a whole page in memory, with the event loop free between them, so a
+large report never stalls the requests the proxy is serving.
 """
 
 import asyncio
 import csv
 import io
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
@@ -25,8 +30,17 @@ from sqlalchemy import func, literal, select, union_all
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
-from metering.ledger.rollup import ceil_hour, day_text, floor_hour, hour_text
-from metering.models import LedgerEvent, LedgerEventArchive, SpendHourly
+from metering.ledger.rollup import (
+    ROLLUPS,
+    Rollup,
+    ceil_day,
+    ceil_hour,
+    day_text,
+    floor_day,
+    floor_hour,
+    hour_text,
+)
+from metering.models import WHO, LedgerEvent, LedgerEventArchive, SpendDailyModel, SpendDailyToken
 from metering.money import format_usd
 from metering.reports.cells import row as csv_cells
 from metering.reports.usage import check_range, check_text, own_user, parse_time
@@ -36,6 +50,8 @@ DEFAULT_DAYS = 30
 DEFAULT_ROWS = 10_000  # rows per page unless `limit` says otherwise
 MAX_ROWS = 100_000  # the largest `limit`
 MAX_PAGE = 1_000_000
+# The most rows a report may hold (the largest page): a larger grouping is refused with a 400.
+MAX_REPORT_ROWS = 100_000
 CHUNK = 1_000  # rows read or written between two turns of the event loop
 # group_by name -> the key it adds to each row
 GROUPS = {
@@ -89,19 +105,20 @@ def _keys(table, dialect: str, keys: list[str]) -> list:
     return out
 
 
-def _rollup_part(dialect, keys, filters, start: datetime, end: datetime):
-    """Sums by the plain keys and the raw hour first (a hash aggregate over the rollup rows),
-    then by the day or hour text: the text is made once per group, not once per rollup row."""
-    t = SpendHourly.__table__
+def _rollup_part(rollup: Rollup, dialect, keys, filters, start: datetime, end: datetime):
+    """Sums by the plain keys and the raw hour or day first (a hash aggregate over the rollup's
+    rows), then by the day or hour text: the text is made once per group, not once per row."""
+    t = rollup.table
+    at = t.c[rollup.grain]
     plain = [k for k in keys if k not in ("day", "hour")]
     columns = [
         (func.nullif(t.c.token_id, "") if k == "token_id" else t.c[k]).label(k) for k in plain
     ]
     if len(plain) < len(keys):
-        columns.append(t.c.hour.label("at"))
+        columns.append(at.label("at"))
     inner = (
         select(*columns, *(func.sum(t.c[m]).label(m) for m in METRICS))
-        .where(t.c.hour >= start, t.c.hour < end, *(t.c[k] == v for k, v in filters.items()))
+        .where(at >= start, at < end, *(t.c[k] == v for k, v in filters.items()))
         .group_by(*columns)
         .subquery("rollup")
     )
@@ -113,7 +130,7 @@ def _rollup_part(dialect, keys, filters, start: datetime, end: datetime):
             outer.append(hour_text(inner.c.at, dialect).label(key))
         else:
             outer.append(inner.c[key].label(key))
-    if "hour" in keys:  # one raw hour is one hour text: nothing more to sum
+    if rollup.grain in keys:  # one raw hour (day) is one hour (day) text: nothing more to sum
         return select(*outer, *(inner.c[m].label(m) for m in METRICS))
     return select(*outer, *(func.sum(inner.c[m]).label(m) for m in METRICS)).group_by(*outer)
 
@@ -134,19 +151,50 @@ def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime):
     )
 
 
+def read_model(grain: str, needed: set[str]) -> Rollup:
+    """The coarsest rollup of `grain` that keeps every key a report groups or filters on."""
+    fitting = [r for r in ROLLUPS if r.grain == grain and needed <= set(r.keys)]
+    return min(fitting, key=lambda r: len(r.keys))
+
+
+def sources(
+    keys: list[str], start: datetime, end: datetime
+) -> list[tuple[str, datetime, datetime]]:
+    """[start, end) cut into what answers it exactly: ("day", a, b) whole days (unless the
+    report is by hour), ("hour", a, b) whole hours, ("ledger", a, b) the partial hours."""
+    parts: list[tuple[str, datetime, datetime]] = []
+
+    def hours(a: datetime, b: datetime) -> None:
+        whole_start, whole_end = ceil_hour(a), floor_hour(b)
+        edges = [(a, b)]
+        if whole_start < whole_end:
+            parts.append(("hour", whole_start, whole_end))
+            edges = [(a, whole_start), (whole_end, b)]
+        parts.extend(("ledger", x, y) for x, y in edges if x < y)
+
+    days_start, days_end = ceil_day(start), floor_day(end)
+    if "hour" not in keys and days_start < days_end:
+        parts.append(("day", days_start, days_end))
+        hours(start, days_start)
+        hours(days_end, end)
+    else:
+        hours(start, end)
+    return parts
+
+
 def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, end: datetime):
-    """One SQL statement: rollup rows for the whole hours in [start, end), ledger (and archive)
-    rows for the partial hours at its edges, summed per group."""
-    whole_start, whole_end = ceil_hour(start), floor_hour(end)
+    """One SQL statement: the coarsest rollups' rows for the whole days and hours in
+    [start, end), ledger (and archive) rows for the partial hours at its edges, summed per
+    group."""
+    needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
     parts = []
-    edges = [(start, end)]
-    if whole_start < whole_end:
-        parts.append(_rollup_part(dialect, keys, filters, whole_start, whole_end))
-        edges = [(start, whole_start), (whole_end, end)]
-    for a, b in edges:
-        if a < b:
+    for source, a, b in sources(keys, start, end):
+        if source == "ledger":
             for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
                 parts.append(_ledger_part(table, dialect, keys, filters, a, b))
+        else:
+            rollup = read_model(source, needed)
+            parts.append(_rollup_part(rollup, dialect, keys, filters, a, b))
     if not parts:
         return None
     source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("source")
@@ -157,6 +205,71 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
         .having(func.sum(source.c.requests) > 0)
         .order_by(*group)
     )
+
+
+def _bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
+    """How many distinct attributions (team, user, token) and distinct (model, provider) the
+    report's range holds, from the daily rollups by team, user and token and by team, model
+    and provider (a few rows a day each); None for the part the report does not group by."""
+    plain = [k for k in keys if k not in ("day", "hour")]
+    counts = []
+    for rollup_keys, model in ((WHO, SpendDailyToken), (("model", "provider"), SpendDailyModel)):
+        grouped = [k for k in plain if k in rollup_keys]
+        if not grouped:
+            counts.append(literal(None))
+            continue
+        t = model.__table__
+        distinct = (
+            select(*(t.c[k] for k in grouped))
+            .where(
+                t.c.day >= floor_day(start),
+                t.c.day < end,
+                *(t.c[k] == v for k, v in filters.items() if k in t.c),
+            )
+            .distinct()
+            .subquery()
+        )
+        counts.append(select(func.count()).select_from(distinct).scalar_subquery())
+    return select(*counts)
+
+
+def _who_label(keys: list[str]) -> str:
+    finest = [k for k in ("token_id", "user_id", "team_id") if k in keys]
+    return finest[0].removesuffix("_id") + "s" if finest else ""
+
+
+def _what_label(keys: list[str]) -> str:
+    if "model" in keys and "provider" in keys:
+        return "model and provider pairs"
+    return "models" if "model" in keys else "providers"
+
+
+async def check_size(db, keys: list[str], filters: dict, start: datetime, end: datetime) -> None:
+    """Refuse (400) a report that could hold more than MAX_REPORT_ROWS rows. The bound: the
+    hours (days) the range touches, times the distinct attributions it holds by the keys
+    grouped on (tokens, users or teams), times the distinct models or providers."""
+    bound, parts = 1, []
+    if "hour" in keys:
+        bound = (ceil_hour(end) - floor_hour(start)) // timedelta(hours=1)
+        parts.append(f"{bound:,} hours")
+    elif "day" in keys:
+        bound = (ceil_day(end) - floor_day(start)).days
+        parts.append(f"{bound:,} days")
+    if any(k not in ("day", "hour") for k in keys):
+        async with db.reads() as session:
+            who, what = (await session.execute(_bound_query(keys, filters, start, end))).one()
+        for count, label in ((who, _who_label(keys)), (what, _what_label(keys))):
+            if count is not None:
+                bound *= count
+                parts.append(f"{count:,} {label}")
+    if bound > MAX_REPORT_ROWS:
+        raise InvalidRequest(
+            f"this report could hold up to {bound:,} rows ({' x '.join(parts)}); a report holds "
+            f"at most {MAX_REPORT_ROWS:,}: narrow the range, group by day instead of hour, or "
+            "filter by team, user, token or model",
+            param="group_by",
+            code="report_too_large",
+        )
 
 
 def _row_out(row, keys: list[str]) -> dict:
@@ -182,17 +295,16 @@ async def summary(db, query) -> tuple[int, dict]:
     return int(found.rows), {m: int(getattr(found, m) or 0) for m in METRICS}
 
 
-async def page_rows(db, query, keys: list[str], offset: int, limit: int) -> list[dict]:
-    """One page of a report, read in chunks with the event loop free between them."""
+async def page_rows(db, query, keys: list[str], offset: int, limit: int):
+    """One page of a report, CHUNK rows at a time as the database sends them (never the whole
+    page in memory), the event loop free between two chunks."""
     if query is None or limit <= 0:
-        return []
-    out: list[dict] = []
+        return
     async with db.reads() as session:
         result = await session.stream(query.offset(offset).limit(limit))
         async for part in result.partitions(CHUNK):
-            out.extend(_row_out(r, keys) for r in part)
+            yield [_row_out(r, keys) for r in part]
             await asyncio.sleep(0)
-    return out
 
 
 def _dumps(value) -> str:
@@ -202,13 +314,13 @@ def _dumps(value) -> str:
 
 async def _json(head: dict, read_rows):
     """The report as JSON, `rows` last: the head (totals, paging) leaves at once, then the rows
-    are read and written CHUNK at a time, the event loop free between two chunks."""
+    are read and written a chunk at a time."""
     yield _dumps(head)[:-1].encode() + b',"rows":['
-    rows = await read_rows()
-    for start in range(0, len(rows), CHUNK):
-        text = ",".join(_dumps(_money(row)) for row in rows[start : start + CHUNK])
-        yield (b"," if start else b"") + text.encode()
-        await asyncio.sleep(0)
+    first = True
+    async for rows in read_rows():
+        text = ",".join(_dumps(_money(row)) for row in rows)
+        yield (b"" if first else b",") + text.encode()
+        first = False
     yield b"]}"
 
 
@@ -218,15 +330,13 @@ async def _csv(keys: list[str], read_rows):
     writer.writerow([*keys, *METRICS])
     yield buffer.getvalue().encode()
     columns = (*keys, *METRICS)
-    done = await read_rows()
-    for start in range(0, len(done), CHUNK):
+    async for rows in read_rows():
         buffer.seek(0)
         buffer.truncate()
-        for row in done[start : start + CHUNK]:
+        for row in rows:
             money = _money(row)
             writer.writerow(csv_cells(money[c] for c in columns))
         yield buffer.getvalue().encode()
-        await asyncio.sleep(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +345,7 @@ class SpendReport:
 
     head: dict
     keys: list[str]
-    read_rows: Callable[[], Awaitable[list[dict]]]
+    read_rows: Callable[[], AsyncIterator[list[dict]]]
 
     def paging(self) -> dict[str, str]:
         """The paging headers of both formats."""
@@ -277,6 +387,8 @@ async def spend_report(
     query = spend_query(db.dialect, keys, given, start_at, end_at)
     if "" in given.values():  # no id, model or provider is empty
         query = None
+    else:
+        await check_size(db, keys, given, start_at, end_at)
     count, total = await summary(db, query)
     offset = (page - 1) * limit
     head = {

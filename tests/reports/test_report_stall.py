@@ -11,15 +11,16 @@ import pytest
 from sqlalchemy import create_engine, insert, pool
 
 from metering.db import sync_url
-from metering.models import SpendHourly
+from metering.ledger.rollup import ROLLUPS
+from metering.ledger.rollup import summed as rollup_rows
 
 TOKENS, HOURS = 100, 1000  # 100,000 rollup rows: the report by token and hour has as many
 
 
 @pytest.fixture(scope="module")
 def large_report(api):
-    """A team of its own with 100,000 rollup rows (one per token and hour), as settle would
-    have left them; returns the report's parameters."""
+    """A team of its own with 100,000 hourly rollup rows (one per token and hour) and the
+    coarser rollups' rows, as settle would have left them; returns the report's parameters."""
     team, user, _ = api.principal()
     first = datetime(2024, 1, 1, tzinfo=UTC) + timedelta(hours=uuid.uuid4().int % 5000)
     rows = [
@@ -40,11 +41,15 @@ def large_report(api):
         for t in range(TOKENS)
         for h in range(HOURS)
     ]
+    for row in rows:
+        row["uncharged"] = 0
     engine = create_engine(sync_url(api.settings.database_url), poolclass=pool.NullPool)
     try:
         with engine.begin() as conn:
-            for start in range(0, len(rows), 10_000):
-                conn.execute(insert(SpendHourly.__table__), rows[start : start + 10_000])
+            for rollup in ROLLUPS:  # every rollup, as settle keeps them
+                summed = rollup_rows(rollup, rows)
+                for start in range(0, len(summed), 10_000):
+                    conn.execute(insert(rollup.table), summed[start : start + 10_000])
     finally:
         engine.dispose()
     return {
