@@ -207,7 +207,7 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
     )
 
 
-def _bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
+def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
     """How many distinct attributions (team, user, token) and distinct (model, provider) the
     report's range holds, from the daily rollups by team, user and token and by team, model
     and provider (a few rows a day each); None for the part the report does not group by."""
@@ -257,7 +257,7 @@ async def check_size(db, keys: list[str], filters: dict, start: datetime, end: d
         parts.append(f"{bound:,} days")
     if any(k not in ("day", "hour") for k in keys):
         async with db.reads() as session:
-            who, what = (await session.execute(_bound_query(keys, filters, start, end))).one()
+            who, what = (await session.execute(bound_query(keys, filters, start, end))).one()
         for count, label in ((who, _who_label(keys)), (what, _what_label(keys))):
             if count is not None:
                 bound *= count

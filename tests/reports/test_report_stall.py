@@ -132,3 +132,18 @@ def test_a_completion_finishes_while_a_large_report_is_still_being_sent(api, lar
     else:
         lines = report["body"].decode().splitlines()
         assert len(lines) == 100_001
+
+
+def test_a_report_one_hour_longer_could_hold_more_than_100000_rows_and_is_400(api, large_report):
+    """100 tokens over 1,000 hours is the largest report there may be; an hour more and the
+    bound (hours x the tokens the team's daily rollup holds) passes the limit."""
+    end = datetime.fromisoformat(large_report["end"]) + timedelta(hours=1)
+    params = {**large_report, "end": end.strftime("%Y-%m-%dT%H:%M:%SZ"), "limit": 10}
+    response = api.request("GET", "/v1/spend", params=params)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("report_too_large", "group_by")
+    assert error["message"].startswith(
+        "this report could hold up to 100,100 rows (1,001 hours x 100 tokens); a report holds "
+        "at most 100,000:"
+    )
