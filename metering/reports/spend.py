@@ -11,9 +11,10 @@ exact for any start and end.
 
 A report holds at most MAX_REPORT_ROWS rows: one that could hold more (check_size's bound) is
 refused with a 400 naming the limit. A page holds at most `limit` rows (default DEFAULT_ROWS,
-at most MAX_ROWS), ordered by the group keys; `page` walks the rest. Rows are read and written
-in chunks of CHUNK, never a whole page in memory, with the event loop free between them, so a
-large report never stalls the requests the proxy is serving.
+at most MAX_ROWS), ordered by the group keys; `page` walks the rest. The page's rows carry the
+report's row count and totals (window functions): the report is aggregated once per request.
+Rows are read and written in chunks of CHUNK, never a whole page in memory, with the event loop
+free between them, so a large report never stalls the requests the proxy is serving.
 """
 
 import asyncio
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 
+import orjson
 from sqlalchemy import func, literal, select, union_all
 
 from metering.auth.service import Principal
@@ -36,9 +38,11 @@ from metering.ledger.rollup import (
     ceil_day,
     ceil_hour,
     day_text,
+    day_value,
     floor_day,
     floor_hour,
     hour_text,
+    hour_value,
 )
 from metering.models import WHO, LedgerEvent, LedgerEventArchive, SpendDailyModel, SpendDailyToken
 from metering.money import format_usd
@@ -91,54 +95,50 @@ def parse_group_by(value: str | None) -> list[str]:
     return names
 
 
-def _keys(table, dialect: str, keys: list[str]) -> list:
-    """The group keys of ledger rows, as the report names them."""
-    out = []
-    for key in keys:
-        if key == "day":
-            column = day_text(table.c.created_at, dialect)
-        elif key == "hour":
-            column = hour_text(table.c.created_at, dialect)
-        else:
-            column = table.c[key]
-        out.append(column.label(key))
-    return out
+TIME_KEYS = ("day", "hour")
+
+
+def _bucket(column, dialect: str, keys: list[str]):
+    """The UTC day or hour a row's instant falls in, stored the way a UTCDateTime is (so the
+    rows of every source group together); None when the report is by neither."""
+    if "hour" in keys:
+        return hour_value(column, dialect)
+    if "day" in keys:
+        return day_value(column, dialect)
+    return None
+
+
+def _plain(table, keys: list[str]) -> list:
+    return [
+        (func.nullif(table.c[k], "") if k == "token_id" else table.c[k]).label(k)
+        for k in keys
+        if k not in TIME_KEYS
+    ]
 
 
 def _rollup_part(rollup: Rollup, dialect, keys, filters, start: datetime, end: datetime):
-    """Sums by the plain keys and the raw hour or day first (a hash aggregate over the rollup's
-    rows), then by the day or hour text: the text is made once per group, not once per row."""
+    """The rollup's rows in [start, end), their keys as the report groups them (no sums here:
+    the report sums every source once)."""
     t = rollup.table
     at = t.c[rollup.grain]
-    plain = [k for k in keys if k not in ("day", "hour")]
-    columns = [
-        (func.nullif(t.c.token_id, "") if k == "token_id" else t.c[k]).label(k) for k in plain
-    ]
-    if len(plain) < len(keys):
-        columns.append(at.label("at"))
-    inner = (
-        select(*columns, *(func.sum(t.c[m]).label(m) for m in METRICS))
-        .where(at >= start, at < end, *(t.c[k] == v for k, v in filters.items()))
-        .group_by(*columns)
-        .subquery("rollup")
+    columns = _plain(t, keys)
+    if any(k in TIME_KEYS for k in keys):
+        # A rollup's own grain is already its bucket; an hour's day is computed.
+        bucket = at if rollup.grain in keys else _bucket(at, dialect, keys)
+        columns.append(bucket.label("bucket"))
+    return select(*columns, *(t.c[m].label(m) for m in METRICS)).where(
+        at >= start, at < end, *(t.c[k] == v for k, v in filters.items())
     )
-    outer = []
-    for key in keys:
-        if key == "day":
-            outer.append(day_text(inner.c.at, dialect).label(key))
-        elif key == "hour":
-            outer.append(hour_text(inner.c.at, dialect).label(key))
-        else:
-            outer.append(inner.c[key].label(key))
-    if rollup.grain in keys:  # one raw hour (day) is one hour (day) text: nothing more to sum
-        return select(*outer, *(inner.c[m].label(m) for m in METRICS))
-    return select(*outer, *(func.sum(inner.c[m]).label(m) for m in METRICS)).group_by(*outer)
 
 
 def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime):
     t = table
+    columns = _plain(t, keys)
+    bucket = _bucket(t.c.created_at, dialect, keys)
+    if bucket is not None:
+        columns.append(bucket.label("bucket"))
     return select(
-        *_keys(t, dialect, keys),
+        *columns,
         literal(1).label("requests"),
         t.c.prompt_tokens.label("prompt_tokens"),
         t.c.cached_tokens.label("cached_tokens"),
@@ -198,13 +198,26 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
     if not parts:
         return None
     source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("source")
-    group = [source.c[k] for k in keys]
-    return (
+    # Summed once, by the plain keys and the raw bucket; the bucket's text is made once per
+    # group, not once per row.
+    group = [source.c[k] for k in keys if k not in TIME_KEYS]
+    if len(group) < len(keys):
+        group.append(source.c.bucket)
+    grouped = (
         select(*group, *(func.sum(source.c[m]).label(m) for m in METRICS))
         .group_by(*group)
         .having(func.sum(source.c.requests) > 0)
-        .order_by(*group)
+        .subquery("grouped")
     )
+    out = []
+    for key in keys:
+        if key == "day":
+            out.append(day_text(grouped.c.bucket, dialect).label(key))
+        elif key == "hour":
+            out.append(hour_text(grouped.c.bucket, dialect).label(key))
+        else:
+            out.append(grouped.c[key])
+    return select(*out, *(grouped.c[m] for m in METRICS)).order_by(*out)
 
 
 def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
@@ -295,16 +308,38 @@ async def summary(db, query) -> tuple[int, dict]:
     return int(found.rows), {m: int(getattr(found, m) or 0) for m in METRICS}
 
 
-async def page_rows(db, query, keys: list[str], offset: int, limit: int):
-    """One page of a report, CHUNK rows at a time as the database sends them (never the whole
-    page in memory), the event loop free between two chunks."""
-    if query is None or limit <= 0:
-        return
+def page_query(query, keys: list[str], offset: int, limit: int):
+    """A page of the report, each row carrying the report's row count and totals (window
+    functions over every row, computed before the page is cut): one aggregate serves both."""
+    report = query.order_by(None).subquery("report")
+    return (
+        select(
+            *report.c,
+            func.count().over().label("row_count"),
+            *(func.sum(report.c[m]).over().label(f"total_{m}") for m in METRICS),
+        )
+        .order_by(*(report.c[k] for k in keys))
+        .offset(offset)
+        .limit(limit)
+    )
+
+
+async def page_parts(db, query, keys: list[str], offset: int, limit: int):
+    """The page's rows, CHUNK at a time as the database sends them (never the whole page in
+    memory), the event loop free between two chunks."""
     async with db.reads() as session:
-        result = await session.stream(query.offset(offset).limit(limit))
+        result = await session.stream(page_query(query, keys, offset, limit))
         async for part in result.partitions(CHUNK):
-            yield [_row_out(r, keys) for r in part]
+            yield part
             await asyncio.sleep(0)
+
+
+async def _rows_out(first, rest, keys: list[str]):
+    if first:
+        yield [_row_out(r, keys) for r in first]
+    if rest is not None:
+        async for part in rest:
+            yield [_row_out(r, keys) for r in part]
 
 
 def _dumps(value) -> str:
@@ -318,8 +353,8 @@ async def _json(head: dict, read_rows):
     yield _dumps(head)[:-1].encode() + b',"rows":['
     first = True
     async for rows in read_rows():
-        text = ",".join(_dumps(_money(row)) for row in rows)
-        yield (b"" if first else b",") + text.encode()
+        text = orjson.dumps([_money(row) for row in rows])[1:-1]  # the objects, comma-separated
+        yield text if first else b"," + text
         first = False
     yield b"]}"
 
@@ -389,8 +424,16 @@ async def spend_report(
         query = None
     else:
         await check_size(db, keys, given, start_at, end_at)
-    count, total = await summary(db, query)
     offset = (page - 1) * limit
+    # The first chunk is read now: its rows carry the count and totals the head (and the
+    # paging headers) need; the rest is read as the response is sent.
+    parts = page_parts(db, query, keys, offset, limit) if query is not None else None
+    first = await anext(parts, None) if parts is not None else None
+    if first:
+        count = int(first[0].row_count)
+        total = {m: int(getattr(first[0], f"total_{m}") or 0) for m in METRICS}
+    else:  # an empty report, or a page after the last
+        count, total = await summary(db, query)
     head = {
         "start": rfc3339(start_at),
         "end": rfc3339(end_at),
@@ -401,6 +444,4 @@ async def spend_report(
         "limit": limit,
         "next_page": page + 1 if offset + limit < count else None,
     }
-    # Read when the response starts: the first bytes leave before the rows are read.
-    rows = partial(page_rows, db, query, keys, offset, min(limit, max(count - offset, 0)))
-    return SpendReport(head, keys, rows)
+    return SpendReport(head, keys, partial(_rows_out, first, parts, keys))
