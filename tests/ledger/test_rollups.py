@@ -9,6 +9,7 @@ import uuid
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy import select, union_all
 
 from metering.budgets.service import reserve, settle
@@ -23,6 +24,12 @@ from tests.reports.test_spend import ROUTES, as_event, hold_spec, ledger_event
 
 SUMS = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost")
 RETENTION_DAYS = 4
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend_url(request) -> str:
+    """An empty database of the test's own, not migrated."""
+    return request.getfixturevalue("fresh_pg" if request.param == "postgresql" else "fresh_sqlite")
 
 
 def expected_rows(events: list, grain: str, keys: tuple[str, ...]) -> dict:
@@ -122,3 +129,51 @@ def test_every_rollup_equals_the_ledger_after_rolls_late_settles_and_retention(f
             await db.dispose()
 
     asyncio.run(scenario())
+
+
+def test_the_0007_migration_fills_the_new_rollups_from_spend_hourly(request, backend_url):
+    """Events recorded (and summed into spend_hourly) before revision 0007 are in every rollup
+    it adds, and settles afterwards land on the same rows."""
+    from alembic import command
+    from sqlalchemy import create_engine, insert, pool
+
+    from metering import migrate
+    from metering.db import sync_url
+    from metering.ledger import rollup, writer
+
+    url = backend_url
+    command.upgrade(migrate.alembic_config(url), "0006")
+    rng = random.Random(11)
+    base = datetime(2025, 5, 6, 20, tzinfo=UTC)  # across a UTC midnight
+    people = [("team_a", "usr_1", "tok_1"), ("team_a", "usr_1", None), ("team_b", "usr_2", "tok_2")]
+    events = []
+    for i in range(60):
+        spec = hold_spec(*people[i % 3], ROUTES[i % len(ROUTES)])
+        created = base + timedelta(minutes=rng.randrange(600), microseconds=rng.randrange(10**6))
+        completion = rng.randrange(0, 900)
+        events.append(
+            as_event(ledger_event(spec, created, rng.randrange(1, 900), completion, reasoning=7))
+        )
+    engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+    dialect = engine.dialect.name
+    with engine.begin() as conn:
+        conn.execute(insert(LedgerEvent.__table__), [e.params() for e in events[:50]])
+        conn.execute(rollup.rebuild_statement(LedgerEvent.__table__, dialect))
+    engine.dispose()
+    command.upgrade(migrate.alembic_config(url), "head")
+
+    async def settle_rest_and_compare() -> None:
+        db = Database(url, pool_size=1)
+        try:
+            async with db.transaction() as session:
+                await writer.append_many(session, events[50:])
+            stored = await every_event(db)
+            assert len(stored) == 60
+            for each in ROLLUPS:
+                wanted = expected_rows(stored, each.grain, each.keys)
+                assert len({k[0] for k in wanted}) > 1
+                assert await stored_rows(db, each) == wanted, each.table.name
+        finally:
+            await db.dispose()
+
+    asyncio.run(settle_rest_and_compare())
