@@ -12,7 +12,7 @@ and only the partial hours at a range's edges from the ledger.
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import String, Table, case, func, literal_column, select
+from sqlalchemy import String, Table, case, func, literal_column, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -167,20 +167,69 @@ _UPSERTS = {
 }
 
 
+_MOST = {name: SATURATED.get(name) for name in ("requests", *SUMS)}
+
+
+def _statement_pg() -> str:
+    """On PostgreSQL, every rollup in one statement (one round trip): the rows, as arrays, are
+    summed per rollup in SQL, in key order (concurrent writers lock shared rows in one order),
+    and upserted by one data-modifying WITH query per rollup."""
+    keys = ", ".join(KEY[1:])
+    figures = ("requests", *SUMS)
+    arrays = ", ".join(
+        ["CAST(:hour AS timestamptz[])"]
+        + [f"CAST(:{k} AS text[])" for k in KEY[1:]]
+        + [f"CAST(:{f} AS bigint[])" for f in figures]
+    )
+    parts = [f"e AS (SELECT * FROM unnest({arrays}) AS e(hour, {keys}, {', '.join(figures)}))"]
+    for i, rollup in enumerate(ROLLUPS):
+        name = rollup.table.name
+        at = "hour"
+        if rollup.grain == "day":
+            at = "date_trunc('day', hour AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+        sums = ", ".join(
+            f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in figures
+        )
+        updates = ", ".join(
+            f"{f} = CASE WHEN t.{f} > {_MOST[f]} - EXCLUDED.{f} THEN {_MOST[f]} "
+            f"ELSE t.{f} + EXCLUDED.{f} END"
+            if _MOST[f]
+            else f"{f} = t.{f} + EXCLUDED.{f}"
+            for f in figures
+        )
+        columns = ", ".join(rollup.key)
+        positions = ", ".join(str(n) for n in range(1, len(rollup.key) + 1))
+        parts.append(
+            f"r{i} AS (INSERT INTO {name} AS t ({columns}, {', '.join(figures)}) "
+            f"SELECT {at}, {', '.join(rollup.keys)}, {sums} FROM e "
+            f"GROUP BY {positions} ORDER BY {positions} "
+            f"ON CONFLICT ({columns}) DO UPDATE SET {updates})"
+        )
+    return "WITH " + ",\n".join(parts) + "\nSELECT 1"
+
+
+_ALL_PG = text(_statement_pg())
+
+
+async def _add_rows(session: AsyncSession, rows: list[dict]) -> None:
+    if dialect_name(session) == "postgresql":
+        arrays = {name: [row[name] for row in rows] for name in (*KEY, "requests", *SUMS)}
+        await session.execute(_ALL_PG, arrays)
+        return
+    for rollup, upsert in _UPSERTS["sqlite"]:
+        await session.execute(upsert, summed(rollup, rows))
+
+
 async def add(session: AsyncSession, event: Event, **override) -> None:
-    """Add one ledger event to its row in every rollup: one upsert each, in the caller's
-    transaction."""
-    row = row_for(event, **override)
-    for rollup, upsert in _UPSERTS[dialect_name(session)]:
-        await session.execute(upsert, project(rollup, row))
+    """Add one ledger event to its row in every rollup, in the caller's transaction."""
+    await _add_rows(session, [row_for(event, **override)])
 
 
 async def add_many(session: AsyncSession, events: list[Event]) -> None:
-    """Add several events to their rows: one statement per rollup, the events summed here
-    first (a row is written once however many of the events it counts)."""
-    rows = [row_for(event) for event in events]
-    for rollup, upsert in _UPSERTS[dialect_name(session)]:
-        await session.execute(upsert, summed(rollup, rows))
+    """Add several events to their rows: each rollup's rows summed first (a row is written
+    once however many of the events it counts); one statement on PostgreSQL, one per rollup
+    on SQLite."""
+    await _add_rows(session, [row_for(event) for event in events])
 
 
 def hour_text(column, dialect: str):
