@@ -234,6 +234,36 @@ def generate(url: str, events: int, end: datetime, org: dict) -> dict:
     }
 
 
+DAILY = ("spend_daily", "spend_daily_token", "spend_daily_model")
+
+
+def add_history(url: str, months: int) -> None:
+    """Daily rollups of `months` earlier 30-day periods, copies of the oldest 30 days' rows moved
+    back (as a deployment that has kept its rollups for a year holds): the named reports' 30
+    days are then a fraction of each daily table, as they are in production."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        for table in DAILY:
+            first = conn.execute(f"SELECT min(day) FROM {table}").fetchone()[0]
+            for month in range(1, months + 1):
+                conn.execute(
+                    f"INSERT INTO {table} SELECT day - %s * interval '30 days', "
+                    f"{', '.join(_rest_columns(conn, table))} FROM {table} "
+                    "WHERE day >= %s AND day < %s + interval '30 days'",
+                    (month, first, first),
+                )
+            conn.execute(f"VACUUM ANALYZE {table}")
+        print(f"added {months} earlier 30-day periods to the daily rollups", file=sys.stderr)
+
+
+def _rest_columns(conn, table: str) -> list[str]:
+    names = conn.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = %s"
+        " ORDER BY ordinal_position",
+        (table,),
+    ).fetchall()
+    return [name for (name,) in names if name != "day"]
+
+
 def rfc(value: datetime) -> str:
     return value.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -566,6 +596,8 @@ def run(args) -> tuple[dict, str]:
     server = sim = None
     try:
         migrate.upgrade(url)
+        if args.history_months:
+            add_history(url, args.history_months)
         if args.database:
             with psycopg.connect(url) as conn:
                 events = conn.execute("SELECT count(*) FROM ledger_events").fetchone()[0]
@@ -879,6 +911,13 @@ def main(argv=None) -> None:
     p.add_argument("--keep", action="store_true", help="keep the generated database")
     p.add_argument(
         "--database", help="measure this database (kept by an earlier --keep) instead of generating"
+    )
+    p.add_argument(
+        "--history-months",
+        type=int,
+        default=0,
+        metavar="N",
+        help="first add N earlier 30-day periods of daily rollups (see add_history)",
     )
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
