@@ -61,8 +61,8 @@ def _rollup(model, grain: str) -> Rollup:
 
 
 HOURLY = _rollup(SpendHourly, "hour")
-# Every rollup, finest first. Within a grain the smaller key sets come first: a report takes
-# the first that has all its keys.
+# Every rollup: spend_hourly first, then the read models made of its sums (a report reads the
+# one of its grain with the fewest keys that has every key it needs).
 ROLLUPS = (
     HOURLY,
     _rollup(SpendHourlyToken, "hour"),
