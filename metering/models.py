@@ -2,7 +2,18 @@
 
 from datetime import datetime
 
-from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Table, Text, text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Table,
+    Text,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from metering.db import Base, UTCDateTime
@@ -239,6 +250,65 @@ class SpendHourly(Base):
     reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[int] = mapped_column(Pico)
     uncharged: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
+
+
+# The coarser read models: the same sums as spend_hourly over fewer keys or whole UTC days
+# (the day stored as its midnight). settle adds each event to every one of them in the
+# transaction that appends it (metering.ledger.rollup.ROLLUPS); a report reads the coarsest
+# that answers its question exactly.
+_KEY_COLUMNS = {"team_id": 40, "user_id": 40, "token_id": 40, "model": 200, "provider": 100}
+_SUM_COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
+
+
+def _rollup_table(name: str, grain: str, keys: tuple[str, ...], indexed: tuple[str, ...]):
+    """A rollup table: its grain and keys the primary key (the grain first, so a time range is
+    an index range), an index (key, grain) for each key a report filters on."""
+    return Table(
+        name,
+        Base.metadata,
+        Column(grain, UTCDateTime, primary_key=True),
+        *(Column(key, String(_KEY_COLUMNS[key]), primary_key=True) for key in keys),
+        *(Column(column, BigInteger, nullable=False) for column in _SUM_COLUMNS),
+        Column("reasoning_tokens", BigInteger, nullable=False),
+        Column("cost", Pico, nullable=False),
+        Column("uncharged", Pico, nullable=False, server_default="0"),
+        *(Index(f"ix_{name}_{key}_{grain}", key, grain) for key in indexed),
+    )
+
+
+WHO = ("team_id", "user_id", "token_id")
+WHAT = ("team_id", "model", "provider")
+EVERY_KEY = ("team_id", "user_id", "token_id", "model", "provider")
+
+
+class SpendHourlyToken(Base):
+    """spend_hourly by team, user and token only."""
+
+    __table__ = _rollup_table("spend_hourly_token", "hour", WHO, ("team_id", "user_id", "token_id"))
+
+
+class SpendHourlyModel(Base):
+    """spend_hourly by team, model and provider only."""
+
+    __table__ = _rollup_table("spend_hourly_model", "hour", WHAT, ("team_id", "model"))
+
+
+class SpendDaily(Base):
+    """spend_hourly summed over whole UTC days, every key kept."""
+
+    __table__ = _rollup_table("spend_daily", "day", EVERY_KEY, ("user_id", "token_id"))
+
+
+class SpendDailyToken(Base):
+    """spend_daily by team, user and token only."""
+
+    __table__ = _rollup_table("spend_daily_token", "day", WHO, ("team_id", "user_id", "token_id"))
+
+
+class SpendDailyModel(Base):
+    """spend_daily by team, model and provider only."""
+
+    __table__ = _rollup_table("spend_daily_model", "day", WHAT, ("team_id", "model"))
 
 
 class LedgerEventArchive(Base):

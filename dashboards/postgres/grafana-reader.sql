@@ -14,8 +14,9 @@ WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'reader') \gexec
 ALTER ROLE :"reader" WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD :'reader_password';
 
 GRANT USAGE ON SCHEMA public TO :"reader";
-GRANT SELECT ON teams, budgets, budget_windows, spend_hourly, ledger_events, ledger_events_archive
-    TO :"reader";
+GRANT SELECT ON teams, budgets, budget_windows, spend_hourly, spend_hourly_token,
+    spend_hourly_model, spend_daily, spend_daily_token, spend_daily_model, ledger_events,
+    ledger_events_archive TO :"reader";
 GRANT SELECT (id, email, name, team_id, created_at, deleted_at) ON users TO :"reader";
 GRANT SELECT (id, user_id, name, prefix, expires_at, created_at, revoked_at) ON api_tokens
     TO :"reader";

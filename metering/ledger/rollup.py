@@ -1,23 +1,32 @@
-"""The hourly spend rollup (table spend_hourly): one row per UTC hour, team, user, token, model
-and provider, kept equal to the ledger's sums.
+"""The spend rollups: the ledger's sums per UTC hour (spend_hourly, every key: team, user, token,
+model, provider) and the coarser read models made of the same sums (by team, user and token; by
+team, model and provider; per whole UTC day), kept equal to the ledger's sums.
 
-metering.ledger.writer appends each event and adds it here in the same transaction, so the
-rollup can never disagree with the ledger: both are committed or neither is. A late settle
-that replaces an `unsettled` placeholder adds the difference (no new request) to the same
-hour. Reports read whole hours from here and only the partial hours at a range's edges from
-the ledger.
+metering.ledger.writer appends each event and adds it to every rollup in the same transaction,
+so no rollup can ever disagree with the ledger: all are committed or none is. A late settle
+that replaces an `unsettled` placeholder adds the difference (no new request) to the same hour
+and day. Reports read whole days and whole hours from the coarsest rollup that has their keys
+and only the partial hours at a range's edges from the ledger.
 """
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import String, case, func, literal_column, select
+from sqlalchemy import String, Table, case, func, literal_column, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.db import dialect_name
 from metering.ledger.event import Event
-from metering.models import SpendHourly
+from metering.models import (
+    SpendDaily,
+    SpendDailyModel,
+    SpendDailyToken,
+    SpendHourly,
+    SpendHourlyModel,
+    SpendHourlyToken,
+)
 
 KEY = ("hour", "team_id", "user_id", "token_id", "model", "provider")
 SUMS = (
@@ -32,6 +41,39 @@ SUMS = (
 SATURATED = {"uncharged": 2**63 - 1}
 
 
+@dataclass(frozen=True, slots=True)
+class Rollup:
+    """One read model: its table, its grain ("hour" or "day", also the time column's name) and
+    the attribution keys it keeps."""
+
+    table: Table
+    grain: str
+    keys: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return (self.grain, *self.keys)
+
+
+def _rollup(model, grain: str) -> Rollup:
+    table = model.__table__
+    return Rollup(table, grain, tuple(c.name for c in table.primary_key.columns if c.name != grain))
+
+
+HOURLY = _rollup(SpendHourly, "hour")
+# Every rollup: spend_hourly first, then the read models made of its sums (a report reads the
+# one of its grain with the fewest keys that has every key it needs).
+ROLLUPS = (
+    HOURLY,
+    _rollup(SpendHourlyToken, "hour"),
+    _rollup(SpendHourlyModel, "hour"),
+    _rollup(SpendDaily, "day"),
+    _rollup(SpendDailyToken, "day"),
+    _rollup(SpendDailyModel, "day"),
+)
+DERIVED = ROLLUPS[1:]  # made from spend_hourly's rows
+
+
 def floor_hour(value: datetime) -> datetime:
     return value.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
@@ -41,9 +83,18 @@ def ceil_hour(value: datetime) -> datetime:
     return floor if floor == value else floor + timedelta(hours=1)
 
 
+def floor_day(value: datetime) -> datetime:
+    return value.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+def ceil_day(value: datetime) -> datetime:
+    floor = floor_day(value)
+    return floor if floor == value else floor + timedelta(days=1)
+
+
 def row_for(event: Event, **override) -> dict:
-    """The rollup increment one ledger event makes (`override`: e.g. requests=0 and the cost
-    difference, when an event replaces a placeholder already counted)."""
+    """The hourly rollup increment one ledger event makes (`override`: e.g. requests=0 and the
+    cost difference, when an event replaces a placeholder already counted)."""
     return {
         "hour": floor_hour(event.created_at),
         "team_id": event.team_id,
@@ -62,8 +113,38 @@ def row_for(event: Event, **override) -> dict:
     }
 
 
-def _upsert(insert):
-    table = SpendHourly.__table__
+def project(rollup: Rollup, row: dict) -> dict:
+    """An hourly row (row_for's shape) as the increment it makes to `rollup`."""
+    if rollup is HOURLY:
+        return row
+    out = {rollup.grain: floor_day(row["hour"]) if rollup.grain == "day" else row["hour"]}
+    for name in (*rollup.keys, "requests", *SUMS):
+        out[name] = row[name]
+    return out
+
+
+def summed(rollup: Rollup, rows: list[dict]) -> list[dict]:
+    """Hourly rows summed into `rollup`'s rows, in key order (concurrent writers, other
+    processes, lock shared rows in one order), each sum saturated where it must be."""
+    out: dict[tuple, dict] = {}
+    for row in rows:
+        part = project(rollup, row)
+        key = tuple(part[name] for name in rollup.key)
+        sums = out.get(key)
+        if sums is None:
+            out[key] = dict(part)
+            continue
+        sums["requests"] += part["requests"]
+        for name in SUMS:
+            sums[name] += part[name]
+    for sums in out.values():
+        for name, most in SATURATED.items():
+            sums[name] = min(sums[name], most)
+    return [out[key] for key in sorted(out)]
+
+
+def _upsert(insert, rollup: Rollup):
+    table = rollup.table
     statement = insert(table)
 
     def added(name: str):
@@ -74,39 +155,81 @@ def _upsert(insert):
         return column + more
 
     return statement.on_conflict_do_update(
-        index_elements=list(KEY), set_={name: added(name) for name in ("requests", *SUMS)}
+        index_elements=list(rollup.key),
+        set_={name: added(name) for name in ("requests", *SUMS)},
     )
 
 
-# Built once per dialect: every appended event runs it.
-_UPSERTS = {"postgresql": _upsert(pg_insert), "sqlite": _upsert(sqlite_insert)}
+# Built once per dialect: every appended event runs them.
+_UPSERTS = {
+    dialect: [(rollup, _upsert(insert, rollup)) for rollup in ROLLUPS]
+    for dialect, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))
+}
+
+
+_MOST = {name: SATURATED.get(name) for name in ("requests", *SUMS)}
+
+
+def _statement_pg() -> str:
+    """On PostgreSQL, every rollup in one statement (one round trip): the rows, as arrays, are
+    summed per rollup in SQL, in key order (concurrent writers lock shared rows in one order),
+    and upserted by one data-modifying WITH query per rollup."""
+    keys = ", ".join(KEY[1:])
+    figures = ("requests", *SUMS)
+    arrays = ", ".join(
+        ["CAST(:hour AS timestamptz[])"]
+        + [f"CAST(:{k} AS text[])" for k in KEY[1:]]
+        + [f"CAST(:{f} AS bigint[])" for f in figures]
+    )
+    parts = [f"e AS (SELECT * FROM unnest({arrays}) AS e(hour, {keys}, {', '.join(figures)}))"]
+    for i, rollup in enumerate(ROLLUPS):
+        name = rollup.table.name
+        at = "hour"
+        if rollup.grain == "day":
+            at = "date_trunc('day', hour AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+        sums = ", ".join(
+            f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in figures
+        )
+        updates = ", ".join(
+            f"{f} = CASE WHEN t.{f} > {_MOST[f]} - EXCLUDED.{f} THEN {_MOST[f]} "
+            f"ELSE t.{f} + EXCLUDED.{f} END"
+            if _MOST[f]
+            else f"{f} = t.{f} + EXCLUDED.{f}"
+            for f in figures
+        )
+        columns = ", ".join(rollup.key)
+        positions = ", ".join(str(n) for n in range(1, len(rollup.key) + 1))
+        parts.append(
+            f"r{i} AS (INSERT INTO {name} AS t ({columns}, {', '.join(figures)}) "
+            f"SELECT {at}, {', '.join(rollup.keys)}, {sums} FROM e "
+            f"GROUP BY {positions} ORDER BY {positions} "
+            f"ON CONFLICT ({columns}) DO UPDATE SET {updates})"
+        )
+    return "WITH " + ",\n".join(parts) + "\nSELECT 1"
+
+
+_ALL_PG = text(_statement_pg())
+
+
+async def _add_rows(session: AsyncSession, rows: list[dict]) -> None:
+    if dialect_name(session) == "postgresql":
+        arrays = {name: [row[name] for row in rows] for name in (*KEY, "requests", *SUMS)}
+        await session.execute(_ALL_PG, arrays)
+        return
+    for rollup, upsert in _UPSERTS["sqlite"]:
+        await session.execute(upsert, summed(rollup, rows))
 
 
 async def add(session: AsyncSession, event: Event, **override) -> None:
-    """Add one ledger event to its hour's row: one upsert, in the caller's transaction."""
-    await session.execute(_UPSERTS[dialect_name(session)], row_for(event, **override))
+    """Add one ledger event to its row in every rollup, in the caller's transaction."""
+    await _add_rows(session, [row_for(event, **override)])
 
 
 async def add_many(session: AsyncSession, events: list[Event]) -> None:
-    """Add several events to their hours' rows: one upsert per row, summed here first (a row
-    is written once however many of the events it counts)."""
-    rows: dict[tuple, dict] = {}
-    for event in events:
-        row = row_for(event)
-        key = tuple(row[name] for name in KEY)
-        sums = rows.get(key)
-        if sums is None:
-            rows[key] = row
-            continue
-        sums["requests"] += 1
-        for name in SUMS:
-            sums[name] += row[name]
-    for row in rows.values():
-        for name, most in SATURATED.items():
-            row[name] = min(row[name], most)
-    # In key order: concurrent groups (other processes) lock shared rows in one order.
-    ordered = [rows[key] for key in sorted(rows)]
-    await session.execute(_UPSERTS[dialect_name(session)], ordered)
+    """Add several events to their rows: each rollup's rows summed first (a row is written
+    once however many of the events it counts); one statement on PostgreSQL, one per rollup
+    on SQLite."""
+    await _add_rows(session, [row_for(event) for event in events])
 
 
 def hour_text(column, dialect: str):
@@ -151,3 +274,28 @@ def rebuild_statement(source, dialect: str):
     ).group_by(*keys)
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
     return insert(SpendHourly).from_select([*KEY, "requests", *SUMS], query)
+
+
+def day_value(column, dialect: str):
+    """A UTC datetime column truncated to its day, stored the way a UTCDateTime is."""
+    if dialect == "postgresql":
+        utc = column.op("AT TIME ZONE")(literal_column("'UTC'"))
+        return func.date_trunc("day", utc).op("AT TIME ZONE")(literal_column("'UTC'"))
+    return func.strftime("%Y-%m-%d 00:00:00.000000", column)
+
+
+def derive_statement(rollup: Rollup, dialect: str, *where):
+    """INSERT INTO a coarser rollup the sums of spend_hourly's rows (`where`: only some of them):
+    for tools that write spend_hourly in bulk; settle keeps every rollup itself."""
+    source = SpendHourly.__table__
+    at = source.c.hour
+    if rollup.grain == "day":
+        at = day_value(at, dialect)
+    keys = (at, *(source.c[name] for name in rollup.keys))
+    query = (
+        select(*keys, *(func.sum(source.c[name]) for name in ("requests", *SUMS)))
+        .where(*where)
+        .group_by(*keys)
+    )
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    return insert(rollup.table).from_select([*rollup.key, "requests", *SUMS], query)

@@ -1,6 +1,7 @@
-"""Writing the ledger: append an event with its rollup row, or put a late request's real outcome
-in place of its `unsettled` placeholder. Both run in the caller's transaction (the one that
-moves the budget counters), so the ledger, the rollup and the budgets are committed together.
+"""Writing the ledger: append an event with its rollup rows, or put a late request's real
+outcome in place of its `unsettled` placeholder. Both run in the caller's transaction (the one
+that moves the budget counters), so the ledger, the rollups and the budgets are committed
+together.
 """
 
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ _REPLACE = update(_table).where(
 
 
 async def append(conn: AsyncConnection | AsyncSession, event: Event) -> None:
-    """Insert the event and add it to its hour's rollup row."""
+    """Insert the event and add it to its row in every rollup."""
     await conn.execute(_INSERT, event.params())
-    await rollup.add(conn, event)  # same transaction: the rollup equals the ledger
+    await rollup.add(conn, event)  # same transaction: the rollups equal the ledger
 
 
 async def append_many(conn: AsyncConnection | AsyncSession, events: list[Event]) -> None:
@@ -51,8 +52,8 @@ class Replaced:
 
 async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) -> Replaced | None:
     """The request settled after its hold was swept: its real outcome replaces the `unsettled`
-    charge, in the same hour (the event keeps the placeholder's created_at) and capped at it
-    (the placeholder charged the whole hold). None when there is no such placeholder."""
+    charge, in the same hour and day (the event keeps the placeholder's created_at) and capped
+    at it (the placeholder charged the whole hold). None when there is no such placeholder."""
     old = (await conn.execute(_PLACEHOLDER, {"placeholder_id": event.id})).first()
     if old is None:
         return None

@@ -8,7 +8,13 @@ from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_prin
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
 from metering.reports import reconciliation, usage
 from metering.reports.schemas import ReconciliationOut, SpendOut, UsageOut
-from metering.reports.spend import DEFAULT_ROWS, MAX_PAGE, MAX_ROWS, spend_report
+from metering.reports.spend import (
+    DEFAULT_ROWS,
+    MAX_PAGE,
+    MAX_REPORT_ROWS,
+    MAX_ROWS,
+    spend_report,
+)
 from metering.reports.usage import check_text
 from metering.services import Services, get_services
 
@@ -60,12 +66,25 @@ async def list_usage(
     return JSONResponse(await usage.page(services.db, query, limit=limit, cursor=cursor))
 
 
+SPEND_400 = (
+    "A parameter is not valid, or the report could hold more than "
+    f"{MAX_REPORT_ROWS:,} rows (code `report_too_large`, param `group_by`): the hours or days "
+    "the range touches times the tokens (users, teams) and models (providers) it holds, by the "
+    "keys grouped on. Narrow the range, group by day instead of hour, or filter."
+)
+
+
 @router.get(
     "/spend",
     response_model=SpendOut,
+    description="Spend summed by the keys of `group_by` over [start, end), exact to the "
+    "picodollar for any start and end: whole days and hours are read from the rollups settle "
+    f"keeps, partial hours from the ledger. A report holds at most {MAX_REPORT_ROWS:,} rows; "
+    "a page at most `limit`, in the order of the group keys.",
     responses={
         200: {"description": "The report, as JSON or (format=csv) as CSV", "content": CSV},
         **error_responses(400, *RULE_ERRORS["self"]),
+        400: {**error_responses(400)[400], "description": SPEND_400},
     },
 )
 async def spend(
@@ -73,7 +92,13 @@ async def spend(
     services: Services = Depends(get_services),
     start: str | None = Query(None, max_length=64),
     end: str | None = Query(None, max_length=64),
-    group_by: str | None = Query(None, max_length=200),
+    group_by: str | None = Query(
+        None,
+        max_length=200,
+        description="Comma-separated keys among team, user, token, model, provider, day, hour. "
+        f"A grouping that could give more than {MAX_REPORT_ROWS:,} rows over the range is a "
+        "400 (`report_too_large`).",
+    ),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),
     token_id: str | None = Query(None, max_length=40),

@@ -1,13 +1,19 @@
 """GET /v1/spend: spend summed by any combination of team, user, token, model, provider, day and
 hour, computed in SQL.
 
-Whole hours come from the hourly rollup (spend_hourly), which settle keeps equal to the ledger;
-only the partial hours at the range's edges are read from the ledger itself (and its archive),
-so a report over months reads a few thousand rollup rows, never millions of events, and is
+Settle keeps several rollups equal to the ledger (metering.ledger.rollup): per hour and per UTC
+day, each with every key or only the team, user and token, or only the team, model and
+provider. A report reads its whole days from the coarsest daily rollup that has every key it
+groups or filters on (unless it is by hour), the whole hours left at the days' edges from the
+coarsest hourly one, and only the partial hours at the range's edges from the ledger itself (and
+its archive): a report over a month of a whole organisation reads a few thousand rows, and is
 exact for any start and end.
 
-A report holds at most `limit` rows (default DEFAULT_ROWS, at most MAX_ROWS), ordered by its
-group keys; `page` walks the rest. Rows are read and written in chunks with the event loop
+A report holds at most MAX_REPORT_ROWS rows: one that could hold more (check_size's bound) is
+refused with a 400 naming the limit. A page holds at most `limit` rows (default DEFAULT_ROWS,
+at most MAX_ROWS), ordered by the group keys; `page` walks the rest. The page's rows carry the
+report's row count and totals (window functions): the report is aggregated once per request.
+Rows are read and written in chunks of CHUNK, never a whole page in memory, with the event loop
 free between them, so a large report never stalls the requests the proxy is serving.
 """
 
@@ -15,18 +21,37 @@ import asyncio
 import csv
 import io
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
 
+import orjson
 from sqlalchemy import func, literal, select, union_all
 
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
-from metering.ledger.rollup import ceil_hour, day_text, floor_hour, hour_text
-from metering.models import LedgerEvent, LedgerEventArchive, SpendHourly
+from metering.ledger.rollup import (
+    ROLLUPS,
+    Rollup,
+    ceil_day,
+    ceil_hour,
+    day_text,
+    day_value,
+    floor_day,
+    floor_hour,
+    hour_text,
+    hour_value,
+)
+from metering.models import (
+    WHO,
+    LedgerEvent,
+    LedgerEventArchive,
+    SpendDaily,
+    SpendDailyModel,
+    SpendDailyToken,
+)
 from metering.money import format_usd
 from metering.reports.cells import row as csv_cells
 from metering.reports.usage import check_range, check_text, own_user, parse_time
@@ -36,6 +61,8 @@ DEFAULT_DAYS = 30
 DEFAULT_ROWS = 10_000  # rows per page unless `limit` says otherwise
 MAX_ROWS = 100_000  # the largest `limit`
 MAX_PAGE = 1_000_000
+# The most rows a report may hold (the largest page): a larger grouping is refused with a 400.
+MAX_REPORT_ROWS = 100_000
 CHUNK = 1_000  # rows read or written between two turns of the event loop
 # group_by name -> the key it adds to each row
 GROUPS = {
@@ -75,53 +102,50 @@ def parse_group_by(value: str | None) -> list[str]:
     return names
 
 
-def _keys(table, dialect: str, keys: list[str]) -> list:
-    """The group keys of ledger rows, as the report names them."""
-    out = []
-    for key in keys:
-        if key == "day":
-            column = day_text(table.c.created_at, dialect)
-        elif key == "hour":
-            column = hour_text(table.c.created_at, dialect)
-        else:
-            column = table.c[key]
-        out.append(column.label(key))
-    return out
+TIME_KEYS = ("day", "hour")
 
 
-def _rollup_part(dialect, keys, filters, start: datetime, end: datetime):
-    """Sums by the plain keys and the raw hour first (a hash aggregate over the rollup rows),
-    then by the day or hour text: the text is made once per group, not once per rollup row."""
-    t = SpendHourly.__table__
-    plain = [k for k in keys if k not in ("day", "hour")]
-    columns = [
-        (func.nullif(t.c.token_id, "") if k == "token_id" else t.c[k]).label(k) for k in plain
+def _bucket(column, dialect: str, keys: list[str]):
+    """The UTC day or hour a row's instant falls in, stored the way a UTCDateTime is (so the
+    rows of every source group together); None when the report is by neither."""
+    if "hour" in keys:
+        return hour_value(column, dialect)
+    if "day" in keys:
+        return day_value(column, dialect)
+    return None
+
+
+def _plain(table, keys: list[str]) -> list:
+    return [
+        (func.nullif(table.c[k], "") if k == "token_id" else table.c[k]).label(k)
+        for k in keys
+        if k not in TIME_KEYS
     ]
-    if len(plain) < len(keys):
-        columns.append(t.c.hour.label("at"))
-    inner = (
-        select(*columns, *(func.sum(t.c[m]).label(m) for m in METRICS))
-        .where(t.c.hour >= start, t.c.hour < end, *(t.c[k] == v for k, v in filters.items()))
-        .group_by(*columns)
-        .subquery("rollup")
+
+
+def _rollup_part(rollup: Rollup, dialect, keys, filters, start: datetime, end: datetime):
+    """The rollup's rows in [start, end), their keys as the report groups them (no sums here:
+    the report sums every source once)."""
+    t = rollup.table
+    at = t.c[rollup.grain]
+    columns = _plain(t, keys)
+    if any(k in TIME_KEYS for k in keys):
+        # A rollup's own grain is already its bucket; an hour's day is computed.
+        bucket = at if rollup.grain in keys else _bucket(at, dialect, keys)
+        columns.append(bucket.label("bucket"))
+    return select(*columns, *(t.c[m].label(m) for m in METRICS)).where(
+        at >= start, at < end, *(t.c[k] == v for k, v in filters.items())
     )
-    outer = []
-    for key in keys:
-        if key == "day":
-            outer.append(day_text(inner.c.at, dialect).label(key))
-        elif key == "hour":
-            outer.append(hour_text(inner.c.at, dialect).label(key))
-        else:
-            outer.append(inner.c[key].label(key))
-    if "hour" in keys:  # one raw hour is one hour text: nothing more to sum
-        return select(*outer, *(inner.c[m].label(m) for m in METRICS))
-    return select(*outer, *(func.sum(inner.c[m]).label(m) for m in METRICS)).group_by(*outer)
 
 
 def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime):
     t = table
+    columns = _plain(t, keys)
+    bucket = _bucket(t.c.created_at, dialect, keys)
+    if bucket is not None:
+        columns.append(bucket.label("bucket"))
     return select(
-        *_keys(t, dialect, keys),
+        *columns,
         literal(1).label("requests"),
         t.c.prompt_tokens.label("prompt_tokens"),
         t.c.cached_tokens.label("cached_tokens"),
@@ -134,29 +158,142 @@ def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime):
     )
 
 
+def read_model(grain: str, needed: set[str]) -> Rollup:
+    """The coarsest rollup of `grain` that keeps every key a report groups or filters on."""
+    fitting = [r for r in ROLLUPS if r.grain == grain and needed <= set(r.keys)]
+    return min(fitting, key=lambda r: len(r.keys))
+
+
+def sources(
+    keys: list[str], start: datetime, end: datetime
+) -> list[tuple[str, datetime, datetime]]:
+    """[start, end) cut into what answers it exactly: ("day", a, b) whole days (unless the
+    report is by hour), ("hour", a, b) whole hours, ("ledger", a, b) the partial hours."""
+    parts: list[tuple[str, datetime, datetime]] = []
+
+    def hours(a: datetime, b: datetime) -> None:
+        whole_start, whole_end = ceil_hour(a), floor_hour(b)
+        edges = [(a, b)]
+        if whole_start < whole_end:
+            parts.append(("hour", whole_start, whole_end))
+            edges = [(a, whole_start), (whole_end, b)]
+        parts.extend(("ledger", x, y) for x, y in edges if x < y)
+
+    days_start, days_end = ceil_day(start), floor_day(end)
+    if "hour" not in keys and days_start < days_end:
+        parts.append(("day", days_start, days_end))
+        hours(start, days_start)
+        hours(days_end, end)
+    else:
+        hours(start, end)
+    return parts
+
+
 def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, end: datetime):
-    """One SQL statement: rollup rows for the whole hours in [start, end), ledger (and archive)
-    rows for the partial hours at its edges, summed per group."""
-    whole_start, whole_end = ceil_hour(start), floor_hour(end)
+    """One SQL statement: the coarsest rollups' rows for the whole days and hours in
+    [start, end), ledger (and archive) rows for the partial hours at its edges, summed per
+    group."""
+    needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
     parts = []
-    edges = [(start, end)]
-    if whole_start < whole_end:
-        parts.append(_rollup_part(dialect, keys, filters, whole_start, whole_end))
-        edges = [(start, whole_start), (whole_end, end)]
-    for a, b in edges:
-        if a < b:
+    for source, a, b in sources(keys, start, end):
+        if source == "ledger":
             for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
                 parts.append(_ledger_part(table, dialect, keys, filters, a, b))
+        else:
+            rollup = read_model(source, needed)
+            parts.append(_rollup_part(rollup, dialect, keys, filters, a, b))
     if not parts:
         return None
     source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("source")
-    group = [source.c[k] for k in keys]
-    return (
+    # Summed once, by the plain keys and the raw bucket; the bucket's text is made once per
+    # group, not once per row.
+    group = [source.c[k] for k in keys if k not in TIME_KEYS]
+    if len(group) < len(keys):
+        group.append(source.c.bucket)
+    grouped = (
         select(*group, *(func.sum(source.c[m]).label(m) for m in METRICS))
         .group_by(*group)
         .having(func.sum(source.c.requests) > 0)
-        .order_by(*group)
+        .subquery("grouped")
     )
+    out = []
+    for key in keys:
+        if key == "day":
+            out.append(day_text(grouped.c.bucket, dialect).label(key))
+        elif key == "hour":
+            out.append(hour_text(grouped.c.bucket, dialect).label(key))
+        else:
+            out.append(grouped.c[key])
+    return select(*out, *(grouped.c[m] for m in METRICS)).order_by(*out)
+
+
+def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
+    """How many distinct attributions (team, user, token) and distinct (model, provider) the
+    report's range holds, from the daily rollups by team, user and token and by team, model
+    and provider (a few rows a day each); None for the part the report does not group by."""
+    plain = [k for k in keys if k not in ("day", "hour")]
+    counts = []
+    for rollup_keys, model in ((WHO, SpendDailyToken), (("model", "provider"), SpendDailyModel)):
+        grouped = [k for k in plain if k in rollup_keys]
+        if not grouped:
+            counts.append(literal(None))
+            continue
+        t = model.__table__
+        if any(k not in t.c for k in filters):
+            # A filter this rollup has no column for (models for one token, tokens of one
+            # model): the daily rollup with every key applies it.
+            t = SpendDaily.__table__
+        distinct = (
+            select(*(t.c[k] for k in grouped))
+            .where(
+                t.c.day >= floor_day(start),
+                t.c.day < end,
+                *(t.c[k] == v for k, v in filters.items()),
+            )
+            .distinct()
+            .subquery()
+        )
+        counts.append(select(func.count()).select_from(distinct).scalar_subquery())
+    return select(*counts)
+
+
+def _who_label(keys: list[str]) -> str:
+    finest = [k for k in ("token_id", "user_id", "team_id") if k in keys]
+    return finest[0].removesuffix("_id") + "s" if finest else ""
+
+
+def _what_label(keys: list[str]) -> str:
+    if "model" in keys and "provider" in keys:
+        return "model and provider pairs"
+    return "models" if "model" in keys else "providers"
+
+
+async def check_size(db, keys: list[str], filters: dict, start: datetime, end: datetime) -> None:
+    """Refuse (400) a report that could hold more than MAX_REPORT_ROWS rows. The bound: the
+    hours (days) the range touches, times the distinct attributions it holds by the keys
+    grouped on (tokens, users or teams), times the distinct models or providers."""
+    bound, parts = 1, []
+    if "hour" in keys:
+        bound = (ceil_hour(end) - floor_hour(start)) // timedelta(hours=1)
+        parts.append(f"{bound:,} hours")
+    elif "day" in keys:
+        bound = (ceil_day(end) - floor_day(start)).days
+        parts.append(f"{bound:,} days")
+    if any(k not in ("day", "hour") for k in keys):
+        async with db.reads() as session:
+            who, what = (await session.execute(bound_query(keys, filters, start, end))).one()
+        for count, label in ((who, _who_label(keys)), (what, _what_label(keys))):
+            if count is not None:
+                bound *= count
+                parts.append(f"{count:,} {label}")
+    if bound > MAX_REPORT_ROWS:
+        raise InvalidRequest(
+            f"this report could hold up to {bound:,} rows ({' x '.join(parts)}); a report holds "
+            f"at most {MAX_REPORT_ROWS:,}: narrow the range, group by day instead of hour, or "
+            "filter by team, user, token or model",
+            param="group_by",
+            code="report_too_large",
+        )
 
 
 def _row_out(row, keys: list[str]) -> dict:
@@ -182,17 +319,38 @@ async def summary(db, query) -> tuple[int, dict]:
     return int(found.rows), {m: int(getattr(found, m) or 0) for m in METRICS}
 
 
-async def page_rows(db, query, keys: list[str], offset: int, limit: int) -> list[dict]:
-    """One page of a report, read in chunks with the event loop free between them."""
-    if query is None or limit <= 0:
-        return []
-    out: list[dict] = []
+def page_query(query, keys: list[str], offset: int, limit: int):
+    """A page of the report, each row carrying the report's row count and totals (window
+    functions over every row, computed before the page is cut): one aggregate serves both."""
+    report = query.order_by(None).subquery("report")
+    return (
+        select(
+            *report.c,
+            func.count().over().label("row_count"),
+            *(func.sum(report.c[m]).over().label(f"total_{m}") for m in METRICS),
+        )
+        .order_by(*(report.c[k] for k in keys))
+        .offset(offset)
+        .limit(limit)
+    )
+
+
+async def page_parts(db, query, keys: list[str], offset: int, limit: int):
+    """The page's rows, CHUNK at a time as the database sends them (never the whole page in
+    memory), the event loop free between two chunks."""
     async with db.reads() as session:
-        result = await session.stream(query.offset(offset).limit(limit))
+        result = await session.stream(page_query(query, keys, offset, limit))
         async for part in result.partitions(CHUNK):
-            out.extend(_row_out(r, keys) for r in part)
+            yield part
             await asyncio.sleep(0)
-    return out
+
+
+async def _rows_out(first, rest, keys: list[str]):
+    if first:
+        yield [_row_out(r, keys) for r in first]
+    if rest is not None:
+        async for part in rest:
+            yield [_row_out(r, keys) for r in part]
 
 
 def _dumps(value) -> str:
@@ -202,13 +360,13 @@ def _dumps(value) -> str:
 
 async def _json(head: dict, read_rows):
     """The report as JSON, `rows` last: the head (totals, paging) leaves at once, then the rows
-    are read and written CHUNK at a time, the event loop free between two chunks."""
+    are read and written a chunk at a time."""
     yield _dumps(head)[:-1].encode() + b',"rows":['
-    rows = await read_rows()
-    for start in range(0, len(rows), CHUNK):
-        text = ",".join(_dumps(_money(row)) for row in rows[start : start + CHUNK])
-        yield (b"," if start else b"") + text.encode()
-        await asyncio.sleep(0)
+    first = True
+    async for rows in read_rows():
+        text = orjson.dumps([_money(row) for row in rows])[1:-1]  # the objects, comma-separated
+        yield text if first else b"," + text
+        first = False
     yield b"]}"
 
 
@@ -218,15 +376,13 @@ async def _csv(keys: list[str], read_rows):
     writer.writerow([*keys, *METRICS])
     yield buffer.getvalue().encode()
     columns = (*keys, *METRICS)
-    done = await read_rows()
-    for start in range(0, len(done), CHUNK):
+    async for rows in read_rows():
         buffer.seek(0)
         buffer.truncate()
-        for row in done[start : start + CHUNK]:
+        for row in rows:
             money = _money(row)
             writer.writerow(csv_cells(money[c] for c in columns))
         yield buffer.getvalue().encode()
-        await asyncio.sleep(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +391,7 @@ class SpendReport:
 
     head: dict
     keys: list[str]
-    read_rows: Callable[[], Awaitable[list[dict]]]
+    read_rows: Callable[[], AsyncIterator[list[dict]]]
 
     def paging(self) -> dict[str, str]:
         """The paging headers of both formats."""
@@ -277,8 +433,18 @@ async def spend_report(
     query = spend_query(db.dialect, keys, given, start_at, end_at)
     if "" in given.values():  # no id, model or provider is empty
         query = None
-    count, total = await summary(db, query)
+    else:
+        await check_size(db, keys, given, start_at, end_at)
     offset = (page - 1) * limit
+    # The first chunk is read now: its rows carry the count and totals the head (and the
+    # paging headers) need; the rest is read as the response is sent.
+    parts = page_parts(db, query, keys, offset, limit) if query is not None else None
+    first = await anext(parts, None) if parts is not None else None
+    if first:
+        count = int(first[0].row_count)
+        total = {m: int(getattr(first[0], f"total_{m}") or 0) for m in METRICS}
+    else:  # an empty report, or a page after the last
+        count, total = await summary(db, query)
     head = {
         "start": rfc3339(start_at),
         "end": rfc3339(end_at),
@@ -289,6 +455,4 @@ async def spend_report(
         "limit": limit,
         "next_page": page + 1 if offset + limit < count else None,
     }
-    # Read when the response starts: the first bytes leave before the rows are read.
-    rows = partial(page_rows, db, query, keys, offset, min(limit, max(count - offset, 0)))
-    return SpendReport(head, keys, rows)
+    return SpendReport(head, keys, partial(_rows_out, first, parts, keys))

@@ -285,3 +285,39 @@ def test_the_default_page_is_10000_rows_and_the_largest_100000(api, hours):
     response = api.request("GET", "/v1/spend", params={**params, "limit": 100_001})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "limit"
+
+
+# --- reports too large to read ---------------------------------------------------------------
+
+
+def _span(first: datetime, hours: int) -> dict:
+    return {
+        "start": first.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "end": (first + timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+@pytest.mark.parametrize("group_by", ["hour", "token,model,hour"])
+def test_a_report_that_could_hold_more_than_100000_rows_is_400_naming_the_limit(
+    api, hours, group_by
+):
+    first, params = hours
+    span = _span(first, 100_001)  # 100,001 hours x 1 token x 1 model
+    response = api.request("GET", "/v1/spend", params={**params, **span, "group_by": group_by})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "report_too_large",
+        "group_by",
+    )
+    assert "100,001 hours" in error["message"]
+    assert "a report holds at most 100,000" in error["message"]
+
+
+@pytest.mark.parametrize("group_by", ["hour", "token,model,hour"])
+def test_a_report_at_the_limit_is_answered(api, hours, group_by):
+    first, params = hours
+    span = _span(first, 100_000)
+    body = api.ok("GET", "/v1/spend", params={**params, **span, "group_by": group_by})
+    assert (body["row_count"], body["total"]["requests"]) == (30, 30)

@@ -11,15 +11,16 @@ import pytest
 from sqlalchemy import create_engine, insert, pool
 
 from metering.db import sync_url
-from metering.models import SpendHourly
+from metering.ledger.rollup import ROLLUPS
+from metering.ledger.rollup import summed as rollup_rows
 
 TOKENS, HOURS = 100, 1000  # 100,000 rollup rows: the report by token and hour has as many
 
 
 @pytest.fixture(scope="module")
 def large_report(api):
-    """A team of its own with 100,000 rollup rows (one per token and hour), as settle would
-    have left them; returns the report's parameters."""
+    """A team of its own with 100,000 hourly rollup rows (one per token and hour) and the
+    coarser rollups' rows, as settle would have left them; returns the report's parameters."""
     team, user, _ = api.principal()
     first = datetime(2024, 1, 1, tzinfo=UTC) + timedelta(hours=uuid.uuid4().int % 5000)
     rows = [
@@ -40,11 +41,15 @@ def large_report(api):
         for t in range(TOKENS)
         for h in range(HOURS)
     ]
+    for row in rows:
+        row["uncharged"] = 0
     engine = create_engine(sync_url(api.settings.database_url), poolclass=pool.NullPool)
     try:
         with engine.begin() as conn:
-            for start in range(0, len(rows), 10_000):
-                conn.execute(insert(SpendHourly.__table__), rows[start : start + 10_000])
+            for rollup in ROLLUPS:  # every rollup, as settle keeps them
+                summed = rollup_rows(rollup, rows)
+                for start in range(0, len(summed), 10_000):
+                    conn.execute(insert(rollup.table), summed[start : start + 10_000])
     finally:
         engine.dispose()
     return {
@@ -127,3 +132,18 @@ def test_a_completion_finishes_while_a_large_report_is_still_being_sent(api, lar
     else:
         lines = report["body"].decode().splitlines()
         assert len(lines) == 100_001
+
+
+def test_a_report_one_hour_longer_could_hold_more_than_100000_rows_and_is_400(api, large_report):
+    """100 tokens over 1,000 hours is the largest report there may be; an hour more and the
+    bound (hours x the tokens the team's daily rollup holds) passes the limit."""
+    end = datetime.fromisoformat(large_report["end"]) + timedelta(hours=1)
+    params = {**large_report, "end": end.strftime("%Y-%m-%dT%H:%M:%SZ"), "limit": 10}
+    response = api.request("GET", "/v1/spend", params=params)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("report_too_large", "group_by")
+    assert error["message"].startswith(
+        "this report could hold up to 100,100 rows (1,001 hours x 100 tokens); a report holds "
+        "at most 100,000:"
+    )
