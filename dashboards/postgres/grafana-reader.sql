@@ -17,6 +17,8 @@ GRANT USAGE ON SCHEMA public TO :"reader";
 GRANT SELECT ON teams, budgets, budget_windows, spend_hourly, spend_hourly_token,
     spend_hourly_model, spend_daily, spend_daily_token, spend_daily_model, ledger_events,
     ledger_events_archive TO :"reader";
+GRANT SELECT (id, subject_id, amount) ON budget_leases TO :"reader";
+GRANT SELECT (amount, token_lease, user_lease, team_lease) ON holds TO :"reader";
 GRANT SELECT (id, email, name, team_id, created_at, deleted_at) ON users TO :"reader";
 GRANT SELECT (id, user_id, name, prefix, expires_at, created_at, revoked_at) ON api_tokens
     TO :"reader";

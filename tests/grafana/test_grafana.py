@@ -208,6 +208,7 @@ def test_budget_use_agrees_with_the_budget_api(query, pg_site):
     for scope, _, spent, reserved, limit, used, interval, resets_at, subject in rows:
         budget = pg_site.get(f"/v1/{scope}s/{subject}/budget")
         assert money(spent) == money(budget["spent"])
+        assert money(reserved) == money(budget["reserved"])  # leased, unused credit is free
         assert money(limit) == money(budget["credit_limit"])
         assert interval == budget["reset_interval"]
         if budget["resets_at"] is None:
