@@ -1,0 +1,364 @@
+"""Limits beyond credit: requests and tokens per minute, requests in flight, model allow-lists.
+
+A rate limit is a budget of requests or tokens over a short window, kept in PostgreSQL (or
+SQLite) so every replica and worker counts against the same row: one row of rate_counters per
+subject (token, user, team) and kind (`rpm`, `tpm`, `parallel`).
+
+Windows are fixed: the UTC minute (`window_of`). A request is admitted by ONE statement, a
+multi-row conditional upsert over every counter its limits name (sorted by subject and kind, the
+one order every writer uses): each row is moved into the current window if its window has ended
+(a row is never moved back: a replica whose clock is behind counts in the newer window), and
+`used` grows by the request's amount only `WHERE used + amount <= limit`. A row that does not
+match is not changed and not returned, so fewer rows returned = refused; the rows that did grow
+are shrunk back at once. Worst case at a boundary: `limit` requests admitted in the last instant
+of one minute and `limit` more in the first instant of the next, 2 x limit within any 60 s span
+that straddles it, never more than `limit` in one window.
+
+`parallel` counts requests in flight (its window never rolls). `tpm` reserves the prompt's upper
+bound plus the output allowance up front. What a request took is written on its hold
+(`rate_kinds`, `rate_window`, `rate_tokens`), and whoever ends the hold gives it back in the
+same transaction that deletes it (metering.budgets.service): a release (nothing reached an
+upstream) gives back all of it, a settle its parallel slot and the tokens it did not use (in
+the window it was counted in), the sweeper (a process that died) its parallel slot. A request
+with no such limit anywhere costs nothing: its limits come with its cached credential.
+"""
+
+import logging
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+import anyio
+from sqlalchemy import bindparam, case, func, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from metering.db import Database, dialect_name, utcnow
+from metering.limits import KINDS, SCOPES, Limits, ScopeLimits
+from metering.models import Hold, RateCounter
+
+log = logging.getLogger("metering.budgets")
+
+WINDOW_S = 60
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+# The parallel counter's window: it never rolls.
+NO_WINDOW = EPOCH
+_LETTER = {"rpm": "r", "tpm": "t", "parallel": "p"}
+_KIND = {letter: kind for kind, letter in _LETTER.items()}
+
+
+def window_of(now: datetime) -> tuple[datetime, datetime]:
+    """The fixed rate window holding `now`: [start, start + 60 s), on UTC minutes."""
+    elapsed = now - EPOCH
+    start = EPOCH + timedelta(seconds=(elapsed // timedelta(seconds=WINDOW_S)) * WINDOW_S)
+    return start, start + timedelta(seconds=WINDOW_S)
+
+
+# --- admission ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RateClaim:
+    """What one request took from its counters: written on its hold, given back at its end."""
+
+    kinds: str  # per scope (token,user,team), the letters of the kinds taken: "rp,,t"
+    window: datetime
+    tokens: int
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    scope: str
+    subject_id: str
+    kind: str
+    limit: int
+    used: int
+    requested: int
+    resets_at: datetime | None  # None: a parallel slot frees when a request ends
+    never_fits: bool = False
+
+    def retry_after_s(self, now: datetime) -> int | None:
+        if self.never_fits:
+            return None
+        if self.resets_at is None:
+            return 1
+        return max(1, math.ceil((self.resets_at - now).total_seconds()))
+
+
+class RateLimited(Exception):
+    def __init__(self, refusal: Refusal) -> None:
+        super().__init__(refusal.kind)
+        self.refusal = refusal
+
+
+def _insert(conn):
+    return pg_insert if dialect_name(conn) == "postgresql" else sqlite_insert
+
+
+def _admit_statement(conn, rows: list[dict]):
+    table = RateCounter.__table__
+    stmt = _insert(conn)(table).values(
+        [
+            {
+                "subject_id": r["subject_id"],
+                "kind": r["kind"],
+                "window_start": r["window_start"],
+                "used": r["amount"],
+                "updated_at": r["now"],
+            }
+            for r in rows
+        ]
+    )
+    new = stmt.excluded
+    rolled = new.window_start > table.c.window_start
+    grown = case((rolled, new.used), else_=table.c.used + new.used)
+    # Each row's own limit: a CASE over the rows' keys (at most 3 scopes x 3 kinds).
+    cap = case(
+        *[
+            ((table.c.subject_id == r["subject_id"]) & (table.c.kind == r["kind"]), r["cap"])
+            for r in rows
+        ],
+        else_=-1,
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=["subject_id", "kind"],
+        set_={
+            "used": grown,
+            "window_start": case((rolled, new.window_start), else_=table.c.window_start),
+            "updated_at": new.updated_at,
+        },
+        where=grown <= cap,
+    ).returning(table.c.subject_id, table.c.kind, table.c.window_start, table.c.used)
+
+
+_GIVE_BACK = (
+    update(RateCounter.__table__)
+    .where(
+        RateCounter.subject_id == bindparam("s_id"),
+        RateCounter.kind == bindparam("s_kind"),
+        RateCounter.window_start == bindparam("s_window"),
+    )
+    .values(
+        used=case(
+            (RateCounter.used > bindparam("s_amount"), RateCounter.used - bindparam("s_amount")),
+            else_=0,
+        )
+    )
+    .execution_options(synchronize_session=False)
+)
+
+
+async def give_back(conn, returns: list[dict]) -> None:
+    """Shrink counters: rows {s_id, s_kind, s_window, s_amount}, in key order."""
+    returns = [r for r in returns if r["s_amount"] > 0]
+    if returns:
+        returns.sort(key=lambda r: (r["s_id"], r["s_kind"]))
+        await conn.execute(_GIVE_BACK, returns)
+
+
+def _amounts(limits: Limits, tokens: int) -> list[tuple[ScopeLimits, str, int]]:
+    amounts = {"rpm": 1, "tpm": tokens, "parallel": 1}
+    return [
+        (scope, kind, amounts[kind])
+        for scope in limits.scopes
+        for kind in KINDS
+        if scope.cap(kind) is not None
+    ]
+
+
+def _encode(taken: list[tuple[ScopeLimits, str, int]]) -> str:
+    letters = {s: "" for s in SCOPES}
+    for scope, kind, _ in taken:
+        letters[scope.scope] += _LETTER[kind]
+    return ",".join(letters[s] for s in SCOPES)
+
+
+def decode(kinds: str) -> list[tuple[str, list[str]]]:
+    """Per scope (token, user, team): the kinds a hold took."""
+    return [
+        (scope, [_KIND[c] for c in letters])
+        for scope, letters in zip(SCOPES, kinds.split(","), strict=True)
+    ]
+
+
+def duration(seconds: float) -> str:
+    """A reset delay as OpenAI writes it: `20ms`, `1.5s`, `1m0s`."""
+    if seconds < 1:
+        return f"{max(int(seconds * 1000), 0)}ms"
+    minutes, rest = divmod(seconds, 60)
+    text = f"{rest:.3f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(minutes)}m{text}" if minutes else text
+
+
+def headers(limits: Limits, used: dict[tuple[str, str], int], now: datetime) -> dict[str, str]:
+    """x-ratelimit-* of the tightest requests and tokens limits, as OpenAI sends them."""
+    out: dict[str, str] = {}
+    _, end = window_of(now)
+    reset = duration((end - now).total_seconds())
+    for kind, suffix in (("rpm", "requests"), ("tpm", "tokens")):
+        best = None
+        for scope in limits.scopes:
+            cap = scope.cap(kind)
+            if cap is None:
+                continue
+            left = max(cap - used.get((scope.subject_id, kind), 0), 0)
+            if best is None or left < best[1]:
+                best = (cap, left)
+        if best is not None:
+            out[f"x-ratelimit-limit-{suffix}"] = str(best[0])
+            out[f"x-ratelimit-remaining-{suffix}"] = str(best[1])
+            out[f"x-ratelimit-reset-{suffix}"] = reset
+    return out
+
+
+async def admit(db: Database, limits: Limits, tokens: int) -> RateClaim:
+    """Count one request (and `tokens` for tpm) against every limit at once, or raise
+    RateLimited naming the first limit it would pass."""
+    now = utcnow()
+    start, end = window_of(now)
+    taken = _amounts(limits, tokens)
+    for scope, kind, amount in taken:
+        cap = scope.cap(kind)
+        assert cap is not None
+        if amount > cap:
+            resets = None if kind == "parallel" else end
+            raise RateLimited(
+                Refusal(scope.scope, scope.subject_id, kind, cap, 0, amount, resets, True)
+            )
+    rows = sorted(
+        (
+            {
+                "subject_id": scope.subject_id,
+                "kind": kind,
+                "window_start": NO_WINDOW if kind == "parallel" else start,
+                "amount": amount,
+                "cap": scope.cap(kind),
+                "now": now,
+            }
+            for scope, kind, amount in taken
+        ),
+        key=lambda r: (r["subject_id"], r["kind"]),
+    )
+    async with db.single() as conn:
+        got = {(r.subject_id, r.kind): r for r in await conn.execute(_admit_statement(conn, rows))}
+        if len(got) == len(rows):
+            window = next((r.window_start for r in got.values() if r.kind != "parallel"), start)
+            used = {key: r.used for key, r in got.items()}
+            return RateClaim(_encode(taken), window, tokens, headers(limits, used, now))
+        # Refused: give back what this request took, then say which limit refused it.
+        await give_back(
+            conn,
+            [
+                {
+                    "s_id": r.subject_id,
+                    "s_kind": r.kind,
+                    "s_window": r.window_start,
+                    "s_amount": 1 if r.kind != "tpm" else tokens,
+                }
+                for r in got.values()
+            ],
+        )
+        current = await counters(conn, [r["subject_id"] for r in rows])
+    for scope, kind, amount in taken:
+        if (scope.subject_id, kind) in got:
+            continue
+        window, used = current.get((scope.subject_id, kind), (start, 0))
+        cap = scope.cap(kind)
+        assert cap is not None
+        resets = None if kind == "parallel" else max(window, start) + timedelta(seconds=WINDOW_S)
+        raise RateLimited(Refusal(scope.scope, scope.subject_id, kind, cap, used, amount, resets))
+    raise AssertionError("a refused admission names no limit")
+
+
+async def counters(conn, subject_ids: list[str]) -> dict[tuple[str, str], tuple[datetime, int]]:
+    """(subject, kind) -> (window start, used) as stored (a past window's count is stale)."""
+    rows = await conn.execute(
+        select(
+            RateCounter.subject_id, RateCounter.kind, RateCounter.window_start, RateCounter.used
+        ).where(RateCounter.subject_id.in_(subject_ids))
+    )
+    return {(r.subject_id, r.kind): (r.window_start, r.used) for r in rows}
+
+
+async def release_claim(db: Database, claim: RateClaim, limits: Limits) -> None:
+    """Give back all of a claim whose request got no hold (refused by a budget). Never raises
+    nor yields to a cancellation: a slot it could not give back is recounted by heal_parallel."""
+    subjects = {s.scope: s.subject_id for s in limits.scopes}
+    rows = returns_of(claim.kinds, subjects, claim.window, claim.tokens, 0)
+    with anyio.CancelScope(shield=True):
+        try:
+            async with db.single() as conn:
+                await give_back(conn, rows)
+        except Exception:
+            log.warning("could not give back a refused request's rate counters", exc_info=True)
+
+
+_HOLDS_IN_FLIGHT = (
+    select(func.count())
+    .select_from(Hold)
+    .where(
+        Hold.rate_kinds.like("%p%"),
+        (Hold.token_id == RateCounter.subject_id)
+        | (Hold.user_id == RateCounter.subject_id)
+        | (Hold.team_id == RateCounter.subject_id),
+    )
+    .scalar_subquery()
+)
+_HEAL = (
+    update(RateCounter.__table__)
+    .where(
+        RateCounter.kind == "parallel",
+        RateCounter.used > 0,
+        RateCounter.updated_at < bindparam("idle_before"),
+    )
+    .values(
+        used=case((RateCounter.used > _HOLDS_IN_FLIGHT, _HOLDS_IN_FLIGHT), else_=RateCounter.used)
+    )
+    .execution_options(synchronize_session=False)
+)
+
+
+async def heal_parallel(db: Database, idle_s: float) -> int:
+    """Lower every parallel counter no request has been admitted against for `idle_s` to the
+    holds that name it: a slot taken by a process that died before writing its hold (or whose
+    give-back failed) is not lost. Every request in flight has a hold (kept alive by its
+    process), so a counter is never lowered below what is in flight."""
+    async with db.begin() as conn:
+        healed = await conn.execute(_HEAL, {"idle_before": utcnow() - timedelta(seconds=idle_s)})
+    return healed.rowcount or 0
+
+
+def returns_of(
+    kinds: str,
+    subjects: dict[str, str | None],
+    window: datetime,
+    tokens: int,
+    used_tokens: int | None,
+    *,
+    requests: bool = True,
+    parallel: bool = True,
+) -> list[dict]:
+    """The give-back rows of one ending: `used_tokens` of the tokens reserved are kept (None:
+    all of them), the request count is given back with `requests`."""
+    kept = tokens if used_tokens is None else min(max(used_tokens, 0), tokens)
+    amounts = {
+        "rpm": 1 if requests else 0,
+        "tpm": tokens - kept,
+        "parallel": 1 if parallel else 0,
+    }
+    out = []
+    for scope, taken in decode(kinds):
+        subject_id = subjects.get(scope)
+        if not subject_id:
+            continue
+        for kind in taken:
+            out.append(
+                {
+                    "s_id": subject_id,
+                    "s_kind": kind,
+                    "s_window": NO_WINDOW if kind == "parallel" else window,
+                    "s_amount": amounts[kind],
+                }
+            )
+    return out
