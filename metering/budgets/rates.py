@@ -92,22 +92,20 @@ class RateLimited(Exception):
         self.refusal = refusal
 
 
-def _insert(conn):
-    return pg_insert if dialect_name(conn) == "postgresql" else sqlite_insert
-
-
-def _admit_statement(conn, rows: list[dict]):
+def _build_admit(insert, n: int):
+    """The admission upsert of n counters, its values bound by position (i: s{i} subject,
+    k{i} kind, w{i} window, a{i} amount, c{i} limit)."""
     table = RateCounter.__table__
-    stmt = _insert(conn)(table).values(
+    stmt = insert(table).values(
         [
             {
-                "subject_id": r["subject_id"],
-                "kind": r["kind"],
-                "window_start": r["window_start"],
-                "used": r["amount"],
-                "updated_at": r["now"],
+                "subject_id": bindparam(f"s{i}"),
+                "kind": bindparam(f"k{i}"),
+                "window_start": bindparam(f"w{i}", type_=table.c.window_start.type),
+                "used": bindparam(f"a{i}", type_=table.c.used.type),
+                "updated_at": bindparam("now", type_=table.c.updated_at.type),
             }
-            for r in rows
+            for i in range(n)
         ]
     )
     new = stmt.excluded
@@ -116,8 +114,11 @@ def _admit_statement(conn, rows: list[dict]):
     # Each row's own limit: a CASE over the rows' keys (at most 3 scopes x 3 kinds).
     cap = case(
         *[
-            ((table.c.subject_id == r["subject_id"]) & (table.c.kind == r["kind"]), r["cap"])
-            for r in rows
+            (
+                (table.c.subject_id == bindparam(f"s{i}")) & (table.c.kind == bindparam(f"k{i}")),
+                bindparam(f"c{i}", type_=table.c.used.type),
+            )
+            for i in range(n)
         ],
         else_=-1,
     )
@@ -130,6 +131,31 @@ def _admit_statement(conn, rows: list[dict]):
         },
         where=grown <= cap,
     ).returning(table.c.subject_id, table.c.kind, table.c.window_start, table.c.used)
+
+
+# Built once per backend and number of counters: building a statement costs more than running it.
+_ADMITS: dict[tuple[str, int], object] = {}
+
+
+def _admit_statement(conn, rows: list[dict]):
+    backend = dialect_name(conn)
+    key = (backend, len(rows))
+    stmt = _ADMITS.get(key)
+    if stmt is None:
+        insert = pg_insert if backend == "postgresql" else sqlite_insert
+        stmt = _ADMITS[key] = _build_admit(insert, len(rows))
+    params: dict = {"now": rows[0]["now"]}
+    for i, r in enumerate(rows):
+        params.update(
+            {
+                f"s{i}": r["subject_id"],
+                f"k{i}": r["kind"],
+                f"w{i}": r["window_start"],
+                f"a{i}": r["amount"],
+                f"c{i}": r["cap"],
+            }
+        )
+    return stmt, params
 
 
 _GIVE_BACK = (
@@ -241,7 +267,8 @@ async def admit(db: Database, limits: Limits, tokens: int) -> RateClaim:
         key=lambda r: (r["subject_id"], r["kind"]),
     )
     async with db.single() as conn:
-        got = {(r.subject_id, r.kind): r for r in await conn.execute(_admit_statement(conn, rows))}
+        stmt, params = _admit_statement(conn, rows)
+        got = {(r.subject_id, r.kind): r for r in await conn.execute(stmt, params)}
         if len(got) == len(rows):
             window = next((r.window_start for r in got.values() if r.kind != "parallel"), start)
             used = {key: r.used for key, r in got.items()}

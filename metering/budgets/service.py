@@ -510,8 +510,9 @@ async def settle_in(
     else:
         charge = {"ids": subjects, "cost": event.cost, "amount": hold.amount}
         await session.execute(_CHARGE, charge)
-    await rates.give_back(session, rate_returns(hold, _used_tokens(event)))
     await writer.append(session, event)
+    # Last: the counters' rows are locked until the commit that follows.
+    await rates.give_back(session, rate_returns(hold, _used_tokens(event)))
     return True
 
 
@@ -591,8 +592,9 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
             returns += rate_returns(hold, _used_tokens(event))
         if taken:
             await _charge(conn, totals, leases)
-            await rates.give_back(conn, _summed(returns))
             await writer.append_many(conn, taken)
+            # Last: the counters' rows are locked until the commit that follows.
+            await rates.give_back(conn, _summed(returns))
     return results
 
 
