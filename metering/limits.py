@@ -45,7 +45,9 @@ class ScopeLimits:
 
     @property
     def empty(self) -> bool:
-        return self.rpm is None and self.tpm is None and self.parallel is None and not self.models
+        return (
+            self.rpm is None and self.tpm is None and self.parallel is None and self.models is None
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +63,7 @@ class Limits:
 
     @classmethod
     def of(cls, *scopes: ScopeLimits) -> "Limits | None":
-        kept = tuple(s for s in scopes if not s.empty or s.models is not None)
+        kept = tuple(s for s in scopes if not s.empty)
         return cls(kept) if kept else None
 
     def refusing(self, model: str) -> ScopeLimits | None:

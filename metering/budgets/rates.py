@@ -29,11 +29,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import anyio
-from sqlalchemy import bindparam, case, func, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import BigInteger, String, bindparam, case, func, select, text, update
 
-from metering.db import Database, dialect_name, utcnow
+from metering.db import Database, UTCDateTime, utcnow
 from metering.limits import KINDS, SCOPES, Limits, ScopeLimits
 from metering.models import Hold, RateCounter
 
@@ -92,58 +90,46 @@ class RateLimited(Exception):
         self.refusal = refusal
 
 
-def _build_admit(insert, n: int):
+def _build_admit(n: int):
     """The admission upsert of n counters, its values bound by position (i: s{i} subject,
-    k{i} kind, w{i} window, a{i} amount, c{i} limit)."""
-    table = RateCounter.__table__
-    stmt = insert(table).values(
-        [
-            {
-                "subject_id": bindparam(f"s{i}"),
-                "kind": bindparam(f"k{i}"),
-                "window_start": bindparam(f"w{i}", type_=table.c.window_start.type),
-                "used": bindparam(f"a{i}", type_=table.c.used.type),
-                "updated_at": bindparam("now", type_=table.c.updated_at.type),
-            }
-            for i in range(n)
-        ]
-    )
-    new = stmt.excluded
-    rolled = new.window_start > table.c.window_start
-    grown = case((rolled, new.used), else_=table.c.used + new.used)
+    k{i} kind, w{i} window, a{i} amount, c{i} limit). Written as SQL text, the same on
+    PostgreSQL and SQLite: an expression of it would be compiled again on every request."""
+    values = ", ".join(f"(:s{i}, :k{i}, :w{i}, :a{i}, :now)" for i in range(n))
     # Each row's own limit: a CASE over the rows' keys (at most 3 scopes x 3 kinds).
-    cap = case(
-        *[
-            (
-                (table.c.subject_id == bindparam(f"s{i}")) & (table.c.kind == bindparam(f"k{i}")),
-                bindparam(f"c{i}", type_=table.c.used.type),
-            )
-            for i in range(n)
-        ],
-        else_=-1,
+    caps = " ".join(
+        f"WHEN rate_counters.subject_id = :s{i} AND rate_counters.kind = :k{i} "
+        f"THEN CAST(:c{i} AS BIGINT)"
+        for i in range(n)
     )
-    return stmt.on_conflict_do_update(
-        index_elements=["subject_id", "kind"],
-        set_={
-            "used": grown,
-            "window_start": case((rolled, new.window_start), else_=table.c.window_start),
-            "updated_at": new.updated_at,
-        },
-        where=grown <= cap,
-    ).returning(table.c.subject_id, table.c.kind, table.c.window_start, table.c.used)
+    rolled = "excluded.window_start > rate_counters.window_start"
+    grown = f"CASE WHEN {rolled} THEN excluded.used ELSE rate_counters.used + excluded.used END"
+    sql = (
+        "INSERT INTO rate_counters (subject_id, kind, window_start, used, updated_at) "
+        f"VALUES {values} ON CONFLICT (subject_id, kind) DO UPDATE SET used = {grown}, "
+        f"window_start = CASE WHEN {rolled} THEN excluded.window_start "
+        "ELSE rate_counters.window_start END, updated_at = excluded.updated_at "
+        f"WHERE {grown} <= CASE {caps} ELSE -1 END "
+        "RETURNING subject_id, kind, window_start, used"
+    )
+    types = [bindparam("now", type_=UTCDateTime)]
+    types += [bindparam(f"w{i}", type_=UTCDateTime) for i in range(n)]
+    types += [bindparam(f"a{i}", type_=BigInteger) for i in range(n)]
+    types += [bindparam(f"c{i}", type_=BigInteger) for i in range(n)]
+    return (
+        text(sql)
+        .bindparams(*types)
+        .columns(subject_id=String, kind=String, window_start=UTCDateTime, used=BigInteger)
+    )
 
 
-# Built once per backend and number of counters: building a statement costs more than running it.
-_ADMITS: dict[tuple[str, int], object] = {}
+# Built once per number of counters.
+_ADMITS: dict[int, object] = {}
 
 
-def _admit_statement(conn, rows: list[dict]):
-    backend = dialect_name(conn)
-    key = (backend, len(rows))
-    stmt = _ADMITS.get(key)
+def _admit_statement(rows: list[dict]):
+    stmt = _ADMITS.get(len(rows))
     if stmt is None:
-        insert = pg_insert if backend == "postgresql" else sqlite_insert
-        stmt = _ADMITS[key] = _build_admit(insert, len(rows))
+        stmt = _ADMITS[len(rows)] = _build_admit(len(rows))
     params: dict = {"now": rows[0]["now"]}
     for i, r in enumerate(rows):
         params.update(
@@ -267,7 +253,7 @@ async def admit(db: Database, limits: Limits, tokens: int) -> RateClaim:
         key=lambda r: (r["subject_id"], r["kind"]),
     )
     async with db.single() as conn:
-        stmt, params = _admit_statement(conn, rows)
+        stmt, params = _admit_statement(rows)
         got = {(r.subject_id, r.kind): r for r in await conn.execute(stmt, params)}
         if len(got) == len(rows):
             window = next((r.window_start for r in got.values() if r.kind != "parallel"), start)

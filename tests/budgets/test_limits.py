@@ -232,3 +232,12 @@ def test_token_lifetimes_expires_in_and_patch(api):
     extended = patch(api, "token", created["id"], expires_at=None)
     assert extended["expires_at"] is None
     assert chat(api, created["token"], "life sim:tokens=1", max_tokens=2).status_code == 200
+
+
+def test_an_empty_allow_list_allows_no_model(api):
+    _, _, token = api.principal()
+    patch(api, "token", token["id"], allowed_models=[])
+    refused = chat(api, token["token"], "none sim:tokens=1", max_tokens=2)
+    assert refused.status_code == 403
+    assert refused.json()["error"]["message"].endswith("its allowed_models are (none)")
+    assert api.ok("GET", "/v1/models", key=token["token"])["data"] == []
