@@ -714,6 +714,19 @@ def check(server: Server) -> list[tuple[bool, str]]:
             + (f"; not: {', '.join(spent_wrong[:5])}" if spent_wrong else ""),
         )
     )
+    limited = server.principals.get("limits")
+    if limited is not None:
+        in_flight = {
+            key: server.admin.ok("GET", f"/v1/{key}s/{limited[key]['id']}/limits")["in_flight"]
+            for key in ("token", "user", "team")
+        }
+        checks.append(
+            (
+                not any(in_flight.values()),
+                f"{label}: rate limits: no request in flight left on the token, its user and its "
+                f"team ({in_flight})",
+            )
+        )
     log = server.process.log_path.read_text(errors="replace")
     errors = sum(1 for line in log.splitlines() if "ERROR" in line or "Traceback" in line)
     checks.append((errors == 0, f"{label}: server log: {errors} error lines"))
