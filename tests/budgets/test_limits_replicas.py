@@ -224,3 +224,41 @@ def test_a_killed_replicas_slots_come_back_within_the_ttl(fresh_pg, serve, sim):
         message="the survivor giving the slots back",
     )
     assert chat(admin, key, f"{tag} after sim:tokens=1", max_tokens=2).status_code == 200
+
+
+def test_tpm_settled_to_actual_usage_admits_the_next_on_either_replica(two):
+    first, second = two
+    admin = first.api()
+    _, _, token = admin.principal()
+    key, tag = token["token"], marker()
+    body = chat_body(f"{tag} sim:tokens=3", max_tokens=100)
+    reserve = len(body) + 64 + 100  # the prompt's upper bound and the output allowance
+    # Room for one reservation, not two: only settling to the actual usage admits the next.
+    patch(admin, "token", token["id"], tpm_limit=2 * reserve - 1)
+    same_minute()
+    statuses = [
+        _post(server.url, key, body).status_code for server in (first, second, first, second)
+    ]
+    assert statuses == [200, 200, 200, 200]
+    events = admin.events(token_id=token["id"])
+    actual = sum(e["prompt_tokens"] + e["completion_tokens"] for e in events)
+    assert limits(admin, "token", token["id"])["tokens"] == actual
+    # Held open on one replica, a reservation leaves the other no room.
+    held = chat_body(
+        f"{tag} held sim:tokens=40 sim:chunks=40 sim:delay_ms=50", stream=True, max_tokens=100
+    )
+    with httpx.stream(
+        "POST",
+        f"{first.url}/v1/chat/completions",
+        content=held,
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+        timeout=30,
+    ) as response:
+        chunks = response.iter_bytes()  # kept: a generator collected closes the stream
+        next(chunks)
+        refused = _post(second.url, key, body)
+        assert refused.status_code == 429
+        assert "over its tpm_limit" in refused.json()["error"]["message"]
+        for _ in chunks:
+            pass
+    assert _post(second.url, key, body).status_code == 200
