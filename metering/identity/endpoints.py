@@ -254,6 +254,7 @@ async def patch_token(
     services: Services = Depends(get_services),
     session: AsyncSession = Session,
 ) -> TokenOut:
+    """A user's own credential may tighten its token's limits, not raise or remove them."""
     await _own_token(session, principal, token_id)
     _limits(body, services)
     token = await service.update_token(
@@ -261,6 +262,7 @@ async def patch_token(
         token_id,
         body.model_dump(exclude_unset=True),
         services.settings.token_max_lifetime_s,
+        tighten_only=not principal.is_admin,
     )
     return TokenOut.of(token, await service.get_budget(session, token_id))
 

@@ -11,7 +11,7 @@ from metering.auth.tokens import digest, new_api_token
 from metering.budgets.service import load, new_budget, roll
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import utcnow
-from metering.errors import InvalidRequest, MeteringError, NotFound
+from metering.errors import Forbidden, InvalidRequest, MeteringError, NotFound
 from metering.limits import allows, dump_models, parse_models
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import usd_to_pico
@@ -319,10 +319,38 @@ async def update_user(
     return await get_user(session, user_id)
 
 
+def check_tightening(token: ApiToken, fields: dict) -> None:
+    """A user's own credential may tighten its token's limits, never loosen them: a number
+    only lowered (or set where there was none), an allow-list only replaced by one that the
+    current list covers (each entry allowed by it, or one of its own patterns)."""
+    for name in ("rpm_limit", "tpm_limit", "max_parallel_requests"):
+        if name not in fields:
+            continue
+        current, new = getattr(token, name), fields[name]
+        if current is not None and (new is None or new > current):
+            raise Forbidden(f"{name}: only the admin key may raise or remove a token's limit")
+    if "allowed_models" in fields and token.allowed_models is not None:
+        current = parse_models(token.allowed_models) or ()
+        new = fields["allowed_models"]
+        if (
+            new is None
+            or any(n not in current and not allows(current, n) for n in new)
+            or any(any(c in n for c in "*?") and n not in current for n in new)
+        ):
+            raise Forbidden("allowed_models: only the admin key may widen a token's list")
+
+
 async def update_token(
-    session: AsyncSession, token_id: str, fields: dict, max_lifetime_s: int | None = None
+    session: AsyncSession,
+    token_id: str,
+    fields: dict,
+    max_lifetime_s: int | None = None,
+    *,
+    tighten_only: bool = False,
 ) -> ApiToken:
     token = await get_token(session, token_id)
+    if tighten_only:
+        check_tightening(token, fields)
     if fields.get("name") is not None:
         token.name = fields["name"]
     if "allowed_models" in fields:

@@ -241,3 +241,26 @@ def test_an_empty_allow_list_allows_no_model(api):
     assert refused.status_code == 403
     assert refused.json()["error"]["message"].endswith("its allowed_models are (none)")
     assert api.ok("GET", "/v1/models", key=token["token"])["data"] == []
+
+
+def test_a_users_own_credential_may_tighten_its_tokens_limits_only(api):
+    _, user, token = api.principal()
+    patch(api, "token", token["id"], rpm_limit=10, allowed_models=["gpt-*"])
+    own = token["token"]
+
+    def by_user(**fields) -> httpx.Response:
+        return api.request("PATCH", f"/v1/tokens/{token['id']}", key=own, json=fields)
+
+    assert by_user(rpm_limit=5).status_code == 200
+    assert by_user(allowed_models=["gpt-sim"]).status_code == 200
+    for loosened in ({"rpm_limit": 6}, {"rpm_limit": None}, {"allowed_models": ["*"]}):
+        refused = by_user(**loosened)
+        assert refused.status_code == 403, loosened
+        assert "only the admin key" in refused.json()["error"]["message"]
+    assert by_user(tpm_limit=1000).status_code == 200  # a new limit where there was none
+    shown = limits(api, "token", token["id"])
+    assert (shown["rpm_limit"], shown["tpm_limit"], shown["allowed_models"]) == (
+        5,
+        1000,
+        ["gpt-sim"],
+    )
