@@ -52,9 +52,9 @@ class _Limited(_Body):
     _check_interval = field_validator("reset_interval", mode="before")(_interval)
 
 
-def _bounded(high: int):
+def _bounded(high: int, description: str):
     # strict: a JSON whole number only (no string, no fraction, no boolean)
-    return Annotated[int | None, Field(strict=True, ge=0, le=high)]
+    return Annotated[int | None, Field(strict=True, ge=0, le=high, description=description)]
 
 
 # A model name or a pattern of one (`*` any run of characters, `?` one): no spaces or brackets.
@@ -84,10 +84,22 @@ def _models(value: object) -> list[str] | None:
 class _RateLimited(_Body):
     """Limits beyond credit (null: none at this scope)."""
 
-    rpm_limit: _bounded(limits.MAX_RPM) = None  # type: ignore[valid-type]
-    tpm_limit: _bounded(limits.MAX_TPM) = None  # type: ignore[valid-type]
-    max_parallel_requests: _bounded(limits.MAX_PARALLEL) = None  # type: ignore[valid-type]
-    allowed_models: list[str] | None = None
+    rpm_limit: _bounded(  # type: ignore[valid-type]
+        limits.MAX_RPM, "Requests admitted per UTC minute (429 beyond); null: none"
+    ) = None
+    tpm_limit: _bounded(  # type: ignore[valid-type]
+        limits.MAX_TPM,
+        "Tokens per UTC minute: a request reserves its prompt's upper bound plus its output "
+        "allowance, settled to its actual usage (429 beyond); null: none",
+    ) = None
+    max_parallel_requests: _bounded(  # type: ignore[valid-type]
+        limits.MAX_PARALLEL, "Requests in flight at once, streams until they end; null: none"
+    ) = None
+    allowed_models: list[str] | None = Field(
+        default=None,
+        description="Catalog model names (`*` and `?` as wildcards) this scope may call (403 "
+        "model_not_allowed otherwise); every scope's list must allow a model; null: all",
+    )
 
     _check_models = field_validator("allowed_models", mode="before")(_models)
 
@@ -96,8 +108,19 @@ MAX_LIFETIME_S = 100 * 365 * 86400
 
 
 class _Expiring(_Body):
-    expires_at: AwareDatetime | None = None
-    expires_in: Annotated[int | None, Field(strict=True, ge=1, le=MAX_LIFETIME_S)] = None
+    expires_at: AwareDatetime | None = Field(
+        default=None, description="When the token stops working (RFC 3339); null: never"
+    )
+    expires_in: Annotated[
+        int | None,
+        Field(
+            strict=True,
+            ge=1,
+            le=MAX_LIFETIME_S,
+            description="The token's lifetime in seconds from now (instead of expires_at); "
+            "both are capped by METERING_TOKEN_MAX_LIFETIME_S when it is set",
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _one_expiry(self):
