@@ -23,8 +23,10 @@ the window it was counted in), the sweeper (a process that died) its parallel sl
 with no such limit anywhere costs nothing: its limits come with its cached credential.
 """
 
+import asyncio
 import logging
 import math
+import weakref
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -247,18 +249,17 @@ def headers(limits: Limits, used: dict[tuple[str, str], int], now: datetime) -> 
 
 async def admit(db: Database, limits: Limits, tokens: int) -> RateClaim:
     """Count one request (and `tokens` for tpm) against every limit at once, or raise
-    RateLimited naming the first limit it would pass."""
+    RateLimited naming the first limit it would pass. Requests of one process that arrive
+    together with the same limits are counted in one statement (AdmissionQueue)."""
+    return await _queue(db).admit(limits, tokens)
+
+
+async def admit_one(db: Database, limits: Limits, tokens: int) -> RateClaim:
+    """admit() in a statement of its own."""
     now = utcnow()
     start, end = window_of(now)
     taken = _amounts(limits, tokens)
-    for scope, kind, amount in taken:
-        cap = scope.cap(kind)
-        assert cap is not None
-        if amount > cap:
-            resets = None if kind == "parallel" else end
-            raise RateLimited(
-                Refusal(scope.scope, scope.subject_id, kind, cap, 0, amount, resets, True)
-            )
+    _check_fits(taken, end)
     rows = sorted(
         (
             {
@@ -303,6 +304,167 @@ async def admit(db: Database, limits: Limits, tokens: int) -> RateClaim:
         resets = None if kind == "parallel" else max(window, start) + timedelta(seconds=WINDOW_S)
         raise RateLimited(Refusal(scope.scope, scope.subject_id, kind, cap, used, amount, resets))
     raise AssertionError("a refused admission names no limit")
+
+
+def _check_fits(taken: list[tuple[ScopeLimits, str, int]], end: datetime) -> None:
+    for scope, kind, amount in taken:
+        cap = scope.cap(kind)
+        assert cap is not None
+        if amount > cap:
+            resets = None if kind == "parallel" else end
+            raise RateLimited(
+                Refusal(scope.scope, scope.subject_id, kind, cap, 0, amount, resets, True)
+            )
+
+
+class AdmissionQueue:
+    """A process's admissions, counted in groups: while one statement runs, the requests that
+    arrive form the next group; those with the same limits (the same counters and caps) are
+    counted together, in one upsert adding their sum, which the database admits only if the
+    whole sum fits. A group that does not fit is counted again one request at a time, so each
+    request is admitted exactly when it alone would be: exact, and one statement (and one
+    wait on the counters' row locks) for many requests of a busy subject."""
+
+    def __init__(self, db: Database, loop) -> None:
+        self.db = db
+        self.loop = loop
+        self.pending: list[tuple[Limits, int, object]] = []
+        self.writing = None
+        self.grouped = 0  # requests admitted in groups of two or more
+
+    async def admit(self, limits: Limits, tokens: int) -> RateClaim:
+        _check_fits(_amounts(limits, tokens), window_of(utcnow())[1])
+        future = self.loop.create_future()
+        self.pending.append((limits, tokens, future))
+        if self.writing is None:
+            self.writing = self.loop.create_task(self._write_all())
+        return await future
+
+    async def _write_all(self) -> None:
+        batch: list = []
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, []
+                groups: dict[tuple, list] = {}
+                for item in batch:
+                    groups.setdefault(_group_key(item[0]), []).append(item)
+                await asyncio.gather(*(self._write(group) for group in groups.values()))
+                batch = []
+        except BaseException as exc:
+            for _, _, future in batch + self.pending:
+                if not future.done():
+                    future.set_exception(RuntimeError("admission interrupted"))
+            self.pending = []
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.writing = None
+
+    async def _write(self, group: list) -> None:
+        if len(group) > 1:
+            try:
+                claims = await _admit_group(self.db, group)
+            except Exception:
+                claims = None  # one at a time below
+            if claims is not None:
+                self.grouped += len(group)
+                await self._hand_out(group, claims)
+                return
+        for limits, tokens, future in group:
+            try:
+                claim = await admit_one(self.db, limits, tokens)
+            except BaseException as exc:
+                if not future.done():
+                    future.set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            await self._hand_out([(limits, tokens, future)], [claim])
+
+    async def _hand_out(self, group: list, claims: list[RateClaim]) -> None:
+        """Resolve each waiter; a waiter gone (cancelled) gets its share given back."""
+        gone = []
+        for (limits, _, future), claim in zip(group, claims, strict=True):
+            if future.done():
+                gone.append((limits, claim))
+            else:
+                future.set_result(claim)
+        for limits, claim in gone:
+            await release_claim(self.db, claim, limits)
+
+
+def _group_key(limits: Limits) -> tuple:
+    return tuple((s.subject_id, s.rpm, s.tpm, s.parallel) for s in limits.scopes)
+
+
+async def _admit_group(db: Database, group: list) -> list[RateClaim] | None:
+    """Count a group with the same limits in one statement; None if their sum does not fit
+    (nothing is counted then)."""
+    limits = group[0][0]
+    now = utcnow()
+    start, _ = window_of(now)
+    total = sum(tokens for _, tokens, _ in group)
+    count = len(group)
+    amounts = {"rpm": count, "tpm": total, "parallel": count}
+    taken = _amounts(limits, total)
+    if any(amounts[kind] > (scope.cap(kind) or 0) for scope, kind, _ in taken):
+        return None  # the sum alone is over a limit (a new row is inserted unchecked)
+    rows = sorted(
+        (
+            {
+                "subject_id": scope.subject_id,
+                "kind": kind,
+                "window_start": NO_WINDOW if kind == "parallel" else start,
+                "amount": amounts[kind],
+                "cap": scope.cap(kind),
+                "now": now,
+            }
+            for scope, kind, _ in taken
+        ),
+        key=lambda r: (r["subject_id"], r["kind"]),
+    )
+    async with db.single() as conn:
+        stmt, params = _admit_statement(dialect_name(conn), rows)
+        got = {(r.subject_id, r.kind): r for r in await conn.execute(stmt, params)}
+        if len(got) != len(rows):
+            await give_back(
+                conn,
+                [
+                    {
+                        "s_id": r.subject_id,
+                        "s_kind": r.kind,
+                        "s_window": r.window_start,
+                        "s_amount": amounts[r.kind],
+                    }
+                    for r in got.values()
+                ],
+            )
+            return None
+    window = next((r.window_start for r in got.values() if r.kind != "parallel"), start)
+    kinds = _encode(_amounts(limits, 0))
+    claims = []
+    # Each request sees the counts as if admitted in the group's order.
+    later_requests, later_tokens = count, total
+    for _, tokens, _ in group:
+        later_requests -= 1
+        later_tokens -= tokens
+        used = {
+            key: r.used - (later_tokens if key[1] == "tpm" else later_requests)
+            for key, r in got.items()
+        }
+        claims.append(RateClaim(kinds, window, tokens, headers(limits, used, now)))
+    return claims
+
+
+_QUEUES: "weakref.WeakKeyDictionary[Database, AdmissionQueue]" = weakref.WeakKeyDictionary()
+
+
+def _queue(db: Database) -> AdmissionQueue:
+    loop = asyncio.get_running_loop()
+    queue = _QUEUES.get(db)
+    if queue is None or queue.loop is not loop:
+        queue = _QUEUES[db] = AdmissionQueue(db, loop)
+    return queue
 
 
 async def counters(conn, subject_ids: list[str]) -> dict[tuple[str, str], tuple[datetime, int]]:

@@ -1,12 +1,15 @@
 """Property tests of the rate limits' arithmetic: windows, reset delays, what an ending gives
-back, and allow-lists at several scopes."""
+back, and allow-lists at several scopes; and admissions counted in groups, on both backends."""
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from metering.budgets import rates
+from metering.db import Database
 from metering.limits import Limits, ScopeLimits, allows
 
 instants = st.datetimes(
@@ -95,3 +98,43 @@ def test_a_model_is_allowed_only_where_every_scope_allows_it(token, user, team, 
     everywhere = all(allows(models, model) for models in (token, user, team))
     refused = limits.refusing(model) if limits is not None else None
     assert (refused is None) == everywhere
+
+
+@pytest.mark.parametrize(
+    "rpm, tpm, expected", [(100, None, 20), (7, None, 7), (100, 1000, 1000 // 150)]
+)
+def test_requests_counted_in_groups_are_admitted_exactly_as_alone(fresh_db, rpm, tpm, expected):
+    """Many requests of one process at once: their admissions go in groups, and exactly what
+    fits is admitted (a group that does not fit is counted one request at a time)."""
+
+    async def scenario() -> None:
+        db = Database(fresh_db, 4)
+        try:
+            limits = Limits.of(
+                ScopeLimits("token", "tok_g", rpm=rpm, tpm=tpm),
+                ScopeLimits("team", "team_g", parallel=50),
+            )
+            assert limits is not None
+            results = await asyncio.gather(
+                *(rates.admit(db, limits, 150) for _ in range(20)), return_exceptions=True
+            )
+            admitted = [r for r in results if isinstance(r, rates.RateClaim)]
+            refused = [r for r in results if isinstance(r, rates.RateLimited)]
+            assert len(admitted) + len(refused) == 20
+            assert len(admitted) == expected
+            if refused:
+                assert {r.refusal.kind for r in refused} == {"rpm" if tpm is None else "tpm"}
+            else:
+                assert rates._queue(db).grouped >= 2  # admitted in a group
+            remaining = sorted(int(c.headers["x-ratelimit-remaining-requests"]) for c in admitted)
+            assert remaining == list(range(rpm - expected, rpm))
+            async with db.single() as conn:
+                counted = await rates.counters(conn, ["tok_g", "team_g"])
+            assert counted[("tok_g", "rpm")][1] == expected
+            assert counted[("team_g", "parallel")][1] == expected
+            if tpm is not None:
+                assert counted[("tok_g", "tpm")][1] == expected * 150
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
