@@ -4,7 +4,8 @@ A rate limit is a budget of requests or tokens over a short window, kept in Post
 SQLite) so every replica and worker counts against the same row: one row of rate_counters per
 subject (token, user, team) and kind (`rpm`, `tpm`, `parallel`).
 
-Windows are fixed: the UTC minute (`window_of`). A request is admitted by ONE statement, a
+Windows are fixed: the UTC minute (`window_of`). A request is admitted by ONE statement (the
+requests with the same limits that reach a process together share one: AdmissionQueue), a
 multi-row conditional upsert over every counter its limits name (sorted by subject and kind, the
 one order every writer uses): each row is moved into the current window if its window has ended
 (a row is never moved back: a replica whose clock is behind counts in the newer window), and
