@@ -14,6 +14,7 @@ LABEL = {
     "floor": "floor (bare passthrough)",
     "pg": "ours, PostgreSQL",
     "pg-off": "ours, PostgreSQL, budgets off",
+    "pg-limits": "ours, PostgreSQL, rate limits on",
     "sqlite": "ours, SQLite",
     "litellm": "LiteLLM proxy",
 }

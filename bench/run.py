@@ -54,8 +54,21 @@ SIM_KEY_ENV = "BENCH_SIM_KEY"
 # Large enough never to be reached by a run (a counter holds at most 9,223,372 USD).
 BIG_LIMIT = "1000000"
 # The paths, in the order of the tables; the direct row comes first, the others compare with it.
-MODES = ("direct", "floor", "pg", "pg-off", "sqlite", "litellm")
-SERVER_OF = {"pg": "pg", "pg-off": "pg", "sqlite": "sqlite", "floor": "floor", "litellm": "litellm"}
+MODES = ("direct", "floor", "pg", "pg-limits", "pg-off", "sqlite", "litellm")
+SERVER_OF = {
+    "pg": "pg",
+    "pg-limits": "pg",
+    "pg-off": "pg",
+    "sqlite": "sqlite",
+    "floor": "floor",
+    "litellm": "litellm",
+}
+# --limits: rate and parallel limits on the token, its user and its team, far above any load.
+FAR_LIMITS = {
+    "rpm_limit": 100_000_000,
+    "tpm_limit": 100_000_000_000,
+    "max_parallel_requests": 100_000,
+}
 PACED = {"wait_ms": 50, "delay_ms": 5, "chunks": 20}
 
 
@@ -90,7 +103,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default="direct,floor,pg,sqlite",
-        help="subset of direct,floor,pg,pg-off,sqlite (pg-off: ours on PostgreSQL, budgets off)",
+        help="subset of direct,floor,pg,pg-limits,pg-off,sqlite (pg-off: ours on PostgreSQL, "
+        "budgets off; pg-limits: budgets and rate limits on)",
+    )
+    p.add_argument(
+        "--limits",
+        action="store_true",
+        help="also ours on PostgreSQL with rpm_limit, tpm_limit and max_parallel_requests set "
+        "on the token, its user and its team, far above the load (the pg-limits mode)",
     )
     p.add_argument("--no-sqlite", action="store_true", help="leave out ours on SQLite")
     p.add_argument("--kinds", default="json,stream", help="subset of json,stream")
@@ -152,6 +172,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     modes, kinds = set(args.modes.split(",")) - {""}, set(args.kinds.split(",")) - {""}
     if args.litellm:
         modes.add("litellm")
+    if args.limits:
+        modes.add("pg-limits")
     if args.no_sqlite:
         modes.discard("sqlite")
     if modes - set(MODES) or kinds - {"json", "stream"}:
@@ -381,6 +403,12 @@ def start_ours(args, backend: str, sim_port: int, tmp: Path, stack) -> Server:
     server.principals["on"] = server.admin.principal(BIG_LIMIT)
     if "pg-off" in args.modes and backend == "pg":
         server.principals["off"] = server.admin.principal(None)
+    if "pg-limits" in args.modes and backend == "pg":
+        limited = server.admin.principal(BIG_LIMIT)
+        for scope in ("team", "user", "token"):
+            subject_id = limited[scope]["id"]
+            server.admin.ok("PATCH", f"/v1/{scope}s/{subject_id}", json=FAR_LIMITS)
+        server.principals["limits"] = limited
     if args.hot and backend == "pg":
         for i in range(args.hot[0]):
             server.principals[f"team-{i}"] = server.admin.principal(BIG_LIMIT)
@@ -526,6 +554,8 @@ def target_for(
         return load.Target(url, headers, body, stream)
     if mode == "pg-off":
         principal = "off"
+    if mode == "pg-limits":
+        principal = "limits"
     if principal == "spread":
         spread = [
             {"authorization": f"Bearer {p['token']['token']}", **json_type}
@@ -684,6 +714,19 @@ def check(server: Server) -> list[tuple[bool, str]]:
             + (f"; not: {', '.join(spent_wrong[:5])}" if spent_wrong else ""),
         )
     )
+    limited = server.principals.get("limits")
+    if limited is not None:
+        in_flight = {
+            key: server.admin.ok("GET", f"/v1/{key}s/{limited[key]['id']}/limits")["in_flight"]
+            for key in ("token", "user", "team")
+        }
+        checks.append(
+            (
+                not any(in_flight.values()),
+                f"{label}: rate limits: no request in flight left on the token, its user and its "
+                f"team ({in_flight})",
+            )
+        )
     log = server.process.log_path.read_text(errors="replace")
     errors = sum(1 for line in log.splitlines() if "ERROR" in line or "Traceback" in line)
     checks.append((errors == 0, f"{label}: server log: {errors} error lines"))
@@ -745,7 +788,7 @@ def run(args, meta: dict) -> dict:
         servers: dict[str, Server] = {}
         if "floor" in args.modes:
             servers["floor"] = start_floor(sim_port, tmp, stack)
-        if {"pg", "pg-off"} & set(args.modes) or args.hot:
+        if {"pg", "pg-off", "pg-limits"} & set(args.modes) or args.hot:
             pg_tmp = tmp / "pg"
             pg_tmp.mkdir()
             servers["pg"] = start_ours(args, "pg", sim_port, pg_tmp, stack)
@@ -797,7 +840,7 @@ def run(args, meta: dict) -> dict:
             rows += measure(args, "hot", targets, servers, sim, c, n, False)
         if args.paced:
             c, n = args.paced
-            paced_modes = [m for m in args.modes if m != "pg-off"]
+            paced_modes = [m for m in args.modes if m not in ("pg-off", "pg-limits")]
             targets = {
                 m: target_for(m, servers, sim_port, True, args, paced=True) for m in paced_modes
             }

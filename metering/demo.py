@@ -101,7 +101,11 @@ DEMO_TOKENS = {
     "backend": ("bob@demo.example", None, "never"),
     "eval-runner": ("carol@demo.example", "1.00", "monthly"),
     "helpdesk": ("dave@demo.example", None, "never"),
+    "scripts": ("bob@demo.example", None, "never"),
 }
+# Limits beyond credit on a demo token: its traffic gets one 429 (the third request of the
+# minute) and one 403 (a model outside its list).
+DEMO_TOKEN_LIMITS = {"scripts": {"rpm_limit": 2, "allowed_models": ["gpt-*"]}}
 # A long system prompt, so that prompts have tokens for the upstream to report as cached.
 LONG_CONTEXT = " ".join(
     "The ledger records every request with its tokens, its price and its cost." for _ in range(60)
@@ -122,7 +126,8 @@ class Call:
 
 def demo_calls() -> list[Call]:
     """Several teams, users, models and providers; streamed and not; reasoning and cached
-    tokens; a budget brought near its limit; a few failures of each kind."""
+    tokens; a budget brought near its limit; a rate limit and a model allow-list that refuse;
+    a few failures of each kind."""
     calls = [
         *(
             Call("ci-bot", "gpt-sim", f"sim:tokens={n} sim:cached=512", context=True)
@@ -152,6 +157,8 @@ def demo_calls() -> list[Call]:
         *(Call("helpdesk", "gpt-sim", f"sim:tokens={n}") for n in (60, 80, 95, 120, 70)),
         Call("helpdesk", "minimax-m2.5", "sim:tokens=200", stream=True),
         Call("helpdesk", "gpt-sim", "sim:fault=http400"),  # the upstream's own 400
+        Call("scripts", "minimax-m2.5", "sim:tokens=40"),  # 403 model_not_allowed
+        *(Call("scripts", "gpt-sim", f"sim:tokens={n}") for n in (40, 55, 30)),  # 200, 200, 429
     ]
     return calls
 
@@ -232,6 +239,7 @@ class Admin:
                 if token["name"] == name:
                     self.call("DELETE", f"/v1/tokens/{token['id']}")
             body = {"name": name, "credit_limit": limit, "reset_interval": interval}
+            body.update(DEMO_TOKEN_LIMITS.get(name, {}))
             made = self.call("POST", f"/v1/users/{user_id}/tokens", json=body)
             secrets_by_name[name] = made["token"]
         return secrets_by_name

@@ -7,7 +7,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy import select
 
 from metering import metrics
-from metering.budgets import leases
+from metering.budgets import leases, rates
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
 from metering.ledger import retention
@@ -18,7 +18,7 @@ log = logging.getLogger("metering.jobs")
 RETENTION_EVERY_S = 600
 
 
-async def expire_holds(db: Database, batch: int = 500) -> int:
+async def expire_holds(db: Database, batch: int = 500, ttl_s: float | None = None) -> int:
     """Charge every expired hold as an `unsettled` event; a hold settled meanwhile is skipped.
     Should its request settle after all, its real outcome replaces the event (budgets.settle)."""
     now = utcnow()
@@ -40,6 +40,9 @@ async def expire_holds(db: Database, batch: int = 500) -> int:
         log.warning("charged %d expired holds as unsettled", charged)
     # Then the leases of processes that stopped extending them, now that no hold names them.
     await leases.expire_leases(db, batch)
+    if ttl_s is not None:
+        # Parallel slots whose request has no hold (its process died before writing it).
+        await rates.heal_parallel(db, ttl_s)
     return charged
 
 
@@ -71,7 +74,7 @@ def start_scheduler(
     every = sweep_interval_s(hold_ttl_s)
     first = utcnow() + timedelta(seconds=1)
     scheduler.add_job(
-        guard(expire_holds, db),
+        guard(expire_holds, db, 500, hold_ttl_s),
         "interval",
         seconds=every,
         next_run_time=first,

@@ -64,6 +64,12 @@ BUDGET_REJECTIONS = Counter(
     "Requests refused with 402 budget_exceeded, by the scope that could not cover them",
     ["scope"],
 )
+LIMIT_REJECTIONS = Counter(
+    "metering_limit_rejections",
+    "Requests refused by a limit beyond credit, by scope and kind: `requests` (rpm_limit), "
+    "`tokens` (tpm_limit), `parallel` (max_parallel_requests), both 429; `model` (403)",
+    ["scope", "kind"],
+)
 RESERVATIONS = Counter(
     "metering_reservations",
     "Requests admitted, by path: `lease` (against this process's credit leases, in memory) or "
@@ -117,6 +123,10 @@ def reserved(leased: bool) -> None:
 
 def budget_rejected(scope: str) -> None:
     BUDGET_REJECTIONS.labels(scope).inc()
+
+
+def limit_rejected(scope: str, kind: str) -> None:
+    LIMIT_REJECTIONS.labels(scope, kind).inc()
 
 
 class _Gauges:

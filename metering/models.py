@@ -28,6 +28,11 @@ class Team(Base):
     name: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Limits beyond credit (metering.budgets.rates); None: no such limit at this scope.
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)
+    tpm_limit: Mapped[int | None] = mapped_column(BigInteger)
+    max_parallel_requests: Mapped[int | None] = mapped_column(Integer)
+    allowed_models: Mapped[str | None] = mapped_column(Text)  # a JSON list; None: every model
 
 
 class User(Base):
@@ -49,6 +54,11 @@ class User(Base):
     password_hash: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Limits beyond credit (metering.budgets.rates); None: no such limit at this scope.
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)
+    tpm_limit: Mapped[int | None] = mapped_column(BigInteger)
+    max_parallel_requests: Mapped[int | None] = mapped_column(Integer)
+    allowed_models: Mapped[str | None] = mapped_column(Text)  # a JSON list; None: every model
 
 
 class ApiToken(Base):
@@ -62,6 +72,11 @@ class ApiToken(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # Limits beyond credit (metering.budgets.rates); None: no such limit at this scope.
+    rpm_limit: Mapped[int | None] = mapped_column(Integer)
+    tpm_limit: Mapped[int | None] = mapped_column(BigInteger)
+    max_parallel_requests: Mapped[int | None] = mapped_column(Integer)
+    allowed_models: Mapped[str | None] = mapped_column(Text)  # a JSON list; None: every model
 
 
 class Budget(Base):
@@ -135,6 +150,24 @@ class Hold(Base):
     token_lease: Mapped[str | None] = mapped_column(ForeignKey("budget_leases.id"), index=True)
     user_lease: Mapped[str | None] = mapped_column(ForeignKey("budget_leases.id"), index=True)
     team_lease: Mapped[str | None] = mapped_column(ForeignKey("budget_leases.id"), index=True)
+    # The rate counters this request took (metering.budgets.rates), given back by whoever ends
+    # the hold: its kinds per scope, the rate window counted in, the tokens reserved there.
+    rate_kinds: Mapped[str | None] = mapped_column(String(16))
+    rate_window: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    rate_tokens: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class RateCounter(Base):
+    """One subject's requests or tokens in the current rate window, or its requests in flight
+    (kind `parallel`, whose window never rolls): metering.budgets.rates."""
+
+    __tablename__ = "rate_counters"
+
+    subject_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # rpm | tpm | parallel
+    window_start: Mapped[datetime] = mapped_column(UTCDateTime)
+    used: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class LedgerEvent(Base):

@@ -52,6 +52,8 @@ class Settings(BaseSettings):
     lease_share: int = Field(default=8, ge=0, le=1000)
     # GET /docs and /openapi.json; false closes both (404).
     openapi_enabled: bool = True
+    # The longest lifetime of a new API token (seconds; its expires_at is capped); None: any.
+    token_max_lifetime_s: int | None = Field(default=None, ge=1)
     access_token_ttl_s: int = 900
     refresh_token_ttl_s: int = 2_592_000
     metrics_key: str | None = None

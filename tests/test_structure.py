@@ -68,8 +68,11 @@ def test_budget_routes_live_in_budgets():
 
     assert sorted(route.path for route in budgets.routes) == [
         "/v1/teams/{team_id}/budget",
+        "/v1/teams/{team_id}/limits",
         "/v1/tokens/{token_id}/budget",
+        "/v1/tokens/{token_id}/limits",
         "/v1/users/{user_id}/budget",
+        "/v1/users/{user_id}/limits",
     ]
     assert [route.path for route in identity.routes if "budget" in route.path] == []
 

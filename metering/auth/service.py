@@ -14,8 +14,10 @@ from metering.auth.passwords import Passwords
 from metering.auth.tokens import ACCESS_PREFIX, API_TOKEN_PREFIX, Signer, digest, same
 from metering.db import Database, utcnow
 from metering.errors import Forbidden, NotFound, Unauthorized
+from metering.limits import Limits, scope_limits
 from metering.models import ApiToken, Team, User
 from metering.services import Services
+from metering.timefmt import rfc3339
 
 log = logging.getLogger("metering.auth")
 
@@ -29,6 +31,8 @@ class Principal:
     user_id: str | None = None
     team_id: str | None = None
     token_id: str | None = None
+    # Rate, parallel and model limits of its token, user and team; None: none anywhere.
+    limits: Limits | None = None
 
     @property
     def is_admin(self) -> bool:
@@ -47,6 +51,24 @@ class Authenticated:
     refreshed: sessions.TokenPair | None = None
 
 
+def limit_columns(table) -> tuple:
+    return (table.rpm_limit, table.tpm_limit, table.max_parallel_requests, table.allowed_models)
+
+
+def limits_of(row, token_id: str, user_id: str, team_id: str) -> Limits | None:
+    """The limits of a row ending with limit_columns() of token, user and team."""
+    values = tuple(row)[-12:]
+    return Limits.of(
+        scope_limits("token", token_id, *values[0:4]),
+        scope_limits("user", user_id, *values[4:8]),
+        scope_limits("team", team_id, *values[8:12]),
+    )
+
+
+def expired(expires_at) -> Unauthorized:
+    return Unauthorized(f"this API token expired at {rfc3339(expires_at)}")
+
+
 # Built once: every proxied request runs it, and building a statement costs more than running it.
 TOKEN_LOOKUP = (
     select(
@@ -58,6 +80,9 @@ TOKEN_LOOKUP = (
         User.team_id,
         User.deleted_at,
         Team.deleted_at,
+        *limit_columns(ApiToken),
+        *limit_columns(User),
+        *limit_columns(Team),
     )
     .join(User, User.id == ApiToken.user_id)
     .join(Team, Team.id == User.team_id)
@@ -73,7 +98,7 @@ async def _api_token_principal(services: Services, token: str) -> Principal:
     hit = cache.get(key)
     if hit is not None:
         if hit.expires_at is not None and hit.expires_at <= now:
-            raise Unauthorized("this API token has expired")
+            raise expired(hit.expires_at)
         return hit.value
     epoch = cache.epoch
     async with services.db.sessions() as session:
@@ -81,14 +106,17 @@ async def _api_token_principal(services: Services, token: str) -> Principal:
     # Found by its hash; compared once more in constant time, whatever the database's collation.
     if row is None or not same(row[0], hashed):
         raise Unauthorized("unknown API token")
-    _, token_id, revoked_at, expires_at, user_id, team_id, user_deleted, team_deleted = row
+    _, token_id, revoked_at, expires_at, user_id, team_id, user_deleted, team_deleted = row[:8]
     if revoked_at is not None:
         raise Unauthorized("this API token has been revoked")
     if expires_at is not None and expires_at <= now:
-        raise Unauthorized("this API token has expired")
+        raise expired(expires_at)
     if user_deleted is not None or team_deleted is not None:
         raise Unauthorized("this API token's user or team has been deleted")
-    principal = Principal("api_token", user_id=user_id, team_id=team_id, token_id=token_id)
+    limits = limits_of(row, token_id, user_id, team_id)
+    principal = Principal(
+        "api_token", user_id=user_id, team_id=team_id, token_id=token_id, limits=limits
+    )
     subjects = frozenset(
         (subject("token", token_id), subject("user", user_id), subject("team", team_id))
     )
@@ -122,7 +150,9 @@ async def _access_principal(services: Services, token: str, refresh_token: str) 
     claims = Signer.read(await services.signer.key(services.db), token)
     if claims.expires_at > utcnow():
         user = await _session_user(services, claims.session_id)
-        return Authenticated(Principal("access", user_id=user.user_id, team_id=user.team_id))
+        return Authenticated(
+            Principal("access", user_id=user.user_id, team_id=user.team_id, limits=user.limits)
+        )
     if not refresh_token:
         raise Unauthorized(
             "the access token has expired: send a refresh-token header or POST /v1/auth/refresh"
@@ -130,7 +160,8 @@ async def _access_principal(services: Services, token: str, refresh_token: str) 
     refreshed = await sessions.rotate(
         services, refresh_token, session_id=claims.session_id, leeway=True
     )
-    principal = Principal("access", user_id=refreshed.user.user_id, team_id=refreshed.user.team_id)
+    user = refreshed.user
+    principal = Principal("access", user_id=user.user_id, team_id=user.team_id, limits=user.limits)
     return Authenticated(principal, refreshed.pair)
 
 

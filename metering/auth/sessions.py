@@ -20,6 +20,7 @@ from metering.auth import invalidation
 from metering.auth.tokens import Signer, digest, new_refresh_token, password_stamp, same
 from metering.db import utcnow
 from metering.errors import Unauthorized
+from metering.limits import Limits, scope_limits
 from metering.models import AuthSession, RefreshToken, Team, User
 from metering.services import Services
 
@@ -50,6 +51,7 @@ class TokenPair:
 class SessionUser:
     user_id: str
     team_id: str
+    limits: Limits | None = None  # its user's and team's rate, parallel and model limits
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,18 @@ async def start(
     return _pair(services, key, session_id, user_id, refresh, now)
 
 
+def _session_user(row) -> SessionUser:
+    limits = Limits.of(
+        scope_limits(
+            "user", row.user_id, row.user_rpm, row.user_tpm, row.user_parallel, row.user_models
+        ),
+        scope_limits(
+            "team", row.team_id, row.team_rpm, row.team_tpm, row.team_parallel, row.team_models
+        ),
+    )
+    return SessionUser(row.user_id, row.team_id, limits)
+
+
 def _live_user(row, stamp: str) -> None:
     """The session's user and team still exist and the password has not changed since login."""
     if row.user_deleted is not None or row.team_deleted is not None:
@@ -125,6 +139,14 @@ def _session_query():
             User.password_hash,
             User.deleted_at.label("user_deleted"),
             Team.deleted_at.label("team_deleted"),
+            User.rpm_limit.label("user_rpm"),
+            User.tpm_limit.label("user_tpm"),
+            User.max_parallel_requests.label("user_parallel"),
+            User.allowed_models.label("user_models"),
+            Team.rpm_limit.label("team_rpm"),
+            Team.tpm_limit.label("team_tpm"),
+            Team.max_parallel_requests.label("team_parallel"),
+            Team.allowed_models.label("team_models"),
         )
         .join(User, User.id == AuthSession.user_id)
         .join(Team, Team.id == User.team_id)
@@ -138,7 +160,7 @@ async def user_of(db, session_id: str) -> SessionUser:
     if row is None or row.revoked_at is not None:
         raise Unauthorized(ENDED)
     _live_user(row, row.password_stamp)
-    return SessionUser(row.user_id, row.team_id)
+    return _session_user(row)
 
 
 async def revoke(db_session, session_id: str, reason: str) -> None:
@@ -197,7 +219,7 @@ async def rotate(
         if row.revoked_at is not None:
             raise Unauthorized(ENDED)
         _live_user(row, row.password_stamp)
-        user = SessionUser(row.user_id, row.team_id)
+        user = _session_user(row)
         if row.expires_at <= now:
             raise Unauthorized("this refresh token has expired: log in again")
         spent = await s.execute(

@@ -1,10 +1,12 @@
-"""GET /v1/{tokens,users,teams}/{id}/budget: a budget as it stands now (admin, or self)."""
+"""GET /v1/{tokens,users,teams}/{id}/budget: a budget as it stands now, and
+GET /v1/{tokens,users,teams}/{id}/limits: the rate, parallel and model limits and their use
+(admin, or self)."""
 
 from fastapi import APIRouter, Depends
 
 from metering.auth.principal import RULE_ERRORS, Principal, any_principal
 from metering.budgets import queries
-from metering.budgets.schemas import BudgetOut
+from metering.budgets.schemas import BudgetOut, LimitsOut
 from metering.errors import error_responses
 from metering.services import Services, get_services
 
@@ -36,3 +38,30 @@ async def team_budget(
     services: Services = Depends(get_services),
 ) -> BudgetOut:
     return BudgetOut.of(await queries.current_budget(services.db, "team", team_id))
+
+
+@router.get("/tokens/{token_id}/limits")
+async def token_limits(
+    token_id: str,
+    _: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+) -> LimitsOut:
+    return LimitsOut.of(await queries.current_limits(services.db, "token", token_id))
+
+
+@router.get("/users/{user_id}/limits")
+async def user_limits(
+    user_id: str,
+    _: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+) -> LimitsOut:
+    return LimitsOut.of(await queries.current_limits(services.db, "user", user_id))
+
+
+@router.get("/teams/{team_id}/limits")
+async def team_limits(
+    team_id: str,
+    _: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+) -> LimitsOut:
+    return LimitsOut.of(await queries.current_limits(services.db, "team", team_id))

@@ -2,6 +2,7 @@
 
 from sqlalchemy import func, select
 
+from metering.budgets import rates
 from metering.budgets.service import BudgetView, lease_slack, view
 from metering.db import Database, utcnow
 from metering.errors import NotFound
@@ -37,3 +38,34 @@ async def open_holds(db: Database) -> int:
     """Holds of requests in flight (or of crashed replicas, until they expire)."""
     async with db.sessions() as session:
         return await session.scalar(select(func.count()).select_from(Hold))
+
+
+async def current_limits(db: Database, scope: str, subject_id: str) -> dict:
+    """A subject's limits beyond credit and how much of each is in use now."""
+    table, live = _SUBJECTS[scope]
+    async with db.sessions() as session:
+        subject = await session.scalar(select(table).where(table.id == subject_id, live))
+        if subject is None:
+            raise NotFound(f"{scope} {subject_id} not found")
+        counters = await rates.counters(session, [subject_id])
+    now = utcnow()
+    start, end = rates.window_of(now)
+
+    def used(kind: str) -> int:
+        window, count = counters.get((subject_id, kind), (start, 0))
+        return count if kind == "parallel" or window >= start else 0
+
+    return {
+        "scope": scope,
+        "id": subject_id,
+        "rpm_limit": subject.rpm_limit,
+        "tpm_limit": subject.tpm_limit,
+        "max_parallel_requests": subject.max_parallel_requests,
+        "allowed_models": subject.allowed_models,
+        "expires_at": getattr(subject, "expires_at", None),
+        "window_start": start,
+        "resets_at": end,
+        "requests": used("rpm"),
+        "tokens": used("tpm"),
+        "in_flight": used("parallel"),
+    }

@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from metering import limits
 from metering.budgets.service import BudgetView
 from metering.money import format_usd
 from metering.timefmt import rfc3339
@@ -34,4 +35,36 @@ class BudgetOut(BaseModel):
             spent=format_usd(current.spent),
             reserved=format_usd(current.reserved),
             remaining=format_usd(current.remaining),
+        )
+
+
+class LimitsOut(BaseModel):
+    """A subject's limits beyond credit and their use now: `requests` and `tokens` counted in
+    the current rate window (the UTC minute, [window_start, resets_at)), `in_flight` the
+    requests running. A limit that is null is not set at this scope."""
+
+    scope: Literal["token", "user", "team"]
+    id: str
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel_requests: int | None
+    allowed_models: list[str] | None
+    expires_at: str | None
+    window_start: str
+    resets_at: str
+    requests: int
+    tokens: int
+    in_flight: int
+
+    @classmethod
+    def of(cls, current: dict) -> "LimitsOut":
+        models = limits.parse_models(current["allowed_models"])
+        return cls(
+            **{
+                **current,
+                "allowed_models": list(models) if models is not None else None,
+                "expires_at": rfc3339(current["expires_at"]),
+                "window_start": rfc3339(current["window_start"]),
+                "resets_at": rfc3339(current["resets_at"]),
+            }
         )

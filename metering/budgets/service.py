@@ -30,6 +30,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from metering.budgets import rates
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
@@ -247,6 +248,9 @@ _HELD = (
     Hold.token_lease,
     Hold.user_lease,
     Hold.team_lease,
+    Hold.rate_kinds,
+    Hold.rate_window,
+    Hold.rate_tokens,
 )
 _TAKE_HOLD = delete(Hold.__table__).where(Hold.id == bindparam("hold_id")).returning(*_HELD)
 _INSERT_HOLD = insert(Hold.__table__)
@@ -275,6 +279,8 @@ class HoldSpec:
     token_cost: int  # picodollars per output token allowed, every choice counted
     max_tokens: int | None  # the client's own, or None
     model_max_output: int
+    # The rate counters the request took (metering.budgets.rates), written on its hold.
+    rates: "rates.RateClaim | None" = None
 
     @property
     def hold_id(self) -> str:
@@ -376,7 +382,34 @@ def hold_row(
         "token_lease": leases.get("token"),
         "user_lease": leases.get("user"),
         "team_lease": leases.get("team"),
+        "rate_kinds": spec.rates.kinds if spec.rates is not None else None,
+        "rate_window": spec.rates.window if spec.rates is not None else None,
+        "rate_tokens": spec.rates.tokens if spec.rates is not None else None,
     }
+
+
+def rate_returns(hold, used_tokens: int | None, *, released: bool = False) -> list[dict]:
+    """What ending this hold gives back to its rate counters (none without rate limits): a
+    release all of it, a settle its parallel slot and the tokens it did not use, the sweeper's
+    charge (`used_tokens` None) its parallel slot."""
+    if hold.rate_kinds is None:
+        return []
+    subjects = {"token": hold.token_id, "user": hold.user_id, "team": hold.team_id}
+    return rates.returns_of(
+        hold.rate_kinds,
+        subjects,
+        hold.rate_window,
+        hold.rate_tokens or 0,
+        0 if released else used_tokens,
+        requests=released,
+    )
+
+
+def _used_tokens(event: Event) -> int | None:
+    """The tokens a settled request counts for tpm; None for the sweeper's whole charge."""
+    if event.status == UNSETTLED:
+        return None
+    return (event.prompt_tokens or 0) + (event.completion_tokens or 0)
 
 
 async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl_s: int):
@@ -478,6 +511,8 @@ async def settle_in(
         charge = {"ids": subjects, "cost": event.cost, "amount": hold.amount}
         await session.execute(_CHARGE, charge)
     await writer.append(session, event)
+    # Last: the counters' rows are locked until the commit that follows.
+    await rates.give_back(session, rate_returns(hold, _used_tokens(event)))
     return True
 
 
@@ -541,6 +576,7 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     taken: list[Event] = []
     totals: dict[str, list[int]] = {}
     leases: dict[str, int] = {}
+    returns: list[dict] = []
     async with db.begin() as conn:
         rows = await conn.execute(_TAKE_HOLDS, {"ids": [event.id for event, _ in items]})
         holds = {row.id: row for row in rows}
@@ -553,10 +589,25 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
             taken.append(event)
             results.append(True)
             _add_charges(totals, leases, hold, event.cost)
+            returns += rate_returns(hold, _used_tokens(event))
         if taken:
             await _charge(conn, totals, leases)
             await writer.append_many(conn, taken)
+            # Last: the counters' rows are locked until the commit that follows.
+            await rates.give_back(conn, _summed(returns))
     return results
+
+
+def _summed(returns: list[dict]) -> list[dict]:
+    """One give-back row per counter and window (several settles of one subject sum)."""
+    sums: dict[tuple, dict] = {}
+    for row in returns:
+        key = (row["s_id"], row["s_kind"], row["s_window"])
+        if key in sums:
+            sums[key]["s_amount"] += row["s_amount"]
+        else:
+            sums[key] = dict(row)
+    return list(sums.values())
 
 
 def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
@@ -709,6 +760,8 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
             if hold is not None and not hold.leased:
                 subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
                 await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})
+            if hold is not None:
+                await rates.give_back(session, rate_returns(hold, None, released=True))
         released = hold is not None
     finally:
         if claim is not None:

@@ -5,7 +5,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.auth.schemas import PrincipalOut
-from metering.errors import error_responses
+from metering.errors import InvalidRequest, error_responses
 from metering.identity import service
 from metering.identity.schemas import (
     TeamCreate,
@@ -31,6 +31,18 @@ SELF = RULE_ERRORS["self"]
 Session = Depends(unit_of_work, scope="function")
 
 
+def _limits(body, services: Services) -> dict:
+    """The limit fields a body sent; the exact names of an allow-list must be in the catalog."""
+    sent = body.model_dump(exclude_unset=True)
+    fields = {name: sent[name] for name in service.LIMIT_FIELDS if name in sent}
+    for name in fields.get("allowed_models") or ():
+        if not any(c in name for c in "*?") and name not in services.catalog.models:
+            raise InvalidRequest(
+                f"allowed_models: {name} is not a model of the catalog", param="allowed_models"
+            )
+    return fields
+
+
 async def _teams(session: AsyncSession, teams) -> list[TeamOut]:
     budgets = await service.budgets_of(session, [t.id for t in teams])
     return [TeamOut.of(t, budgets.get(t.id)) for t in teams]
@@ -51,9 +63,14 @@ async def _tokens(session: AsyncSession, tokens) -> list[TokenOut]:
 
 @router.post("/teams", status_code=201, responses=error_responses(400, *ADMIN))
 async def create_team(
-    body: TeamCreate, _: Principal = Depends(admin_only), session: AsyncSession = Session
+    body: TeamCreate,
+    _: Principal = Depends(admin_only),
+    services: Services = Depends(get_services),
+    session: AsyncSession = Session,
 ) -> TeamOut:
-    team = await service.create_team(session, body.name, body.credit_limit, body.reset_interval)
+    team = await service.create_team(
+        session, body.name, body.credit_limit, body.reset_interval, _limits(body, services)
+    )
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
@@ -81,8 +98,10 @@ async def patch_team(
     team_id: str,
     body: TeamPatch,
     _: Principal = Depends(admin_only),
+    services: Services = Depends(get_services),
     session: AsyncSession = Session,
 ) -> TeamOut:
+    _limits(body, services)
     team = await service.update_team(session, team_id, body.model_dump(exclude_unset=True))
     return TeamOut.of(team, await service.get_budget(session, team_id))
 
@@ -125,6 +144,7 @@ async def create_user(
         password_hash=password_hash,
         limit=body.credit_limit,
         interval=body.reset_interval,
+        limits=_limits(body, services),
     )
     return UserOut.of(user, await service.get_budget(session, user.id))
 
@@ -158,6 +178,7 @@ async def patch_user(
     services: Services = Depends(get_services),
     session: AsyncSession = Session,
 ) -> UserOut:
+    _limits(body, services)
     password_hash = services.passwords.hash(body.password) if body.password is not None else None
     fields = body.model_dump(exclude_unset=True)
     user = await service.update_user(session, user_id, fields, password_hash)
@@ -180,6 +201,7 @@ async def create_token(
     user_id: str,
     body: TokenCreate,
     principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
     session: AsyncSession = Session,
 ) -> TokenCreated:
     principal.ensure_user(user_id)
@@ -190,6 +212,9 @@ async def create_token(
         limit=body.credit_limit,
         interval=body.reset_interval,
         expires_at=body.expires_at,
+        expires_in=body.expires_in,
+        max_lifetime_s=services.settings.token_max_lifetime_s,
+        limits=_limits(body, services),
     )
     out = TokenOut.of(token, await service.get_budget(session, token.id))
     return TokenCreated(token=secret, **out.model_dump())
@@ -226,10 +251,19 @@ async def patch_token(
     token_id: str,
     body: TokenPatch,
     principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
     session: AsyncSession = Session,
 ) -> TokenOut:
+    """A user's own credential may tighten its token's limits, not raise or remove them."""
     await _own_token(session, principal, token_id)
-    token = await service.update_token(session, token_id, body.model_dump(exclude_unset=True))
+    _limits(body, services)
+    token = await service.update_token(
+        session,
+        token_id,
+        body.model_dump(exclude_unset=True),
+        services.settings.token_max_lifetime_s,
+        tighten_only=not principal.is_admin,
+    )
     return TokenOut.of(token, await service.get_budget(session, token_id))
 
 

@@ -1,11 +1,13 @@
 """Request and response bodies of the identity API. Money arrives as decimal strings (floats
 are refused) and leaves as decimal strings; times leave as RFC 3339 UTC text."""
 
+import re
 from decimal import Decimal
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from metering import limits
 from metering.budgets.windows import InvalidInterval, parse_interval
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import MoneyError, format_usd, parse_usd
@@ -50,11 +52,88 @@ class _Limited(_Body):
     _check_interval = field_validator("reset_interval", mode="before")(_interval)
 
 
-class TeamCreate(_Limited):
+def _bounded(high: int, description: str):
+    # strict: a JSON whole number only (no string, no fraction, no boolean)
+    return Annotated[int | None, Field(strict=True, ge=0, le=high, description=description)]
+
+
+# A model name or a pattern of one (`*` any run of characters, `?` one): no spaces or brackets.
+_PATTERN = re.compile(r"[A-Za-z0-9._:/@*?+=-]{1,%d}" % limits.PATTERN_CHARS)  # noqa: UP031
+
+
+def _models(value: object) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError("allowed_models must be a list of model names (or null for all)")
+    if len(value) > limits.MAX_MODELS:
+        raise ValueError(f"allowed_models may list at most {limits.MAX_MODELS} names")
+    out: list[str] = []
+    for item in value:
+        if not isinstance(item, str) or _PATTERN.fullmatch(item) is None:
+            raise ValueError(
+                "allowed_models entries must be model names of 1 to "
+                f"{limits.PATTERN_CHARS} characters (letters, digits, . _ : / @ + = - and the "
+                "wildcards * ?)"
+            )
+        if item not in out:
+            out.append(item)
+    return out
+
+
+class _RateLimited(_Body):
+    """Limits beyond credit (null: none at this scope)."""
+
+    rpm_limit: _bounded(  # type: ignore[valid-type]
+        limits.MAX_RPM, "Requests admitted per UTC minute (429 beyond); null: none"
+    ) = None
+    tpm_limit: _bounded(  # type: ignore[valid-type]
+        limits.MAX_TPM,
+        "Tokens per UTC minute: a request reserves its prompt's upper bound plus its output "
+        "allowance, settled to its actual usage (429 beyond); null: none",
+    ) = None
+    max_parallel_requests: _bounded(  # type: ignore[valid-type]
+        limits.MAX_PARALLEL, "Requests in flight at once, streams until they end; null: none"
+    ) = None
+    allowed_models: list[str] | None = Field(
+        default=None,
+        description="Catalog model names (`*` and `?` as wildcards) this scope may call (403 "
+        "model_not_allowed otherwise); every scope's list must allow a model; null: all",
+    )
+
+    _check_models = field_validator("allowed_models", mode="before")(_models)
+
+
+MAX_LIFETIME_S = 100 * 365 * 86400
+
+
+class _Expiring(_Body):
+    expires_at: AwareDatetime | None = Field(
+        default=None, description="When the token stops working (RFC 3339); null: never"
+    )
+    expires_in: Annotated[
+        int | None,
+        Field(
+            strict=True,
+            ge=1,
+            le=MAX_LIFETIME_S,
+            description="The token's lifetime in seconds from now (instead of expires_at); "
+            "both are capped by METERING_TOKEN_MAX_LIFETIME_S when it is set",
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _one_expiry(self):
+        if self.expires_at is not None and self.expires_in is not None:
+            raise ValueError("give expires_at or expires_in, not both")
+        return self
+
+
+class TeamCreate(_Limited, _RateLimited):
     name: str = Field(min_length=1, max_length=200)
 
 
-class TeamPatch(_Limited):
+class TeamPatch(_Limited, _RateLimited):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     reset_interval: str | None = None
 
@@ -63,14 +142,14 @@ class TeamPatch(_Limited):
     )
 
 
-class UserCreate(_Limited):
+class UserCreate(_Limited, _RateLimited):
     email: str = Field(min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$")
     name: str = Field(min_length=1, max_length=200)
     team_id: str = Field(min_length=1, max_length=40)
     password: str | None = Field(default=None, min_length=8, max_length=1024)
 
 
-class UserPatch(_Limited):
+class UserPatch(_Limited, _RateLimited):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     email: str | None = Field(
         default=None, min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$"
@@ -84,12 +163,11 @@ class UserPatch(_Limited):
     )
 
 
-class TokenCreate(_Limited):
+class TokenCreate(_Limited, _RateLimited, _Expiring):
     name: str = Field(default="default", min_length=1, max_length=200)
-    expires_at: AwareDatetime | None = None
 
 
-class TokenPatch(_Limited):
+class TokenPatch(_Limited, _RateLimited, _Expiring):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     reset_interval: str | None = None
 
@@ -101,16 +179,33 @@ class TokenPatch(_Limited):
 # Responses
 
 
-def _limits(budget: Budget | None) -> dict:
-    if budget is None:
-        return {"credit_limit": None, "reset_interval": "never"}
+def _limits(budget: Budget | None, subject) -> dict:
+    credit = (
+        {"credit_limit": None, "reset_interval": "never"}
+        if budget is None
+        else {
+            "credit_limit": format_usd(budget.credit_limit),
+            "reset_interval": budget.reset_interval,
+        }
+    )
+    models = limits.parse_models(subject.allowed_models)
     return {
-        "credit_limit": format_usd(budget.credit_limit),
-        "reset_interval": budget.reset_interval,
+        **credit,
+        "rpm_limit": subject.rpm_limit,
+        "tpm_limit": subject.tpm_limit,
+        "max_parallel_requests": subject.max_parallel_requests,
+        "allowed_models": list(models) if models is not None else None,
     }
 
 
-class TeamOut(BaseModel):
+class _LimitsOut(BaseModel):
+    rpm_limit: int | None
+    tpm_limit: int | None
+    max_parallel_requests: int | None
+    allowed_models: list[str] | None
+
+
+class TeamOut(_LimitsOut):
     id: str
     name: str
     credit_limit: str | None
@@ -120,11 +215,11 @@ class TeamOut(BaseModel):
     @classmethod
     def of(cls, team: Team, budget: Budget | None) -> "TeamOut":
         return cls(
-            id=team.id, name=team.name, **_limits(budget), created_at=rfc3339(team.created_at)
+            id=team.id, name=team.name, **_limits(budget, team), created_at=rfc3339(team.created_at)
         )
 
 
-class UserOut(BaseModel):
+class UserOut(_LimitsOut):
     id: str
     email: str
     name: str
@@ -140,12 +235,12 @@ class UserOut(BaseModel):
             email=user.email,
             name=user.name,
             team_id=user.team_id,
-            **_limits(budget),
+            **_limits(budget, user),
             created_at=rfc3339(user.created_at),
         )
 
 
-class TokenOut(BaseModel):
+class TokenOut(_LimitsOut):
     id: str
     user_id: str
     name: str
@@ -163,7 +258,7 @@ class TokenOut(BaseModel):
             user_id=token.user_id,
             name=token.name,
             prefix=token.prefix,
-            **_limits(budget),
+            **_limits(budget, token),
             expires_at=rfc3339(token.expires_at),
             created_at=rfc3339(token.created_at),
             revoked_at=rfc3339(token.revoked_at),

@@ -1,7 +1,7 @@
 """Teams, users and API tokens. Services flush; the endpoint's unit of work commits."""
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -11,7 +11,8 @@ from metering.auth.tokens import digest, new_api_token
 from metering.budgets.service import load, new_budget, roll
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import utcnow
-from metering.errors import InvalidRequest, MeteringError, NotFound
+from metering.errors import Forbidden, InvalidRequest, MeteringError, NotFound
+from metering.limits import allows, dump_models, parse_models
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import usd_to_pico
 
@@ -24,6 +25,52 @@ class TokenCapReached(MeteringError):
 
 class EmailTaken(MeteringError):
     status, code = 409, "email_taken"
+
+
+LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_parallel_requests", "allowed_models")
+
+
+def set_limits(subject, fields: dict) -> bool:
+    """Apply the limit fields a body sent (null removes one); whether any was sent."""
+    sent = False
+    for name in LIMIT_FIELDS:
+        if name in fields:
+            value = fields[name]
+            setattr(subject, name, dump_models(value) if name == "allowed_models" else value)
+            sent = True
+    return sent
+
+
+def check_narrowing(patterns: list[str] | None, parents: list[tuple[str, str, str | None]]) -> None:
+    """A token's (or user's) allow-list only narrows its user's and team's: each exact name it
+    lists must be allowed there too (a pattern is intersected with theirs when checked)."""
+    if patterns is None:
+        return
+    for scope, subject_id, parent in parents:
+        allowed = parse_models(parent)
+        for name in patterns:
+            if not any(c in name for c in "*?") and not allows(allowed, name):
+                raise InvalidRequest(
+                    f"allowed_models: {name} is not allowed for {scope} {subject_id}; a list "
+                    "may only narrow its user's and team's",
+                    param="allowed_models",
+                )
+
+
+def token_expiry(
+    now: datetime, expires_at: datetime | None, expires_in: int | None, max_lifetime_s: int | None
+) -> datetime | None:
+    """When a token expires: `expires_at`, or `expires_in` seconds from now, at most the
+    operator's max lifetime from now."""
+    if expires_in is not None:
+        expires_at = now + timedelta(seconds=expires_in)
+    if expires_at is not None and expires_at <= now:
+        raise InvalidRequest("expires_at must be in the future", param="expires_at")
+    if max_lifetime_s is not None:
+        ceiling = now + timedelta(seconds=max_lifetime_s)
+        if expires_at is None or expires_at > ceiling:
+            expires_at = ceiling
+    return expires_at
 
 
 def new_id(kind: str) -> str:
@@ -92,9 +139,12 @@ async def list_tokens(
     return list(await session.scalars(query))
 
 
-async def create_team(session: AsyncSession, name: str, limit, interval: str) -> Team:
+async def create_team(
+    session: AsyncSession, name: str, limit, interval: str, limits: dict | None = None
+) -> Team:
     now = utcnow()
     team = Team(id=new_id("team"), name=name, created_at=now)
+    set_limits(team, limits or {})
     session.add(team)
     session.add(new_budget(team.id, "team", _pico(limit), interval, now))
     await session.flush()
@@ -111,12 +161,14 @@ async def _email_free(session: AsyncSession, email: str, except_id: str | None =
 
 
 async def create_user(
-    session: AsyncSession, *, email, name, team_id, password_hash, limit, interval
+    session: AsyncSession, *, email, name, team_id, password_hash, limit, interval, limits=None
 ) -> User:
+    limits = limits or {}
     try:
-        await get_team(session, team_id)
+        team = await get_team(session, team_id)
     except NotFound:
         raise InvalidRequest(f"team {team_id} not found", param="team_id") from None
+    check_narrowing(limits.get("allowed_models"), [("team", team.id, team.allowed_models)])
     await _email_free(session, email)
     now = utcnow()
     user = User(
@@ -127,6 +179,7 @@ async def create_user(
         password_hash=password_hash,
         created_at=now,
     )
+    set_limits(user, limits)
     session.add(user)
     session.add(new_budget(user.id, "user", _pico(limit), interval, now))
     await session.flush()
@@ -134,18 +187,28 @@ async def create_user(
 
 
 async def create_token(
-    session: AsyncSession, user_id: str, *, name, limit, interval, expires_at: datetime | None
+    session: AsyncSession,
+    user_id: str,
+    *,
+    name,
+    limit,
+    interval,
+    expires_at: datetime | None,
+    expires_in: int | None = None,
+    max_lifetime_s: int | None = None,
+    limits: dict | None = None,
 ) -> tuple[ApiToken, str]:
     """A new API token; its secret is returned this once. At most 10 active per user."""
     now = utcnow()
+    limits = limits or {}
     # Lock the user row: concurrent creations for one user queue here, so the count is exact.
     user = (
         await session.execute(select(User).where(User.id == user_id).with_for_update())
     ).scalar_one_or_none()
     if user is None or user.deleted_at is not None:
         raise NotFound(f"user {user_id} not found")
-    if expires_at is not None and expires_at <= now:
-        raise InvalidRequest("expires_at must be in the future", param="expires_at")
+    expires_at = token_expiry(now, expires_at, expires_in, max_lifetime_s)
+    await _narrows_user(session, user, limits.get("allowed_models"))
     active = await session.scalar(
         select(func.count())
         .select_from(ApiToken)
@@ -169,6 +232,7 @@ async def create_token(
         expires_at=expires_at,
         created_at=now,
     )
+    set_limits(token, limits)
     session.add(token)
     session.add(new_budget(token.id, "token", _pico(limit), interval, now))
     await session.flush()
@@ -203,11 +267,22 @@ async def delete_team(session: AsyncSession, team_id: str) -> None:
     await invalidation.record(session, invalidation.subject("team", team_id))
 
 
+async def _narrows_user(session: AsyncSession, user: User, patterns: list[str] | None) -> None:
+    team = await session.get(Team, user.team_id)
+    parents = [("user", user.id, user.allowed_models)]
+    if team is not None:
+        parents.append(("team", team.id, team.allowed_models))
+    check_narrowing(patterns, parents)
+
+
 async def update_team(session: AsyncSession, team_id: str, fields: dict) -> Team:
     """Apply a PATCH's fields (those it sent); the team as it now is."""
     team = await get_team(session, team_id)
     if fields.get("name") is not None:
         team.name = fields["name"]
+    if set_limits(team, fields):
+        # Every replica's cached credentials of the team carry its limits: dropped.
+        await invalidation.record(session, invalidation.subject("team", team_id))
     await change_budget(session, team_id, fields)
     await session.flush()
     session.expire_all()
@@ -231,7 +306,11 @@ async def update_user(
         user.team_id = fields["team_id"]
     if password_hash is not None:
         user.password_hash = password_hash
-    if moved or password_hash is not None:
+    if "allowed_models" in fields:
+        team = await session.get(Team, user.team_id)
+        parents = [("team", team.id, team.allowed_models)] if team is not None else []
+        check_narrowing(fields["allowed_models"], parents)
+    if set_limits(user, fields) or moved or password_hash is not None:
         # Its credentials now charge another team, or its sessions have ended.
         await invalidation.record(session, invalidation.subject("user", user_id))
     await change_budget(session, user_id, fields)
@@ -240,10 +319,54 @@ async def update_user(
     return await get_user(session, user_id)
 
 
-async def update_token(session: AsyncSession, token_id: str, fields: dict) -> ApiToken:
+def check_tightening(token: ApiToken, fields: dict) -> None:
+    """A user's own credential may tighten its token's limits, never loosen them: a number
+    only lowered (or set where there was none), an allow-list only replaced by one that the
+    current list covers (each entry allowed by it, or one of its own patterns)."""
+    for name in ("rpm_limit", "tpm_limit", "max_parallel_requests"):
+        if name not in fields:
+            continue
+        current, new = getattr(token, name), fields[name]
+        if current is not None and (new is None or new > current):
+            raise Forbidden(f"{name}: only the admin key may raise or remove a token's limit")
+    if "allowed_models" in fields and token.allowed_models is not None:
+        current = parse_models(token.allowed_models) or ()
+        new = fields["allowed_models"]
+        if (
+            new is None
+            or any(n not in current and not allows(current, n) for n in new)
+            or any(any(c in n for c in "*?") and n not in current for n in new)
+        ):
+            raise Forbidden("allowed_models: only the admin key may widen a token's list")
+
+
+async def update_token(
+    session: AsyncSession,
+    token_id: str,
+    fields: dict,
+    max_lifetime_s: int | None = None,
+    *,
+    tighten_only: bool = False,
+) -> ApiToken:
     token = await get_token(session, token_id)
+    if tighten_only:
+        check_tightening(token, fields)
     if fields.get("name") is not None:
         token.name = fields["name"]
+    if "allowed_models" in fields:
+        user = await session.get(User, token.user_id)
+        if user is not None:
+            await _narrows_user(session, user, fields["allowed_models"])
+    changed = set_limits(token, fields)
+    if "expires_at" in fields or "expires_in" in fields:
+        token.expires_at = token_expiry(
+            utcnow(), fields.get("expires_at"), fields.get("expires_in"), max_lifetime_s
+        )
+        changed = True
+    if changed:
+        # Every replica's cached credential carries the token's expiry and limits: dropped
+        # before this call returns.
+        await invalidation.record(session, invalidation.subject("token", token_id))
     await change_budget(session, token_id, fields)
     await session.flush()
     session.expire_all()

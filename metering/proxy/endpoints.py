@@ -9,10 +9,12 @@ from fastapi.responses import Response
 
 from metering import metrics
 from metering.auth.principal import RULE_ERRORS, Principal, any_principal, user_principal
+from metering.budgets.rates import release_claim
 from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
 from metering.money import format_usd
+from metering.proxy import admission
 from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
 from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_bound
@@ -64,6 +66,7 @@ CHAT_RESPONSES = {
         "content": {"application/json": {}, "text/event-stream": {}},
     },
     **error_responses(400, 402, 404, 413, 415, 502, 504, *RULE_ERRORS["user"]),
+    # 403 also model_not_allowed; 429 also rate_limit_exceeded (with retry-after).
     "4XX": {
         "model": ErrorResponse,
         "description": "An upstream's own refusal (e.g. 422), passed on with its status",
@@ -82,6 +85,7 @@ async def chat_completions(
     chat = validate(parse_json(raw), len(raw))
     catalog = services.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)
+    admission.check_model(principal, target.name)
     routes = candidates(
         catalog, target, chat.body, lambda: estimate_prompt_tokens(chat.body), chat.max_tokens
     )
@@ -165,14 +169,22 @@ async def try_route(
         max_tokens=chat.max_tokens,
         model_max_output=dialect.output_ceiling(route),
     )
+    spec = await admission.admit(services, principal, spec, billing.prompt_bound, chat.choices)
     try:
         reservation = await reserve(
             services.db, spec, services.settings.hold_ttl_s, services.leases
         )
-    except BudgetShortfall as exc:
-        raise budget_exceeded(exc) from None
+    except BaseException as exc:
+        if spec.rates is not None and principal.limits is not None:
+            # No hold carries the rate claim: given back here.
+            await release_claim(services.db, spec.rates, principal.limits)
+        if isinstance(exc, BudgetShortfall):
+            raise budget_exceeded(exc) from None
+        raise
     metrics.reserved(reservation.claim is not None)
     async with Attempt(services, spec, reservation, chat, provider, dialect, t0) as attempt:
+        if spec.rates is not None:
+            attempt.headers.update(spec.rates.headers)
         # Built inside: a body that cannot be sent gives its hold back too.
         upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
         attempt.upstream_body = _encode(upstream_body)
@@ -181,13 +193,20 @@ async def try_route(
 
 @router.get("/models", responses=error_responses(*RULE_ERRORS["self"]))
 async def list_models(
-    _: Principal = Depends(any_principal), services: Services = Depends(get_services)
+    principal: Principal = Depends(any_principal), services: Services = Depends(get_services)
 ) -> dict:
+    """The catalog's models this credential may call (its allow-lists applied)."""
     catalog = services.catalog
+    names = admission.visible_models(principal, sorted(catalog.models))
     return {
         "object": "list",
         "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": routes[0].provider}
-            for name, routes in sorted(catalog.models.items())
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": catalog.models[name][0].provider,
+            }
+            for name in names
         ],
     }

@@ -108,6 +108,10 @@ def _new_record(reply_id: str, dialect: str, body: object, request: Request) -> 
         "delivered_completion_tokens": 0,
         "completed": False,
         "fault": None,
+        # When the request arrived and (for a stream) when its last byte was sent: monotonic
+        # seconds, to see how many requests were at the upstream at once.
+        "opened_at": time.monotonic(),
+        "closed_at": None,
     }
 
 
@@ -187,12 +191,22 @@ def _fault_cut(steps: list[Step], fault_after: int) -> int:
 
 async def _stream(exchange: Exchange) -> AsyncIterator[str]:
     """The SSE body; the record follows each chunk as the server takes it."""
-    provider, reply, record = exchange.provider, exchange.reply, exchange.record
+    record = exchange.record
     fault = exchange.directives.fault
     framer = Framer(exchange.directives)
     sent = exchange.steps()
     if fault in CUTTING_FAULTS:
         sent = sent[: _fault_cut(sent, exchange.directives.fault_after)]
+    try:
+        async for event in _events(exchange, sent, framer):
+            yield event
+    finally:
+        record["closed_at"] = time.monotonic()
+
+
+async def _events(exchange: Exchange, sent: list[Step], framer: Framer) -> AsyncIterator[str]:
+    provider, reply, record = exchange.provider, exchange.reply, exchange.record
+    fault = exchange.directives.fault
     for index, step in enumerate(sent):
         if index:
             await asyncio.sleep(exchange.delay_s)

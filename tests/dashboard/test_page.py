@@ -337,3 +337,27 @@ def test_a_user_without_requests_sees_empty_panels(dashboard, site):
     # GET /v1/me names the user before any request: its token, user and team budgets show.
     assert tab.chart("budgets")["points"] == 3
     assert tab.errors == []
+
+
+def test_the_limits_panel_shows_each_limit_its_use_and_the_refusals(dashboard, site):
+    tab = dashboard().sign_in(ADMIN_KEY)
+    rows = tab.attrs("#limits-body tr", "data-scope", "data-id")
+    users = site.get("/v1/users")["data"]
+    tokens = [t for u in users for t in site.get(f"/v1/users/{u['id']}/tokens")["data"]]
+    limited = [
+        ("token", t["id"])
+        for t in tokens
+        if t["rpm_limit"] is not None or t["allowed_models"] is not None
+    ]
+    assert limited and rows == limited  # the demo's `scripts` token, nothing else
+    cells = tab.page.locator("#limits-body tr td").all_inner_texts()
+    # requests in this minute / rpm_limit; no token or parallel limit; the allow-list
+    assert re.fullmatch(r"[0-2] / 2", cells[2]) and cells[3:] == ["—", "—", "gpt-*"]
+    refused = int(tab.page.locator("#refusals").get_attribute("data-total"))
+    metrics = site.http.get("/metrics").text
+    counted = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("metering_limit_rejections_total{")
+    )
+    assert refused == counted >= 2  # the demo's 403 and 429, at least

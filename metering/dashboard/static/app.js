@@ -227,6 +227,60 @@ async function budgetRows(directory) {
     .sort((a, b) => order[a.scope] - order[b.scope] || b.used - a.used);
 }
 
+/** Teams, users and tokens with a rate, parallel or model limit, and their use now. */
+async function limitRows(directory) {
+  const limited = (o) =>
+    o.rpm_limit !== null || o.tpm_limit !== null || o.max_parallel_requests !== null || o.allowed_models !== null;
+  const subjects = [];
+  if (state.who.mode === "admin") {
+    const pick = (items, scope) => items.filter(limited).slice(0, MAX_BUDGETS).map((o) => ({ scope, o }));
+    subjects.push(
+      ...pick([...directory.teams.values()], "team"),
+      ...pick([...directory.users.values()], "user"),
+      ...pick([...directory.tokens.values()].filter((t) => !t.revoked_at), "token"),
+    );
+  } else if (state.who.me) {
+    const { user_id, team_id } = state.who.me;
+    subjects.push({ scope: "team", o: { id: team_id } }, { scope: "user", o: { id: user_id } });
+    for (const token of directory.tokens.values()) {
+      if (!token.revoked_at && limited(token)) subjects.push({ scope: "token", o: token });
+    }
+  }
+  const rows = await pool(subjects, ({ scope, o }) =>
+    api(`/v1/${scope}s/${encodeURIComponent(o.id)}/limits`),
+  );
+  const label = {
+    team: (id) => teamName(directory, id),
+    user: (id) => userName(directory, id),
+    token: (id) => tokenName(directory, id),
+  };
+  return rows
+    .filter((r) => limited(r))
+    .map((r) => ({ ...r, label: label[r.scope](r.id) }));
+}
+
+/** Requests refused by limits, from this replica's /metrics (admin only; null when closed). */
+async function limitRefusals() {
+  if (state.who.mode !== "admin") return null;
+  try {
+    const response = await fetch("/metrics", {
+      headers: { authorization: `Bearer ${state.key}` },
+      cache: "no-store",
+    });
+    if (!response.ok) return null;
+    const rows = [];
+    for (const line of (await response.text()).split("\n")) {
+      const found = line.match(/^metering_limit_rejections_total\{(.*)\} (\S+)$/);
+      if (!found) continue;
+      const labels = Object.fromEntries([...found[1].matchAll(/(\w+)="([^"]*)"/g)].map((m) => [m[1], m[2]]));
+      rows.push({ scope: labels.scope, kind: labels.kind, count: Number(found[2]) });
+    }
+    return rows;
+  } catch {
+    return null;
+  }
+}
+
 // --- drawing -------------------------------------------------------------------------------------
 
 function compareDesc(a, b) {
@@ -324,6 +378,41 @@ function drawBudgets(rows) {
   Charts.budgets($("budgets-chart"), { rows, when, empty: "no budgets with a limit" });
 }
 
+function drawLimits(rows, refusals) {
+  const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
+  const use = (used, limit) => (limit === null ? "—" : `${Money.count(used)} / ${Money.count(limit)}`);
+  const full = (used, limit) => limit !== null && used >= limit;
+  const body = $("limits-body");
+  body.replaceChildren(
+    ...rows.map((r) =>
+      html("tr", { "data-id": r.id, "data-scope": r.scope }, [
+        cell(r.scope),
+        cell(r.label),
+        cell(use(r.requests, r.rpm_limit), full(r.requests, r.rpm_limit) ? "num bad" : "num"),
+        cell(use(r.tokens, r.tpm_limit), full(r.tokens, r.tpm_limit) ? "num bad" : "num"),
+        cell(use(r.in_flight, r.max_parallel_requests), full(r.in_flight, r.max_parallel_requests) ? "num bad" : "num"),
+        cell(r.allowed_models === null ? "all" : r.allowed_models.join(", ")),
+      ]),
+    ),
+  );
+  $("limits").dataset.rows = String(rows.length);
+  $("limits-empty").hidden = rows.length > 0;
+  const line = $("refusals");
+  if (refusals === null) {
+    line.textContent = state.who.mode === "admin" ? "refusals: /metrics is closed to this key" : "";
+    line.dataset.total = "";
+    return;
+  }
+  const total = refusals.reduce((sum, r) => sum + r.count, 0);
+  line.dataset.total = String(total);
+  line.textContent = total
+    ? `refused by this replica since it started: ${refusals
+        .filter((r) => r.count)
+        .map((r) => `${Money.count(r.count)} × ${r.scope} ${r.kind}`)
+        .join(", ")}`
+    : "no request refused by a limit on this replica since it started";
+}
+
 function drawRecent(events, directory) {
   const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
   const rows = events.map((e) => {
@@ -363,12 +452,14 @@ function drawSummary(total) {
 /** Draws the last data fetched (again after a resize: charts are drawn at their pixel size). */
 function draw() {
   if (!state.data) return;
-  const { range, group, directory, byTime, byModel, byToken, recent, budgets } = state.data;
+  const { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals } =
+    state.data;
   drawSummary(byModel.total);
   drawSpend(range, byTime, directory, group);
   drawKinds(byModel);
   drawTopTokens(byToken, directory);
   drawBudgets(budgets);
+  drawLimits(limits, refusals);
   drawRecent(recent.data, directory);
   const me = state.who.me;
   $("who").textContent = state.who.mode === "admin"
@@ -396,15 +487,17 @@ async function refresh(force = false) {
     const unit = range.unit;
     const group = state.prefs.group;
     const directory = await loadDirectory(force);
-    const [byTime, byModel, byToken, recent, budgets] = await Promise.all([
+    const [byTime, byModel, byToken, recent, budgets, limits, refusals] = await Promise.all([
       spend(range, `${unit},${group}`),
       spend(range, "model"),
       spend(range, "token"),
       api(`/v1/usage?${query({ limit: RECENT })}`),
       budgetRows(directory),
+      limitRows(directory),
+      limitRefusals(),
     ]);
     if (generation !== state.generation) return; // a newer refresh has started
-    state.data = { range, group, directory, byTime, byModel, byToken, recent, budgets };
+    state.data = { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals };
     draw();
     status(`updated ${new Date().toLocaleTimeString()}`);
     document.body.dataset.state = "ready";
