@@ -45,6 +45,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
 
+from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.service import (
     Claim,
     HoldSpec,
@@ -187,37 +188,15 @@ _INSERT_HOLDS = insert(Hold.__table__)
 
 
 class HoldWriter:
-    """Holds of leased requests, inserted in groups: the first starts a group at once; those
-    that arrive while it commits form the next. A group that fails is retried one at a time."""
+    """Holds of leased requests, inserted in groups (metering.budgets.groups): one multi-row
+    INSERT for the holds that arrive together. A group that fails is retried one at a time."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self.pending: list[tuple[dict, asyncio.Future]] = []
-        self.writing: asyncio.Task | None = None
+        self.groups = GroupWriter(self._write, lambda: RuntimeError("hold not written"))
 
     async def insert(self, row: dict) -> None:
-        future = asyncio.get_running_loop().create_future()
-        self.pending.append((row, future))
-        if self.writing is None:
-            self.writing = asyncio.get_running_loop().create_task(self._write_all())
-        await future
-
-    async def _write_all(self) -> None:
-        batch: list = []
-        try:
-            while self.pending:
-                batch, self.pending = self.pending, []
-                await self._write(batch)
-                batch = []
-        except BaseException as exc:
-            for _, future in batch + self.pending:
-                if not future.done():
-                    future.set_exception(RuntimeError("hold not written"))
-            self.pending = []
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self.writing = None
+        await self.groups.submit(row)
 
     async def _one(self, rows: list[dict]) -> None:
         # One statement (one multi-row INSERT): atomic on its own, so no BEGIN/COMMIT.
@@ -232,17 +211,11 @@ class HoldWriter:
                 pass  # one at a time below: the good ones commit
             else:
                 for _, future in batch:
-                    if not future.done():
-                        future.set_result(None)
+                    answer(future)
                 return
         ends = await asyncio.gather(*(self._one([row]) for row, _ in batch), return_exceptions=True)
         for (_, future), end in zip(batch, ends, strict=True):
-            if future.done():
-                continue
-            if isinstance(end, BaseException):
-                future.set_exception(end)
-            else:
-                future.set_result(None)
+            answer(future, error=end if isinstance(end, BaseException) else None)
 
 
 class LeaseBook:

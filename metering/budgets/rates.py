@@ -34,6 +34,7 @@ from datetime import UTC, datetime, timedelta
 import anyio
 from sqlalchemy import BigInteger, String, bindparam, case, func, select, text, update
 
+from metering.budgets.groups import GroupWriter
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.limits import KINDS, SCOPES, Limits, ScopeLimits
 from metering.models import Hold, RateCounter
@@ -329,37 +330,19 @@ class AdmissionQueue:
     def __init__(self, db: Database, loop) -> None:
         self.db = db
         self.loop = loop
-        self.pending: list[tuple[Limits, int, object]] = []
-        self.writing = None
+        self.groups = GroupWriter(self._write_batch, lambda: RuntimeError("admission interrupted"))
         self.grouped = 0  # requests admitted in groups of two or more
 
     async def admit(self, limits: Limits, tokens: int) -> RateClaim:
         _check_fits(_amounts(limits, tokens), window_of(utcnow())[1])
-        future = self.loop.create_future()
-        self.pending.append((limits, tokens, future))
-        if self.writing is None:
-            self.writing = self.loop.create_task(self._write_all())
-        return await future
+        return await self.groups.submit((limits, tokens))
 
-    async def _write_all(self) -> None:
-        batch: list = []
-        try:
-            while self.pending:
-                batch, self.pending = self.pending, []
-                groups: dict[tuple, list] = {}
-                for item in batch:
-                    groups.setdefault(_group_key(item[0]), []).append(item)
-                await asyncio.gather(*(self._write(group) for group in groups.values()))
-                batch = []
-        except BaseException as exc:
-            for _, _, future in batch + self.pending:
-                if not future.done():
-                    future.set_exception(RuntimeError("admission interrupted"))
-            self.pending = []
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self.writing = None
+    async def _write_batch(self, batch: list) -> None:
+        """The requests that arrived together, by their limits: each set counted as a group."""
+        groups: dict[tuple, list] = {}
+        for (limits, tokens), future in batch:
+            groups.setdefault(_group_key(limits), []).append((limits, tokens, future))
+        await asyncio.gather(*(self._write(group) for group in groups.values()))
 
     async def _write(self, group: list) -> None:
         if len(group) > 1:

@@ -31,6 +31,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.budgets import rates
+from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
@@ -610,26 +611,17 @@ def _summed(returns: list[dict]) -> list[dict]:
     return list(sums.values())
 
 
-def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
-    if future.done():  # its waiter was cancelled: the settle still happened (or not) as recorded
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
-
-
 class SettleQueue:
-    """A process's settles, written in groups: the first settle starts a group at once; the
-    settles that arrive while it commits form the next. Each caller returns when its own
-    event is committed. A group that fails (say one bad row) is retried one settle at a time,
-    so one request's failure never costs the others their events."""
+    """A process's settles, written in groups (metering.budgets.groups): each caller returns
+    when its own event is committed. A group that fails (say one bad row) is retried one
+    settle at a time, so one request's failure never costs the others their events."""
 
     def __init__(self, db: Database, loop: asyncio.AbstractEventLoop) -> None:
         self.db = db
         self.loop = loop
-        self.pending: list[tuple[Event, Reservation, asyncio.Future]] = []
-        self.writing: asyncio.Task | None = None
+        self.groups = GroupWriter(
+            self._write, lambda: LedgerUnavailable("settle interrupted; retry")
+        )
         self.grouped = 0  # settles committed in groups of two or more
         self.retried = 0  # groups that failed and were retried one settle at a time
 
@@ -641,57 +633,37 @@ class SettleQueue:
         ):
             # A window to roll first, or no reservation to vouch for the windows: alone.
             return await settle_one(self.db, event, reservation)
-        future = self.loop.create_future()
-        self.pending.append((event, reservation, future))
-        if self.writing is None:
-            self.writing = self.loop.create_task(self._write_all())
-        return await future
+        return await self.groups.submit((event, reservation))
 
-    async def _write_all(self) -> None:
-        batch: list = []
-        try:
-            while self.pending:
-                batch, self.pending = self.pending, []
-                await self._write(batch)
-                batch = []
-        except BaseException as exc:  # cancelled with the loop: no waiter is left hanging
-            for _, _, future in batch + self.pending:
-                _resolve(future, error=LedgerUnavailable("settle interrupted; retry"))
-            self.pending = []
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self.writing = None
-
-    async def _write(self, batch: list[tuple[Event, Reservation, asyncio.Future]]) -> None:
+    async def _write(self, batch: list[tuple[tuple[Event, Reservation], asyncio.Future]]) -> None:
         results: list[bool | None] = [None] * len(batch)
         if len(batch) > 1:
             try:
-                results = await _settle_group(self.db, [(e, r) for e, r, _ in batch])
+                results = await _settle_group(self.db, [item for item, _ in batch])
             except Exception:
                 self.retried += 1
                 results = [None] * len(batch)  # one at a time below: the good ones commit
             else:
                 self.grouped += sum(1 for result in results if result)
         alone = []
-        for item, result in zip(batch, results, strict=True):
+        for (item, future), result in zip(batch, results, strict=True):
             if result is None:
-                alone.append(item)
+                alone.append((item, future))
             else:
-                _resolve(item[2], result)
+                answer(future, result)
         if not alone:
             return
         # Side by side, each in its own transaction: a database that stopped answering costs
         # one timeout, not one per settle.
         ends = await asyncio.gather(
-            *(settle_one(self.db, event, reservation) for event, reservation, _ in alone),
+            *(settle_one(self.db, event, reservation) for (event, reservation), _ in alone),
             return_exceptions=True,
         )
-        for (_, _, future), end in zip(alone, ends, strict=True):
+        for (_, future), end in zip(alone, ends, strict=True):
             if isinstance(end, BaseException):
-                _resolve(future, error=end)
+                answer(future, error=end)
             else:
-                _resolve(future, end)
+                answer(future, end)
 
 
 _QUEUES: "weakref.WeakKeyDictionary[Database, SettleQueue]" = weakref.WeakKeyDictionary()

@@ -1,0 +1,66 @@
+"""Work written in groups (group commit): the first item starts a write at once, with no added
+wait when it is alone; the items that arrive while that write runs form the next one. Each
+caller awaits its own item's answer, which the write gives to the item's future.
+
+Used for settles (metering.budgets.service), leased holds (metering.budgets.leases) and rate
+admissions (metering.budgets.rates): one transaction (or one statement) for the requests that
+arrive together, instead of one each.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+Item = TypeVar("Item")
+Waiter = tuple[Any, asyncio.Future]
+
+
+def answer(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    """Give a waiter its answer; nothing when it is gone (cancelled): the work still happened,
+    or not, as it was recorded."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+class GroupWriter(Generic[Item]):
+    """`write(batch)` writes one group, a list of (item, future), and answers every future. When
+    the writer itself is stopped (the loop closing), every waiter left is answered with
+    `interrupted()`."""
+
+    def __init__(
+        self,
+        write: Callable[[list[tuple[Item, asyncio.Future]]], Awaitable[None]],
+        interrupted: Callable[[], Exception],
+    ) -> None:
+        self._write = write
+        self._interrupted = interrupted
+        self.pending: list[tuple[Item, asyncio.Future]] = []
+        self.writing: asyncio.Task | None = None
+
+    async def submit(self, item: Item) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.pending.append((item, future))
+        if self.writing is None:
+            self.writing = loop.create_task(self._write_all())
+        return await future
+
+    async def _write_all(self) -> None:
+        batch: list[tuple[Item, asyncio.Future]] = []
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, []
+                await self._write(batch)
+                batch = []
+        except BaseException as exc:  # cancelled with the loop: no waiter is left hanging
+            for _, future in batch + self.pending:
+                answer(future, error=self._interrupted())
+            self.pending = []
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self.writing = None
