@@ -231,6 +231,8 @@ class LeaseBook:
         self.owner = f"rep_{uuid.uuid4().hex[:16]}"
         self.leases: dict[str, Lease] = {}
         self.retiring: list[Lease] = []  # dropped while requests were in flight
+        # Budgets found too near their limit to lease, until when (monotonic).
+        self.too_small: dict[str, float] = {}
         self.holds = HoldWriter(db)
         self._lock: asyncio.Lock | None = None
         self._task: asyncio.Task | None = None
@@ -248,7 +250,10 @@ class LeaseBook:
         Called before the process acknowledges a change, so the changing call returns only
         once no process admits against what it changed."""
         ids = list(self.leases) if subjects is None else [s.partition(":")[2] for s in subjects]
+        if subjects is None:
+            self.too_small.clear()
         for subject_id in ids:
+            self.too_small.pop(subject_id, None)  # a raised limit may make it leasable again
             lease = self.leases.pop(subject_id, None)
             if lease is not None:
                 lease.dropped = True
@@ -285,6 +290,9 @@ class LeaseBook:
         if claim is None:
             if self._lock is None:
                 self._lock = asyncio.Lock()
+            mono = time.monotonic()
+            if any(self.too_small.get(s, 0.0) > mono for s in subjects):
+                return None  # its slices were given back when it was found too small
             async with self._lock:
                 claim = self._claim(subjects, amount)  # grown meanwhile by another request
                 if claim is None:
@@ -342,6 +350,9 @@ class LeaseBook:
                 grant = (standing.remaining or 0) // self.share
                 if grant < MIN_REQUESTS * amount:
                     await conn.rollback()
+                    # Near its limit: its requests take the database path for a while,
+                    # without trying to lease first.
+                    self.too_small[subject_id] = mono + IDLE_S
                     return False
                 if current is not None and current.id is not None and not current.dropped:
                     held = (await conn.execute(_LEASE_AMOUNT, {"lease_id": current.id})).scalar()
@@ -432,6 +443,7 @@ class LeaseBook:
     async def return_idle(self, idle_s: float = IDLE_S) -> int:
         """Return the leases nothing is in flight on that were dropped or have been idle."""
         mono = time.monotonic()
+        self.too_small = {s: until for s, until in self.too_small.items() if until > mono}
         for subject_id, lease in list(self.leases.items()):
             stale = not lease.usable(mono, utcnow())
             if lease.inflight == 0 and (stale or mono - lease.last_used >= idle_s):
