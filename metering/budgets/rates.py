@@ -256,26 +256,29 @@ async def admit(db: Database, limits: Limits, tokens: int) -> RateClaim:
     return await _queue(db).admit(limits, tokens)
 
 
+def _counter_rows(taken: list[tuple[ScopeLimits, str, int]], start: datetime, now: datetime):
+    """The admission upsert's rows, in (subject, kind) order: the one order every writer uses."""
+    rows = (
+        {
+            "subject_id": scope.subject_id,
+            "kind": kind,
+            "window_start": NO_WINDOW if kind == "parallel" else start,
+            "amount": amount,
+            "cap": scope.cap(kind),
+            "now": now,
+        }
+        for scope, kind, amount in taken
+    )
+    return sorted(rows, key=lambda r: (r["subject_id"], r["kind"]))
+
+
 async def admit_one(db: Database, limits: Limits, tokens: int) -> RateClaim:
     """admit() in a statement of its own."""
     now = utcnow()
     start, end = window_of(now)
     taken = _amounts(limits, tokens)
     _check_fits(taken, end)
-    rows = sorted(
-        (
-            {
-                "subject_id": scope.subject_id,
-                "kind": kind,
-                "window_start": NO_WINDOW if kind == "parallel" else start,
-                "amount": amount,
-                "cap": scope.cap(kind),
-                "now": now,
-            }
-            for scope, kind, amount in taken
-        ),
-        key=lambda r: (r["subject_id"], r["kind"]),
-    )
+    rows = _counter_rows(taken, start, now)
     async with db.single() as conn:
         stmt, params = _admit_statement(dialect_name(conn), rows)
         got = {(r.subject_id, r.kind): r for r in await conn.execute(stmt, params)}
@@ -393,20 +396,7 @@ async def _admit_group(db: Database, group: list) -> list[RateClaim] | None:
     taken = _amounts(limits, total)
     if any(amounts[kind] > (scope.cap(kind) or 0) for scope, kind, _ in taken):
         return None  # the sum alone is over a limit (a new row is inserted unchecked)
-    rows = sorted(
-        (
-            {
-                "subject_id": scope.subject_id,
-                "kind": kind,
-                "window_start": NO_WINDOW if kind == "parallel" else start,
-                "amount": amounts[kind],
-                "cap": scope.cap(kind),
-                "now": now,
-            }
-            for scope, kind, _ in taken
-        ),
-        key=lambda r: (r["subject_id"], r["kind"]),
-    )
+    rows = _counter_rows([(scope, kind, amounts[kind]) for scope, kind, _ in taken], start, now)
     async with db.single() as conn:
         stmt, params = _admit_statement(dialect_name(conn), rows)
         got = {(r.subject_id, r.kind): r for r in await conn.execute(stmt, params)}
