@@ -20,16 +20,30 @@ stay reserved across the roll, and a request is charged to the window it settles
 """
 
 import asyncio
+import logging
 import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Row, bindparam, delete, func, insert, select, update
+from sqlalchemy import (
+    BigInteger,
+    Row,
+    String,
+    bindparam,
+    column,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+    values,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from metering.alerts import record
 from metering.budgets import rates
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.windows import parse_interval, window_for
@@ -39,11 +53,13 @@ from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
 from metering.ledger.outcome import Billing
 from metering.models import Budget, BudgetLease, BudgetWindow, Hold
+from metering.timefmt import rfc3339
 
 if TYPE_CHECKING:
     from metering.budgets.leases import LeaseBook
 
 RESERVE_ATTEMPTS = 4
+log = logging.getLogger("metering.budgets")
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,12 +190,40 @@ async def roll(session: AsyncSession, budget: Budget, now: datetime) -> None:
             ).where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start),
         )
         .on_conflict_do_nothing()
+        .returning(BudgetWindow.spent)
     )
-    await session.execute(closed)
-    await session.execute(
-        update(Budget)
-        .where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start)
-        .values(spent=0, window_start=start)
+    closed_spent = (await session.execute(closed)).scalar()
+    reset = (
+        await session.execute(
+            update(Budget.__table__)
+            .where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start)
+            .values(spent=0, window_start=start)
+            .returning(*_CHARGED)
+        )
+    ).first()
+    if reset is not None and closed_spent is not None:
+        await _alert_reset(session, reset, closed_spent, old_start, now)
+
+
+async def _alert_reset(session, row, closed_spent: int, old_start: datetime, now) -> None:
+    """budget.window_reset, once per closed window, for a budget that alerts (a limit or a soft
+    limit): its figures as the window closed; the new window re-arms its thresholds."""
+    if row.credit_limit is None and row.soft_limit is None:
+        return
+    team_id, user_id = await record.owners(session, row.scope, row.subject_id)
+    figures = record.Figures(
+        row.scope,
+        row.subject_id,
+        team_id,
+        row.credit_limit,
+        closed_spent,
+        row.reserved,
+        resets_at(row, row.window_start),
+    )
+    data = figures.data(window_start=rfc3339(old_start), new_window_start=rfc3339(row.window_start))
+    key = f"{row.subject_id}:{rfc3339(old_start)}"
+    await record.write(
+        session, [record.event_row(record.WINDOW_RESET, key, data, now, user_id=user_id)]
     )
 
 
@@ -225,9 +269,24 @@ def _add_to_budgets(**values):
     )
 
 
+_B = Budget.__table__.c
+# What a charge returns: enough to tell, with no further round trip, whether it crossed a
+# threshold or a soft limit (metering.alerts.record).
+_CHARGED = (
+    _B.subject_id,
+    _B.scope,
+    _B.credit_limit,
+    _B.soft_limit,
+    _B.alert_thresholds,
+    _B.spent,
+    _B.reserved,
+    _B.reset_interval,
+    _B.anchor_at,
+    _B.window_start,
+)
 _CHARGE = _add_to_budgets(
     spent=Budget.spent + bindparam("cost"), reserved=Budget.reserved - bindparam("amount")
-)
+).returning(*_CHARGED)
 _RELEASE = _add_to_budgets(reserved=Budget.reserved - bindparam("amount"))
 # Conditional write: matches every budget only while each can still cover the hold.
 _RESERVE = (
@@ -438,6 +497,50 @@ async def reserve(
     """Reserve the request's worst case against every budget at once, or raise BudgetShortfall.
     With `leases`, a request their slices cover is admitted in memory (one INSERT of its hold,
     written in a group); any other takes the database path below."""
+    try:
+        return await _reserve(db, spec, ttl_s, leases)
+    except BudgetShortfall as refused:
+        await record_exhausted(db, spec, refused.shortfall.budget)
+        raise
+
+
+# Exhausted budgets this process has recorded (the database keeps each once anyway): a budget
+# refusing request after request costs one write per window, not one per refusal.
+_EXHAUSTED_SEEN: set[str] = set()
+_EXHAUSTED_SEEN_MAX = 10_000
+
+
+async def record_exhausted(db: Database, spec: HoldSpec, budget: BudgetView) -> None:
+    """budget.exhausted: the first refusal of a window, per budget. Never fails the refusal."""
+    key = f"{budget.subject_id}:{rfc3339(budget.window_start)}"
+    if key in _EXHAUSTED_SEEN:
+        return
+    billing = spec.billing
+    user_id = None if budget.scope == "team" else billing.user_id
+    figures = record.Figures(
+        budget.scope,
+        budget.subject_id,
+        billing.team_id,
+        budget.credit_limit,
+        budget.spent,
+        budget.reserved,
+        budget.resets_at,
+    )
+    row = record.event_row(record.EXHAUSTED, key, figures.data(), utcnow(), user_id=user_id)
+    try:
+        async with db.begin() as conn:
+            await record.write(conn, [row])
+    except Exception:  # the refusal stands; a later one records it
+        log.warning("could not record budget.exhausted for %s", budget.subject_id, exc_info=True)
+        return
+    if len(_EXHAUSTED_SEEN) >= _EXHAUSTED_SEEN_MAX:
+        _EXHAUSTED_SEEN.clear()
+    _EXHAUSTED_SEEN.add(key)
+
+
+async def _reserve(
+    db: Database, spec: HoldSpec, ttl_s: int, leases: "LeaseBook | None"
+) -> Reservation:
     if leases is not None:
         reservation = await leases.admit(spec)
         if reservation is not None:
@@ -507,10 +610,11 @@ async def settle_in(
         charges: dict[str, list[int]] = {}
         leases: dict[str, int] = {}
         _add_charges(charges, leases, hold, event.cost)
-        await _charge(session, charges, leases)
+        await _charge(session, charges, leases, _people({}, hold), now)
     else:
         charge = {"ids": subjects, "cost": event.cost, "amount": hold.amount}
-        await session.execute(_CHARGE, charge)
+        charged = (await session.execute(_CHARGE, charge)).all()
+        await alert_crossings(session, charged, {s: event.cost for s in subjects}, hold, now)
     await writer.append(session, event)
     # Last: the counters' rows are locked until the commit that follows.
     await rates.give_back(session, rate_returns(hold, _used_tokens(event)))
@@ -547,12 +651,77 @@ _CHARGE_LEASE = (
 )
 
 
-async def _charge(conn, charges: dict[str, list[int]], leases: dict[str, int]) -> None:
-    """Charge the sums: budgets in subject_id order (each UPDATE locks its row, so they are
-    locked in the order every writer here uses), then their leases."""
+def _people(people: dict, hold) -> dict:
+    """subject -> (team_id, user_id) of a hold's budgets, for the alerts they may raise."""
+    people[hold.team_id] = (hold.team_id, None)
+    people[hold.user_id] = (hold.team_id, hold.user_id)
+    if hold.token_id:
+        people[hold.token_id] = (hold.team_id, hold.user_id)
+    return people
+
+
+def resets_at(row, at: datetime) -> datetime | None:
+    return window_for(parse_interval(row.reset_interval), row.anchor_at, at)[1]
+
+
+async def alert_crossings(conn, charged, costs: dict[str, int], people, now: datetime) -> None:
+    """Record the thresholds and soft limits the charged budgets just passed (rows returned by
+    the charge: `spent` after it; before it, `spent - cost`). Nothing is written, and no round
+    trip made, when none was passed."""
+    events: list[dict] = []
+    for row in charged:
+        cost = costs.get(row.subject_id, 0)
+        if cost <= 0 or (row.credit_limit is None and row.soft_limit is None):
+            continue
+        before = row.spent - cost
+        thresholds = record.thresholds_of(row.alert_thresholds)
+        if not record.passed(before, row.spent, row.credit_limit, thresholds, row.soft_limit):
+            continue
+        team_id, user_id = people.get(row.subject_id, (None, None))
+        figures = record.Figures(
+            row.scope,
+            row.subject_id,
+            team_id,
+            row.credit_limit,
+            row.spent,
+            row.reserved,
+            resets_at(row, row.window_start),
+        )
+        events += record.crossings(
+            figures, before, thresholds, row.soft_limit, row.window_start, now, user_id
+        )
+    await record.write(conn, events)
+
+
+def _charge_values(rows: list[dict]):
+    return values(
+        column("charged_id", String),
+        column("cost", BigInteger),
+        column("amount", BigInteger),
+        name="charges",
+    ).data([(r["charged_id"], r["cost"], r["amount"]) for r in rows])
+
+
+async def _charge(
+    conn, charges: dict[str, list[int]], leases: dict[str, int], people: dict, now: datetime
+) -> None:
+    """Charge the sums: budgets in subject_id order (locked in the order every writer here
+    uses), then their leases. The charged rows come back, for the alerts they may raise."""
     subjects = sorted(charges)
     rows = [{"charged_id": s, "cost": charges[s][0], "amount": charges[s][1]} for s in subjects]
-    await conn.execute(_CHARGE_ONE, rows)
+    if dialect_name(conn) == "postgresql":
+        sums = _charge_values(rows)
+        charged = (
+            await conn.execute(
+                _CHARGE_ALL.where(sums.c.charged_id == _B.subject_id).values(
+                    spent=_B.spent + sums.c.cost, reserved=_B.reserved - sums.c.amount
+                ),
+                {"ids": subjects},
+            )
+        ).all()
+    else:  # SQLite: in process, one writer; a statement per budget costs no round trip
+        charged = [(await conn.execute(_CHARGE_ONE, row)).one() for row in rows]
+    await alert_crossings(conn, charged, {s: charges[s][0] for s in subjects}, people, now)
     if leases:
         taken = [{"lease_id": lease, "cost": cost} for lease, cost in sorted(leases.items())]
         await conn.execute(_CHARGE_LEASE, taken)
@@ -565,6 +734,22 @@ _CHARGE_ONE = (
     update(Budget.__table__)
     .where(Budget.subject_id == bindparam("charged_id"))
     .values(spent=Budget.spent + bindparam("cost"), reserved=Budget.reserved - bindparam("amount"))
+    .returning(*_CHARGED)
+    .execution_options(synchronize_session=False)
+)
+# PostgreSQL: every budget of a group charged in one statement, the rows locked first in
+# subject_id order (see `load`); the sums joined as VALUES.
+_LOCKED = (
+    select(Budget.subject_id)
+    .where(Budget.subject_id.in_(_ids()))
+    .order_by(Budget.subject_id)
+    .with_for_update()
+    .subquery()
+)
+_CHARGE_ALL = (
+    update(Budget.__table__)
+    .where(_B.subject_id == _LOCKED.c.subject_id)
+    .returning(*_CHARGED)
     .execution_options(synchronize_session=False)
 )
 
@@ -578,6 +763,8 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     totals: dict[str, list[int]] = {}
     leases: dict[str, int] = {}
     returns: list[dict] = []
+    people: dict = {}
+    now = max(event.created_at for event, _ in items)
     async with db.begin() as conn:
         rows = await conn.execute(_TAKE_HOLDS, {"ids": [event.id for event, _ in items]})
         holds = {row.id: row for row in rows}
@@ -590,9 +777,10 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
             taken.append(event)
             results.append(True)
             _add_charges(totals, leases, hold, event.cost)
+            _people(people, hold)
             returns += rate_returns(hold, _used_tokens(event))
         if taken:
-            await _charge(conn, totals, leases)
+            await _charge(conn, totals, leases, people, now)
             await writer.append_many(conn, taken)
             # Last: the counters' rows are locked until the commit that follows.
             await rates.give_back(conn, _summed(returns))
