@@ -15,6 +15,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering import jobs
+from metering.alerts.endpoints import router as alerts_router
+from metering.alerts.outbox.delivery import Outbox, Policy
 from metering.auth.endpoints import router as auth_router
 from metering.auth.failures import FailedCredentials
 from metering.auth.invalidation import Credentials
@@ -186,6 +188,19 @@ def create_app(
             if run_jobs
             else None
         )
+        if run_jobs:
+            services.outbox = Outbox(
+                db,
+                poll_s=settings.webhook_poll_s,
+                timeout_s=settings.webhook_timeout_s,
+                concurrency=settings.webhook_concurrency,
+                policy=Policy(
+                    base_s=settings.webhook_backoff_base_s,
+                    max_s=settings.webhook_backoff_max_s,
+                    retry_for_s=settings.webhook_retry_for_s,
+                ),
+            )
+            services.outbox.start()
         if scheduler is not None and store.path is not None:
             scheduler.add_job(
                 jobs.guard(watch_catalog),
@@ -202,6 +217,8 @@ def create_app(
             keep_alive.cancel()
             if scheduler is not None:
                 scheduler.shutdown(wait=False)
+            if services.outbox is not None:
+                await services.outbox.close()
             await services.upstreams.close()
             await leases.close()
             await services.credentials.stop()
@@ -231,6 +248,7 @@ def create_app(
     app.include_router(identity_router)
     app.include_router(budgets_router)
     app.include_router(reports_router)
+    app.include_router(alerts_router)
     app.include_router(metrics_router)
     app.include_router(auth_router)
     app.include_router(dashboard_router)

@@ -7,6 +7,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy import select
 
 from metering import metrics
+from metering.alerts import service as alerts
 from metering.budgets import leases, rates
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
@@ -16,6 +17,7 @@ from metering.models import Budget, Hold
 
 log = logging.getLogger("metering.jobs")
 RETENTION_EVERY_S = 600
+EXPIRING_EVERY_S = 600
 
 
 async def expire_holds(db: Database, batch: int = 500, ttl_s: float | None = None) -> int:
@@ -88,6 +90,15 @@ def start_scheduler(
         seconds=60,
         next_run_time=first,
         id="close_windows",
+        max_instances=1,
+        coalesce=True,
+    )
+    scheduler.add_job(
+        guard(alerts.expiring_tokens, db),
+        "interval",
+        seconds=EXPIRING_EVERY_S,
+        next_run_time=first,
+        id="expiring_tokens",
         max_instances=1,
         coalesce=True,
     )

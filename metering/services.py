@@ -20,6 +20,7 @@ from metering.db import Database
 from metering.settings import Catalog, Settings
 
 if TYPE_CHECKING:  # the proxy's own types, named here only for the annotations
+    from metering.alerts.outbox.delivery import Outbox
     from metering.proxy.live import LiveHolds
     from metering.proxy.routing import Breakers
     from metering.proxy.upstreams import Upstreams
@@ -41,6 +42,8 @@ class Services:
     leases: LeaseBook
     # Replaced when the catalog file changes; a request reads it once, when it starts.
     catalog: Catalog
+    # The webhook delivery worker of this process (None when background work is off).
+    outbox: "Outbox | None" = None
 
 
 async def get_services(connection: HTTPConnection) -> Services:

@@ -67,6 +67,16 @@ class Settings(BaseSettings):
     breaker_cooldown_s: float = Field(default=30.0, gt=0)
     # Events older than this many days move to ledger_events_archive; None keeps all hot.
     retention_days: int | None = Field(default=None, ge=1)
+    # Alerts and webhooks (metering.alerts): http:// webhook URLs to loopback addresses allowed
+    # (tests and the demo); how often each replica looks for events to deliver; one POST's
+    # timeout; retries from backoff_base_s doubling up to backoff_max_s, for retry_for_s.
+    webhooks_allow_loopback: bool = False
+    webhook_poll_s: float = Field(default=1.0, gt=0, le=3600)
+    webhook_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    webhook_backoff_base_s: float = Field(default=1.0, gt=0, le=3600)
+    webhook_backoff_max_s: float = Field(default=3600.0, gt=0, le=86400)
+    webhook_retry_for_s: float = Field(default=86400.0, gt=0, le=30 * 86400)
+    webhook_concurrency: int = Field(default=16, ge=1, le=256)
 
     @field_validator("admin_key")
     @classmethod
