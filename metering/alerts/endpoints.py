@@ -64,9 +64,7 @@ async def delete_webhook(
     return Response(status_code=204)
 
 
-@router.post(
-    "/webhooks/{webhook_id}/test", status_code=202, responses=error_responses(404, *ADMIN)
-)
+@router.post("/webhooks/{webhook_id}/test", status_code=202, responses=error_responses(404, *ADMIN))
 async def test_webhook(
     webhook_id: str,
     background: BackgroundTasks,

@@ -614,7 +614,9 @@ async def settle_in(
     else:
         charge = {"ids": subjects, "cost": event.cost, "amount": hold.amount}
         charged = (await session.execute(_CHARGE, charge)).all()
-        await alert_crossings(session, charged, {s: event.cost for s in subjects}, hold, now)
+        await alert_crossings(
+            session, charged, {s: event.cost for s in subjects}, _people({}, hold), now
+        )
     await writer.append(session, event)
     # Last: the counters' rows are locked until the commit that follows.
     await rates.give_back(session, rate_returns(hold, _used_tokens(event)))

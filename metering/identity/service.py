@@ -1,5 +1,6 @@
 """Teams, users and API tokens. Services flush; the endpoint's unit of work commits."""
 
+import json
 import uuid
 from datetime import datetime, timedelta
 
@@ -396,3 +397,22 @@ async def change_budget(session: AsyncSession, subject_id: str, fields: dict) ->
         )
         # Every replica drops its leases of this budget before the change is answered.
         await invalidation.record(session, invalidation.subject("budget", subject_id))
+    await set_alerts(session, subject_id, fields)
+
+
+ALERT_FIELDS = ("alert_thresholds", "soft_limit")
+
+
+async def set_alerts(session: AsyncSession, subject_id: str, fields: dict) -> None:
+    """A budget's thresholds and soft limit (those sent). They only alert: admission never
+    reads them, so no replica needs to hear of the change."""
+    values: dict = {}
+    if "alert_thresholds" in fields:
+        chosen = fields["alert_thresholds"]
+        values["alert_thresholds"] = None if chosen is None else json.dumps(sorted(chosen))
+    if "soft_limit" in fields:
+        values["soft_limit"] = _pico(fields["soft_limit"])
+    if values:
+        await session.execute(
+            update(Budget).where(Budget.subject_id == subject_id).values(**values)
+        )
