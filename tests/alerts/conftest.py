@@ -144,7 +144,7 @@ def alerts_api(alerts_db, sim):
     server.stop()
 
 
-def hook(api: Api, url: str, events: list[str], team_id: str | None = None, **extra) -> dict:
+def hold(api: Api, url: str, events: list[str], team_id: str | None = None, **extra) -> dict:
     body = {"url": url, "events": events, "team_id": team_id, **extra}
     return api.ok("POST", "/v1/webhooks", 201, json=body)
 
