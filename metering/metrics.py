@@ -132,8 +132,9 @@ def limit_rejected(scope: str, kind: str) -> None:
 class _Gauges:
     """Values read at scrape time."""
 
-    def __init__(self, open_holds: int | None) -> None:
+    def __init__(self, open_holds: int | None, used: list | None = None) -> None:
         self.open_holds = open_holds
+        self.used = used
 
     def collect(self):
         if self.open_holds is not None:
@@ -142,16 +143,30 @@ class _Gauges:
                 "Holds of requests in flight (or of crashed replicas, until they expire)",
                 value=self.open_holds,
             )
+        if self.used is not None:
+            family = GaugeMetricFamily(
+                BUDGET_USED_RATIO,
+                "Spent / credit_limit of a budget in its current window (the "
+                f"{queries.USED_RATIOS_SHOWN} most used limited budgets); alert rules: "
+                "dashboards/prometheus",
+                labels=["scope", "subject_id"],
+            )
+            for scope, subject_id, ratio in self.used:
+                family.add_metric([scope, subject_id], ratio)
+            yield family
 
 
-def render(open_holds: int | None) -> bytes:
+BUDGET_USED_RATIO = "metering_budget_used_ratio"
+
+
+def render(open_holds: int | None, used: list | None = None) -> bytes:
     if os.environ.get(MULTIPROC_ENV):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     gauges = CollectorRegistry()
-    gauges.register(_Gauges(open_holds))
+    gauges.register(_Gauges(open_holds, used))
     return generate_latest(registry) + generate_latest(gauges)
 
 
@@ -180,4 +195,9 @@ async def metrics(
     except Exception:
         log.warning("open holds unavailable: the database cannot be reached", exc_info=True)
         open_holds = None
-    return Response(render(open_holds), media_type=CONTENT_TYPE_LATEST)
+    try:
+        used: list | None = await queries.used_ratios(services.db)
+    except Exception:
+        log.warning("budget use unavailable: the database cannot be reached", exc_info=True)
+        used = None
+    return Response(render(open_holds, used), media_type=CONTENT_TYPE_LATEST)

@@ -167,3 +167,12 @@ def test_thresholds_are_set_and_changed_with_the_budget(alerts_api):
         "PATCH", f"/v1/teams/{team['id']}", json={"alert_thresholds": None, "soft_limit": "7"}
     )
     assert patched["alert_thresholds"] == [50, 80, 100] and patched["soft_limit"] == "7.000000"
+
+
+def test_metrics_show_how_much_of_a_budget_is_used(alerts_api):
+    hold = Decimal(hold_of(alerts_api, tag()))
+    _, _, token = alerts_api.principal(token_limit=str(hold * 4))
+    assert _try(alerts_api, token["token"])
+    text = alerts_api.request("GET", "/metrics").text
+    line = f'metering_budget_used_ratio{{scope="token",subject_id="{token["id"]}"}} 0.25'
+    assert line in text.splitlines()
