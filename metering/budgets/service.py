@@ -74,12 +74,21 @@ class BudgetView:
     resets_at: datetime | None
     spent: int
     reserved: int
+    thresholds: tuple[int, ...] = record.DEFAULT_THRESHOLDS  # alert thresholds, % of the limit
 
     @property
     def remaining(self) -> int | None:
         if self.credit_limit is None:
             return None
         return max(self.credit_limit - self.spent - self.reserved, 0)
+
+    @property
+    def threshold_passed(self) -> int | None:
+        """The highest alert threshold `spent` has reached in this window, if any."""
+        if not self.credit_limit:
+            return None
+        passed = [p for p in self.thresholds if self.spent * 100 >= self.credit_limit * p]
+        return max(passed, default=None)
 
 
 def current_window(budget: Budget, now: datetime) -> tuple[datetime, datetime | None]:
@@ -100,6 +109,7 @@ def view(budget: Budget, now: datetime, slack: int = 0) -> BudgetView:
         resets_at=end,
         spent=0 if rolled else budget.spent,
         reserved=max(budget.reserved - slack, 0),
+        thresholds=record.thresholds_of(getattr(budget, "alert_thresholds", None)),
     )
 
 

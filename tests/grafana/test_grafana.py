@@ -302,4 +302,4 @@ def test_the_grafana_alert_runs_as_the_reader_on_the_same_measure(query, pg_site
     assert threshold["model"]["conditions"][0]["evaluator"] == {"type": "gt", "params": [0.8]}
     columns, rows = query(source["model"]["rawSql"])
     assert columns == ["scope", "subject_id", "budget_used_ratio"]
-    assert rows and all(0 <= ratio for _, _, ratio in rows)
+    assert rows and all(ratio >= 0 for _, _, ratio in rows)

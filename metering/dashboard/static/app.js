@@ -14,6 +14,7 @@ const RANGES = {
 };
 const TOP_TOKENS = 10;
 const RECENT = 25;
+const RECENT_ALERTS = 20;
 const MAX_SERIES = 8; // more groups than this are drawn as one "other" series
 const MAX_BUDGETS = 100; // per scope, for the admin
 const PARALLEL = 6;
@@ -222,6 +223,7 @@ async function budgetRows(directory) {
       reserved: Money.parse(b.reserved),
       resetsAt: b.resets_at,
       interval: b.reset_interval,
+      passed: b.threshold_passed ?? null,
     }))
     .map((r) => ({ ...r, used: r.limit === null ? -1 : Money.ratio(r.spent + r.reserved, r.limit) }))
     .sort((a, b) => order[a.scope] - order[b.scope] || b.used - a.used);
@@ -413,6 +415,43 @@ function drawLimits(rows, refusals) {
     : "no request refused by a limit on this replica since it started";
 }
 
+const ALERT_NAMES = {
+  "budget.threshold_crossed": "threshold crossed",
+  "budget.soft_limit_reached": "soft limit reached",
+  "budget.exhausted": "budget exhausted",
+  "budget.window_reset": "window reset",
+  "token.expiring": "token expiring",
+  "reconciliation.differs": "reconciliation differs",
+};
+
+function subjectName(directory, scope, id) {
+  if (scope === "team") return teamName(directory, id);
+  if (scope === "user") return userName(directory, id);
+  if (scope === "token") return tokenName(directory, id);
+  return id;
+}
+
+function drawAlerts(events, directory) {
+  const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
+  const money = (text) => (text === null || text === undefined ? "" : Money.format(Money.parse(text)));
+  const rows = events.map((e) => {
+    const d = e.data;
+    const bad = e.type === "budget.exhausted" || e.type === "reconciliation.differs";
+    return html("tr", { "data-id": e.id, "data-type": e.type, class: bad ? "error" : "" }, [
+      cell(new Date(e.created_at).toLocaleString()),
+      cell(ALERT_NAMES[e.type] ?? e.type, bad ? "bad" : ""),
+      cell(d.scope),
+      cell(subjectName(directory, d.scope, d.subject_id)),
+      cell(d.threshold === null || d.threshold === undefined ? "" : `${d.threshold}%`, "num"),
+      cell(money(d.spent), "num"),
+      cell(money(d.credit_limit), "num"),
+    ]);
+  });
+  $("alerts-body").replaceChildren(...rows);
+  $("alerts").dataset.rows = String(rows.length);
+  $("alerts-empty").hidden = rows.length > 0;
+}
+
 function drawRecent(events, directory) {
   const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
   const rows = events.map((e) => {
@@ -452,7 +491,7 @@ function drawSummary(total) {
 /** Draws the last data fetched (again after a resize: charts are drawn at their pixel size). */
 function draw() {
   if (!state.data) return;
-  const { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals } =
+  const { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals, alerts } =
     state.data;
   drawSummary(byModel.total);
   drawSpend(range, byTime, directory, group);
@@ -461,6 +500,7 @@ function draw() {
   drawBudgets(budgets);
   drawLimits(limits, refusals);
   drawRecent(recent.data, directory);
+  drawAlerts(alerts.data, directory);
   const me = state.who.me;
   $("who").textContent = state.who.mode === "admin"
     ? "admin: everything"
@@ -487,7 +527,7 @@ async function refresh(force = false) {
     const unit = range.unit;
     const group = state.prefs.group;
     const directory = await loadDirectory(force);
-    const [byTime, byModel, byToken, recent, budgets, limits, refusals] = await Promise.all([
+    const [byTime, byModel, byToken, recent, budgets, limits, refusals, alerts] = await Promise.all([
       spend(range, `${unit},${group}`),
       spend(range, "model"),
       spend(range, "token"),
@@ -495,9 +535,10 @@ async function refresh(force = false) {
       budgetRows(directory),
       limitRows(directory),
       limitRefusals(),
+      api(`/v1/alerts?${query({ limit: RECENT_ALERTS })}`),
     ]);
     if (generation !== state.generation) return; // a newer refresh has started
-    state.data = { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals };
+    state.data = { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals, alerts };
     draw();
     status(`updated ${new Date().toLocaleTimeString()}`);
     document.body.dataset.state = "ready";

@@ -233,7 +233,8 @@ const Charts = (() => {
         "data-reserved": Money.plain(r.reserved),
         "data-limit": r.limit === null ? "" : Money.plain(r.limit),
         "data-resets-at": r.resetsAt ?? "",
-        class: `budget ${level}`,
+        "data-threshold": r.passed ?? "",
+        class: `budget ${level}${r.passed ? " past-threshold" : ""}`,
       }, [
         text(0, yTop + 15, r.label, { class: "label" }),
         text(0, yTop + 32, `${r.scope} · ${r.interval}`, { class: "sub" }),
@@ -242,6 +243,12 @@ const Charts = (() => {
         svg("rect", { x: labelW + spentW, y: yTop + 4, width: heldW, height: 14, class: "held" }),
         text(labelW, yTop + 33, `${summary} · ${resets}`, { class: "sub" }),
       ]);
+      if (r.passed) {
+        // The mark of a budget past one of its alert thresholds.
+        group.append(text(labelW + barW, yTop + 33, `▲ past ${r.passed}%`, {
+          class: "threshold-mark", "text-anchor": "end",
+        }));
+      }
       group.append(tooltip(
         `${r.label}: spent ${Money.format(r.spent)}, reserved ${Money.format(r.reserved)}` +
         (r.limit === null ? ", no limit" : ` of ${Money.format(r.limit)}`) +
