@@ -364,6 +364,8 @@ class DemoSettings(Settings):
     """The demo runs on this machine for a look around: any admin key it is given will do."""
 
     admin_key_min_chars: ClassVar[int] = 1
+    # A webhook receiver on this machine (http://127.0.0.1:...) may be tried with the demo.
+    webhooks_allow_loopback: bool = True
 
 
 def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
