@@ -72,7 +72,9 @@ def upgrade() -> None:
     op.create_index(
         "uq_webhook_deliveries_pair", "webhook_deliveries", ["webhook_id", "event_id"], unique=True
     )
-    op.create_index("ix_webhook_deliveries_due", "webhook_deliveries", ["status", "next_attempt_at"])
+    op.create_index(
+        "ix_webhook_deliveries_due", "webhook_deliveries", ["status", "next_attempt_at"]
+    )
     op.create_table(
         "webhook_attempts",
         sa.Column("delivery_id", sa.String(length=40), nullable=False),
