@@ -14,6 +14,8 @@ TOKEN_FIELDS = {
     "name",
     "prefix",
     "credit_limit",
+    "alert_thresholds",
+    "soft_limit",
     "rpm_limit",
     "tpm_limit",
     "max_parallel_requests",
