@@ -15,6 +15,7 @@ from metering.testing import metering_server
 from tests.budgets.conftest import (  # noqa: F401 - fixtures shared with the budget tests
     SIM_KEYS,
     catalog_file,
+    fresh_db,
     fresh_pg,
     fresh_sqlite,
     new_pg_database,
