@@ -15,7 +15,7 @@ from metering.alerts import record
 from metering.alerts.outbox.delivery import body_of, delivery_row
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest, NotFound
-from metering.models import AlertEvent, ApiToken, Budget, User, Webhook, WebhookAttempt
+from metering.models import AlertEvent, ApiToken, Budget, Team, User, Webhook, WebhookAttempt
 from metering.models import WebhookDelivery as Delivery
 from metering.timefmt import rfc3339
 
@@ -77,6 +77,10 @@ async def create_webhook(
     allow_loopback: bool,
 ) -> dict:
     url = check_url(url, allow_loopback)
+    if team_id is not None:
+        team = await session.get(Team, team_id)
+        if team is None or team.deleted_at is not None:
+            raise InvalidRequest(f"team {team_id} not found", param="team_id")
     live = await session.scalar(
         select(Webhook.id).where(Webhook.deleted_at.is_(None)).offset(MAX_WEBHOOKS - 1).limit(1)
     )

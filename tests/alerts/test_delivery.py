@@ -83,7 +83,7 @@ def test_a_failing_receiver_gets_the_event_until_it_answers_2xx(alerts_api, rece
 
 def test_a_redirect_is_not_followed(alerts_api, receiver):
     path = f"/redirect/{uuid.uuid4().hex[:8]}"
-    webhook = hold(alerts_api, receiver.url(path), [CROSSED], f"team_{uuid.uuid4().hex}")
+    webhook = hold(alerts_api, receiver.url(path), [CROSSED], alerts_api.team()["id"])
     alerts_api.ok("POST", f"/v1/webhooks/{webhook['id']}/test", 202)
     (delivery,) = wait_for(
         lambda: [d for d in _deliveries(alerts_api, webhook["id"]) if d["attempts"] >= 1],

@@ -24,7 +24,7 @@ def readme_example() -> dict:
 def test_the_readme_example_verifies_a_real_delivery(alerts_api, receiver):
     verify_signature = readme_example()["verify_signature"]
     path = new_path()
-    webhook = hold(alerts_api, receiver.url(path), ["budget.exhausted"], "team_none")
+    webhook = hold(alerts_api, receiver.url(path), ["budget.exhausted"], alerts_api.team()["id"])
     alerts_api.ok("POST", f"/v1/webhooks/{webhook['id']}/test", 202)
     (got,) = wait_for(lambda: receiver.at(path), message="the test delivery")
     header, body = got["headers"]["x-metering-signature"], got["body"]

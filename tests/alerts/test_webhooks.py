@@ -1,8 +1,6 @@
 """The webhooks API: registration with safe URLs only, validation, listing without secrets,
 deletion, the test delivery and the deliveries listing; the admin's only."""
 
-import uuid
-
 import pytest
 
 from metering.alerts.signature import verify
@@ -29,7 +27,7 @@ def test_a_given_secret_is_kept(alerts_api, receiver):
 
 def test_the_test_delivery_is_signed_and_listed(alerts_api, receiver):
     path = new_path()
-    created = hold(alerts_api, receiver.url(path), [CROSSED], f"team_{uuid.uuid4().hex}")
+    created = hold(alerts_api, receiver.url(path), [CROSSED], alerts_api.team()["id"])
     sent = alerts_api.ok("POST", f"/v1/webhooks/{created['id']}/test", 202)
     (got,) = wait_for(lambda: receiver.at(path), message="the test delivery")
     assert got["headers"]["x-metering-event-id"] == sent["event_id"]
@@ -81,6 +79,7 @@ def test_a_deleted_webhook_is_gone(alerts_api, receiver):
         ({"url": "https://example.com/hook", "events": [CROSSED], "secret": "short"}, "secret"),
         ({"url": "https://example.com/hook", "events": [CROSSED], "extra": 1}, "extra"),
         ({"url": "https://" + "a" * 2100 + ".com", "events": [CROSSED]}, "url"),
+        ({"url": "https://example.com/hook", "events": [CROSSED], "team_id": "team_x"}, "team_id"),
     ],
 )
 def test_a_bad_webhook_is_refused(alerts_api, body, param):
