@@ -31,14 +31,13 @@ from sqlalchemy import (
     Row,
     String,
     bindparam,
-    column,
     delete,
     func,
     insert,
     select,
     update,
-    values,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -705,15 +704,6 @@ async def alert_crossings(conn, charged, costs: dict[str, int], people, now: dat
     await record.write(conn, events)
 
 
-def _charge_values(rows: list[dict]):
-    return values(
-        column("charged_id", String),
-        column("cost", BigInteger),
-        column("amount", BigInteger),
-        name="charges",
-    ).data([(r["charged_id"], r["cost"], r["amount"]) for r in rows])
-
-
 async def _charge(
     conn, charges: dict[str, list[int]], leases: dict[str, int], people: dict, now: datetime
 ) -> None:
@@ -722,15 +712,13 @@ async def _charge(
     subjects = sorted(charges)
     rows = [{"charged_id": s, "cost": charges[s][0], "amount": charges[s][1]} for s in subjects]
     if dialect_name(conn) == "postgresql":
-        sums = _charge_values(rows)
-        charged = (
-            await conn.execute(
-                _CHARGE_ALL.where(sums.c.charged_id == _B.subject_id).values(
-                    spent=_B.spent + sums.c.cost, reserved=_B.reserved - sums.c.amount
-                ),
-                {"ids": subjects},
-            )
-        ).all()
+        sums = {
+            "ids": subjects,
+            "charged_ids": subjects,
+            "costs": [r["cost"] for r in rows],
+            "amounts": [r["amount"] for r in rows],
+        }
+        charged = (await conn.execute(_CHARGE_ALL, sums)).all()
     else:  # SQLite: in process, one writer; a statement per budget costs no round trip
         charged = [(await conn.execute(_CHARGE_ONE, row)).one() for row in rows]
     await alert_crossings(conn, charged, {s: charges[s][0] for s in subjects}, people, now)
@@ -758,9 +746,19 @@ _LOCKED = (
     .with_for_update()
     .subquery()
 )
+_SUMS = (
+    func.unnest(
+        bindparam("charged_ids", type_=ARRAY(String)),
+        bindparam("costs", type_=ARRAY(BigInteger)),
+        bindparam("amounts", type_=ARRAY(BigInteger)),
+    )
+    .table_valued("charged_id", "cost", "amount", name="sums")
+    .render_derived()
+)
 _CHARGE_ALL = (
     update(Budget.__table__)
-    .where(_B.subject_id == _LOCKED.c.subject_id)
+    .where(_B.subject_id == _LOCKED.c.subject_id, _SUMS.c.charged_id == _B.subject_id)
+    .values(spent=_B.spent + _SUMS.c.cost, reserved=_B.reserved - _SUMS.c.amount)
     .returning(*_CHARGED)
     .execution_options(synchronize_session=False)
 )
