@@ -107,6 +107,11 @@ def test_a_hanging_receiver_does_not_hold_up_the_proxy(alerts_api, receiver):
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda _: ask(alerts_api, other["token"], tag()), range(8)))
         assert all(a.choices for a in answers)
+        # Another receiver's deliveries go on meanwhile.
+        other_path = new_path()
+        other_hook = hold(alerts_api, receiver.url(other_path), [CROSSED], team["id"])
+        alerts_api.ok("POST", f"/v1/webhooks/{other_hook['id']}/test", 202)
+        wait_for(lambda: receiver.at(other_path), message="the other receiver's delivery")
         assert receiver.hanging >= 1  # still held while the proxy answered all of them
     finally:
         receiver.hang.discard(path)

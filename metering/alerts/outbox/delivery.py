@@ -311,6 +311,9 @@ class Outbox:
         )
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # Deliveries being sent: a receiver that hangs holds its slot until its timeout, never
+        # the pass that claimed it, so the others go on being claimed and sent.
+        self._sending: set[asyncio.Task] = set()
         self.sent = 0
 
     def start(self) -> None:
@@ -322,6 +325,7 @@ class Outbox:
 
     async def _run(self) -> None:
         while True:
+            self._wake.clear()  # a poke from here on wakes the wait below
             busy = False
             try:
                 busy = await self.run_once()
@@ -329,17 +333,25 @@ class Outbox:
                 log.warning("webhook delivery pass failed; trying again", exc_info=True)
             if busy:
                 continue
-            self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.poll_s)
 
     async def run_once(self) -> bool:
-        """One pass; True when there may be more to do at once."""
+        """One pass: fan out, then claim as many due deliveries as there are free slots and
+        start sending them. True when there may be more to do at once."""
         dispatched = await dispatch(self.db)
-        claimed = await claim(self.db, self.concurrency, self.claim_s)
-        if claimed:
-            await asyncio.gather(*(self._deliver(d) for d in claimed))
-        return dispatched >= BATCH or len(claimed) >= self.concurrency
+        room = self.concurrency - len(self._sending)
+        claimed = await claim(self.db, room, self.claim_s) if room > 0 else []
+        loop = asyncio.get_running_loop()
+        for delivery in claimed:
+            task = loop.create_task(self._deliver(delivery))
+            self._sending.add(task)
+            task.add_done_callback(self._sent)
+        return dispatched >= BATCH or (room > 0 and len(claimed) >= room)
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        self.poke()  # a slot is free
 
     async def _deliver(self, delivery: Claimed) -> None:
         started = time.monotonic()
@@ -355,6 +367,8 @@ class Outbox:
             log.warning("could not record delivery %s", delivery.id, exc_info=True)
 
     async def close(self) -> None:
+        for task in list(self._sending):
+            task.cancel()  # its claim expires and another replica sends it
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
