@@ -24,6 +24,11 @@ MAX_EXPORT_BYTES = 64 * 1024 * 1024
 CSV = {"text/csv": {"schema": {"type": "string"}}}
 # GET /v1/usage names no user, token or team in its path, so the self rule never answers 404.
 USAGE_ERRORS = tuple(status for status in RULE_ERRORS["self"] if status != 404)
+DEFAULT_USAGE_PAGE = 100
+LABELS_DOC = (
+    "true: each row also carries the names of its ids: team_name, user_email, token_name "
+    "(for the ids the row has)"
+)
 
 
 @router.get(
@@ -44,9 +49,16 @@ async def list_usage(
     token_id: str | None = Query(None, max_length=40),
     model: str | None = Query(None, max_length=200),
     provider: str | None = Query(None, max_length=100),
-    limit: int = Query(100, ge=1, le=1000),
+    limit: int | None = Query(
+        None,
+        ge=1,
+        le=1000,
+        description="Events per page (default 100). With format=csv: at most this many rows "
+        "(and `x-next-cursor` when there are more); without it the CSV streams every row.",
+    ),
     cursor: str | None = Query(None, max_length=500),
     format: str = Query("json", pattern="^(json|csv)$"),
+    labels: bool = Query(False, description=LABELS_DOC),
 ) -> Response:
     query = usage.events_query(
         principal,
@@ -56,14 +68,26 @@ async def list_usage(
             team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
         ),
     )
-    if format == "csv":
+    attachment = {"content-disposition": 'attachment; filename="usage.csv"'}
+    if format == "csv" and limit is None and cursor is None:
         return StreamingResponse(
-            usage.csv_stream(services.db, query),
+            usage.csv_stream(services.db, query, labels=labels),
             media_type="text/csv",
-            headers={"content-disposition": 'attachment; filename="usage.csv"'},
+            headers=attachment,
         )
+    if format == "csv":
+        events, next_cursor = await usage.page_events(
+            services.db, query, limit=limit or DEFAULT_USAGE_PAGE, cursor=cursor
+        )
+        headers = {**attachment, **({"x-next-cursor": next_cursor} if next_cursor else {})}
+        body = await usage.csv_page(services.db, events, labels)
+        return Response(body, media_type="text/csv", headers=headers)
     # Sent as built: a page of events is not walked again by the response model.
-    return JSONResponse(await usage.page(services.db, query, limit=limit, cursor=cursor))
+    return JSONResponse(
+        await usage.page(
+            services.db, query, limit=limit or DEFAULT_USAGE_PAGE, cursor=cursor, labels=labels
+        )
+    )
 
 
 SPEND_400 = (
@@ -107,6 +131,7 @@ async def spend(
     format: str = Query("json", pattern="^(json|csv)$"),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
     page: int = Query(1, ge=1, le=MAX_PAGE),
+    labels: bool = Query(False, description=LABELS_DOC),
 ) -> StreamingResponse:
     report = await spend_report(
         services.db,
@@ -119,6 +144,7 @@ async def spend(
         ),
         limit=limit,
         page=page,
+        labels=labels,
     )
     if format == "csv":
         return StreamingResponse(

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from metering.db import UTCDateTime
 from metering.ledger.event import NULLABLE, Event, Spec
+from metering.reports.labels import LABEL_KEYS
 
 
 class SpendSums(BaseModel):
@@ -30,6 +31,10 @@ class SpendRow(SpendSums):
     provider: str | None = None
     day: str | None = None
     hour: str | None = None
+    # With labels=true, beside the ids the row is grouped by:
+    team_name: str | None = None
+    user_email: str | None = None
+    token_name: str | None = None
 
 
 class SpendOut(BaseModel):
@@ -105,6 +110,8 @@ def _shown_type(name: str, annotation: object, spec: Spec) -> object:
     text, everything else as the event declares it (nullable where the column is)."""
     if spec.money:
         shown: object = Annotated[str, Field(description="USD, as an exact decimal string")]
+    elif spec.price:
+        shown = Annotated[str, Field(description="USD per 1M tokens, as an exact decimal string")]
     elif isinstance(spec.sql, UTCDateTime):
         shown = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
     else:
@@ -133,6 +140,8 @@ def _usage_event_model() -> type[BaseModel]:
     for group, members in groups.items():
         title = "".join(part.capitalize() for part in group.split("_"))
         top[group] = (create_model(title, __config__=EXACT, **members), ...)
+    for label in LABEL_KEYS:  # only with labels=true
+        top[label] = (str | None, None)
     return create_model(
         "UsageEvent",
         __config__=EXACT,
