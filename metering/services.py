@@ -16,6 +16,7 @@ from metering.auth.invalidation import Credentials
 from metering.auth.passwords import Passwords
 from metering.auth.tokens import Signer
 from metering.budgets.leases import LeaseBook
+from metering.budgets.refusals import RefusalLog
 from metering.db import Database
 from metering.settings import Catalog, Settings
 
@@ -41,6 +42,8 @@ class Services:
     leases: LeaseBook
     # Replaced when the catalog file changes; a request reads it once, when it starts.
     catalog: Catalog
+    # Requests refused before anything was reserved (402, 429, 403), written in groups.
+    refusals: RefusalLog
 
 
 async def get_services(connection: HTTPConnection) -> Services:

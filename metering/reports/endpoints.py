@@ -6,8 +6,14 @@ from starlette.datastructures import UploadFile
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
-from metering.reports import reconciliation, usage
-from metering.reports.schemas import ReconciliationOut, SpendOut, UsageOut
+from metering.reports import reconciliation, refusals, usage
+from metering.reports.schemas import (
+    ReconciliationOut,
+    RefusalsOut,
+    RefusalSummaryOut,
+    SpendOut,
+    UsageOut,
+)
 from metering.reports.spend import (
     DEFAULT_ROWS,
     MAX_PAGE,
@@ -156,6 +162,110 @@ async def spend(
             },
         )
     return StreamingResponse(report.json(), media_type="application/json", headers=report.paging())
+
+
+REASON = Query(None, pattern="^(budget|rpm|tpm|parallel|model)$")
+SCOPE = Query(None, pattern="^(token|user|team)$")
+
+
+@router.get(
+    "/refusals",
+    response_model=RefusalsOut,
+    description="Requests refused before anything was reserved or sent (402 budget, 429 rate "
+    "or parallel limit, 403 model), newest first: never in the ledger, never charged. A user's "
+    "credential sees its own refusals only.",
+    responses={
+        200: {
+            "description": "Refusals newest first, as JSON or (format=csv) as CSV",
+            "content": CSV,
+        },
+        **error_responses(400, *USAGE_ERRORS),
+    },
+)
+async def list_refusals(
+    principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    team_id: str | None = Query(None, max_length=40),
+    user_id: str | None = Query(None, max_length=40),
+    token_id: str | None = Query(None, max_length=40),
+    model: str | None = Query(None, max_length=200),
+    reason: str | None = REASON,
+    scope: str | None = SCOPE,
+    limit: int = Query(DEFAULT_USAGE_PAGE, ge=1, le=1000),
+    cursor: str | None = Query(None, max_length=500),
+    format: str = Query("json", pattern="^(json|csv)$"),
+    labels: bool = Query(False, description=LABELS_DOC),
+) -> Response:
+    filters = dict(
+        team_id=team_id, user_id=user_id, token_id=token_id, model=model, reason=reason, scope=scope
+    )
+    query = refusals.refusals_query(principal, start=start, end=end, filters=filters)
+    found = await refusals.page(services.db, query, limit=limit, cursor=cursor, labels=labels)
+    if format == "csv":
+        headers = {"content-disposition": 'attachment; filename="refusals.csv"'}
+        if found["next_cursor"]:
+            headers["x-next-cursor"] = found["next_cursor"]
+        return Response(
+            refusals.as_csv(found["data"], labels), media_type="text/csv", headers=headers
+        )
+    return JSONResponse(found)
+
+
+@router.get(
+    "/refusals/summary",
+    response_model=RefusalSummaryOut,
+    description="Refusals counted by the keys of `group_by` (team, user, token, model, reason, "
+    "scope, day, hour; none: one total row) over [start, end), by default the last 30 days, "
+    "paged like /v1/spend.",
+    responses={
+        200: {"description": "The counts, as JSON or (format=csv) as CSV", "content": CSV},
+        **error_responses(400, *USAGE_ERRORS),
+    },
+)
+async def refusal_summary(
+    principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    group_by: str | None = Query(None, max_length=200),
+    team_id: str | None = Query(None, max_length=40),
+    user_id: str | None = Query(None, max_length=40),
+    token_id: str | None = Query(None, max_length=40),
+    model: str | None = Query(None, max_length=200),
+    reason: str | None = REASON,
+    scope: str | None = SCOPE,
+    limit: int = Query(1000, ge=1, le=refusals.MAX_SUMMARY_ROWS),
+    page: int = Query(1, ge=1, le=MAX_PAGE),
+    format: str = Query("json", pattern="^(json|csv)$"),
+    labels: bool = Query(False, description=LABELS_DOC),
+) -> Response:
+    report = await refusals.summary(
+        services.db,
+        principal,
+        start=start,
+        end=end,
+        group_by=group_by,
+        filters=dict(
+            team_id=team_id,
+            user_id=user_id,
+            token_id=token_id,
+            model=model,
+            reason=reason,
+            scope=scope,
+        ),
+        limit=limit,
+        page=page,
+        labels=labels,
+    )
+    if format == "csv":
+        return Response(
+            refusals.summary_csv(report, labels),
+            media_type="text/csv",
+            headers={"content-disposition": 'attachment; filename="refusals-summary.csv"'},
+        )
+    return JSONResponse(report)
 
 
 def _too_large() -> TooLarge:
