@@ -43,7 +43,7 @@ const Charts = (() => {
   /** The container's width in pixels, so that text is drawn at its own size, not scaled. */
   function widthOf(container) {
     const width = Math.floor(container.getBoundingClientRect().width);
-    return Math.max(width || 760, 420);
+    return Math.max(width || 760, 240);
   }
 
   function swatch(color) {
@@ -156,7 +156,7 @@ const Charts = (() => {
   /** Horizontal bars, largest first. items: [{key, label, sub, value}] */
   function ranking(container, opts) {
     const { name, items, format, plain } = opts;
-    const W = widthOf(container), row = 30, labelW = Math.min(300, W * 0.35), valueW = 120;
+    const W = widthOf(container), row = 30, labelW = Math.min(300, W * 0.35), valueW = Math.min(120, W * 0.3);
     const H = Math.max(row * items.length, row) + 4;
     const max = items.reduce((a, it) => (it.value > a ? it.value : a), 0n);
     const total = items.reduce((a, it) => a + it.value, 0n);
@@ -218,7 +218,7 @@ const Charts = (() => {
       const yTop = i * row + 4;
       const used = r.limit === null ? null : Money.ratio(r.spent + r.reserved, r.limit);
       const level = used === null ? "none" : used >= 0.9 ? "high" : used >= 0.75 ? "mid" : "low";
-      const percent = used === null ? "" : `${(used * 100).toFixed(used < 0.1 ? 1 : 0)}%`;
+      const percent = r.limit === null ? "" : Money.percent(r.spent + r.reserved, r.limit);
       const spentW = r.limit === null ? 0 : Math.min(1, Money.ratio(r.spent, r.limit)) * barW;
       const heldW = r.limit === null ? 0
         : Math.min(1 - spentW / barW, Money.ratio(r.reserved, r.limit)) * barW;
@@ -233,6 +233,7 @@ const Charts = (() => {
         "data-reserved": Money.plain(r.reserved),
         "data-limit": r.limit === null ? "" : Money.plain(r.limit),
         "data-resets-at": r.resetsAt ?? "",
+        "data-percent": percent,
         class: `budget ${level}`,
       }, [
         text(0, yTop + 15, r.label, { class: "label" }),
