@@ -13,8 +13,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from sqlalchemy import insert
+from sqlalchemy import delete, insert, select
 
 from metering.budgets.groups import GroupWriter, answer
 from metering.db import Database, utcnow
@@ -90,3 +91,23 @@ class RefusalLog:
             return
         for _, future in batch:
             answer(future)
+
+
+async def forget_old(
+    db: Database, days: int, batch: int = 1000, now: datetime | None = None
+) -> int:
+    """Delete refusals older than `days` days (METERING_RETENTION_DAYS), a batch per
+    transaction; returns how many went."""
+    cutoff = (now or utcnow()) - timedelta(days=days)
+    removed = 0
+    while True:
+        async with db.transaction() as session:
+            ids = list(
+                await session.scalars(
+                    select(Refusal.id).where(Refusal.created_at < cutoff).limit(batch)
+                )
+            )
+            if not ids:
+                return removed
+            result = await session.execute(delete(Refusal).where(Refusal.id.in_(ids)))
+        removed += result.rowcount

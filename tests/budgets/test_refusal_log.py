@@ -3,13 +3,14 @@ grows a queue without bound: beyond MAX_PENDING waiting rows, a refusal is dropp
 
 import asyncio
 import uuid
+from datetime import timedelta
 from types import SimpleNamespace
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from metering.budgets import refusals
 from metering.budgets.refusals import RefusalLog, Refused
-from metering.db import Database
+from metering.db import Database, utcnow
 from metering.models import Refusal
 
 
@@ -48,3 +49,42 @@ def test_a_flood_keeps_at_most_max_pending_waiting_and_counts_the_rest(api, monk
     # The first five queue for one write (it starts when the loop next turns); the rest drop.
     assert written == 5
     assert dropped == ["rpm"] * 45
+
+
+def test_retention_forgets_refusals_older_than_its_days(api):
+    team = f"team_{uuid.uuid4().hex[:12]}"
+    who = SimpleNamespace(token_id=None, user_id=f"user_{uuid.uuid4().hex[:12]}", team_id=team)
+
+    async def run() -> tuple[int, int, int]:
+        db = Database(api.settings.database_url, pool_size=1)
+        log = RefusalLog(db)
+        try:
+            for _ in range(3):
+                await log.record(
+                    f"req_{uuid.uuid4().hex}",
+                    principal=who,
+                    model="gpt-sim",
+                    refused=Refused("budget", "team", team),
+                    status=402,
+                    code="budget_exceeded",
+                    message="cannot cover",
+                )
+            kept = await refusals.forget_old(db, 1)  # none is a day old
+            # Made two days old (only these: other tests' refusals are kept).
+            async with db.transaction() as session:
+                await session.execute(
+                    update(Refusal)
+                    .where(Refusal.team_id == team)
+                    .values(created_at=utcnow() - timedelta(days=2))
+                )
+            gone = await refusals.forget_old(db, 1, batch=2)
+            async with db.sessions() as session:
+                left = await session.scalar(
+                    select(func.count()).select_from(Refusal).where(Refusal.team_id == team)
+                )
+            return kept, gone, left
+        finally:
+            await db.dispose()
+
+    kept, gone, left = asyncio.run(run())
+    assert (kept, gone, left) == (0, 3, 0)
