@@ -158,3 +158,18 @@ def test_a_user_sees_its_own_refusals_only(api, scene):
     assert counted["total"] == {"refusals": 4}
     everything = api.ok("GET", "/v1/refusals", params={"limit": 1000})
     assert other_id in {r["id"] for r in everything["data"]}
+
+
+def test_the_routes_are_in_the_openapi_document(api):
+    schema = api.ok("GET", "/openapi.json")
+    refusals = schema["paths"]["/v1/refusals"]["get"]
+    ok = refusals["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["$ref"].endswith("/RefusalsOut")
+    assert "text/csv" in ok
+    summary = schema["paths"]["/v1/refusals/summary"]["get"]["responses"]["200"]["content"]
+    assert summary["application/json"]["schema"]["$ref"].endswith("/RefusalSummaryOut")
+    for path in ("/v1/usage", "/v1/spend", "/v1/refusals"):
+        names = {p["name"] for p in schema["paths"][path]["get"]["parameters"]}
+        assert "labels" in names, path
+    event = schema["components"]["schemas"]["UsageEvent"]["properties"]
+    assert {"started_at", "error", "input_price", "max_tokens_clamped", "team_name"} <= set(event)
