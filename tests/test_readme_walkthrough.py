@@ -54,7 +54,7 @@ def test_the_walkthrough_runs_as_printed(api, tmp_path):
     expected = [int(code) for block in blocks for code in EXPECTED.findall(block)]
     statuses = tmp_path / "statuses"
     done = subprocess.run(
-        ["bash", "-c", PRELUDE + "\n".join(blocks)],
+        ["bash", "-c", PRELUDE + "\n".join(blocks) + '\necho "TEAM_ID=$TEAM_ID"'],
         env={
             **os.environ,
             "METERING_URL": api.url,
@@ -69,9 +69,10 @@ def test_the_walkthrough_runs_as_printed(api, tmp_path):
     got = [int(line) for line in statuses.read_text().split()]
     assert got == expected, done.stdout
     # What the steps did is there: the 402 was recorded, the token is revoked.
-    team = next(t for t in api.ok("GET", "/v1/teams")["data"] if t["name"] == "research")
-    refusals = api.ok("GET", "/v1/refusals", params={"team_id": team["id"]})["data"]
+    team_id = done.stdout.rsplit("TEAM_ID=", 1)[1].strip()
+    assert api.ok("GET", f"/v1/teams/{team_id}")["name"] == "research"
+    refusals = api.ok("GET", "/v1/refusals", params={"team_id": team_id})["data"]
     assert [r["reason"] for r in refusals] == ["budget"]
-    spend = api.ok("GET", "/v1/spend", params={"team_id": team["id"]})
+    spend = api.ok("GET", "/v1/spend", params={"team_id": team_id})
     assert spend["total"]["requests"] == 1
     assert "402" in done.stdout and "budget_exceeded" in done.stdout
