@@ -199,7 +199,10 @@ const Charts = (() => {
    */
   function budgets(container, opts) {
     const { rows } = opts;
-    const W = widthOf(container), row = 42, labelW = Math.min(240, W * 0.35);
+    const W = widthOf(container);
+    // Narrow (a phone): the name above a full-width bar, the figures below it.
+    const narrow = W < 560;
+    const row = narrow ? 72 : 42, labelW = narrow ? 0 : Math.min(240, W * 0.35);
     const H = Math.max(row * rows.length, row) + 4;
     const root = svg("svg", {
       viewBox: `0 0 ${W} ${H}`,
@@ -214,6 +217,7 @@ const Charts = (() => {
       "data-total": Money.plain(rows.reduce((a, r) => a + r.spent, 0n)),
     });
     const barW = W - labelW - 10;
+    const bar = narrow ? 20 : 4; // the bar's offset in its row
     rows.forEach((r, i) => {
       const yTop = i * row + 4;
       const used = r.limit === null ? null : Money.ratio(r.spent + r.reserved, r.limit);
@@ -236,12 +240,20 @@ const Charts = (() => {
         "data-percent": percent,
         class: `budget ${level}`,
       }, [
-        text(0, yTop + 15, r.label, { class: "label" }),
-        text(0, yTop + 32, `${r.scope} · ${r.interval}`, { class: "sub" }),
-        svg("rect", { x: labelW, y: yTop + 4, width: barW, height: 14, rx: 3, class: "track" }),
-        svg("rect", { x: labelW, y: yTop + 4, width: spentW, height: 14, rx: 3, class: "spent" }),
-        svg("rect", { x: labelW + spentW, y: yTop + 4, width: heldW, height: 14, class: "held" }),
-        text(labelW, yTop + 33, `${summary} · ${resets}`, { class: "sub" }),
+        ...(narrow
+          ? [
+            text(0, yTop + 13, `${r.label} · ${r.scope} · ${r.interval}`, { class: "label" }),
+            text(0, yTop + 47, summary, { class: "sub" }),
+            text(0, yTop + 60, resets, { class: "sub" }),
+          ]
+          : [
+            text(0, yTop + 15, r.label, { class: "label" }),
+            text(0, yTop + 32, `${r.scope} · ${r.interval}`, { class: "sub" }),
+            text(labelW, yTop + 33, `${summary} · ${resets}`, { class: "sub" }),
+          ]),
+        svg("rect", { x: labelW, y: yTop + bar, width: barW, height: 14, rx: 3, class: "track" }),
+        svg("rect", { x: labelW, y: yTop + bar, width: spentW, height: 14, rx: 3, class: "spent" }),
+        svg("rect", { x: labelW + spentW, y: yTop + bar, width: heldW, height: 14, class: "held" }),
       ]);
       group.append(tooltip(
         `${r.label}: spent ${Money.format(r.spent)}, reserved ${Money.format(r.reserved)}` +
