@@ -14,7 +14,7 @@ from sqlalchemy import text
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metering import jobs
+from metering import jobs, metrics
 from metering.alerts.endpoints import router as alerts_router
 from metering.alerts.outbox.delivery import Outbox, Policy
 from metering.auth.endpoints import router as auth_router
@@ -25,6 +25,7 @@ from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
 from metering.budgets.endpoints import router as budgets_router
 from metering.budgets.leases import LeaseBook
+from metering.budgets.refusals import RefusalLog
 from metering.catalog import CatalogStore, record_prices
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
@@ -171,6 +172,7 @@ def create_app(
             live_holds=LiveHolds(),
             leases=leases,
             catalog=catalog,
+            refusals=RefusalLog(db, metrics.refusal_dropped),
         )
         app.state.services = services
         services.credentials.start()

@@ -8,7 +8,7 @@ from sqlalchemy import select
 
 from metering import metrics
 from metering.alerts import service as alerts
-from metering.budgets import leases, rates
+from metering.budgets import leases, rates, refusals
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
 from metering.ledger import retention
@@ -109,6 +109,15 @@ def start_scheduler(
             seconds=RETENTION_EVERY_S,
             next_run_time=first,
             id="archive_old_events",
+            max_instances=1,
+            coalesce=True,
+        )
+        scheduler.add_job(
+            guard(refusals.forget_old, db, retention_days),
+            "interval",
+            seconds=RETENTION_EVERY_S,
+            next_run_time=first,
+            id="forget_old_refusals",
             max_instances=1,
             coalesce=True,
         )

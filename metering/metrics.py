@@ -70,6 +70,12 @@ LIMIT_REJECTIONS = Counter(
     "`tokens` (tpm_limit), `parallel` (max_parallel_requests), both 429; `model` (403)",
     ["scope", "kind"],
 )
+REFUSALS_DROPPED = Counter(
+    "metering_refusals_dropped",
+    "Refused requests not recorded in the refusals table (too many waiting, or the database "
+    "refused the write), by reason",
+    ["reason"],
+)
 RESERVATIONS = Counter(
     "metering_reservations",
     "Requests admitted, by path: `lease` (against this process's credit leases, in memory) or "
@@ -123,6 +129,10 @@ def reserved(leased: bool) -> None:
 
 def budget_rejected(scope: str) -> None:
     BUDGET_REJECTIONS.labels(scope).inc()
+
+
+def refusal_dropped(reason: str) -> None:
+    REFUSALS_DROPPED.labels(reason).inc()
 
 
 def limit_rejected(scope: str, kind: str) -> None:

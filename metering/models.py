@@ -442,3 +442,28 @@ class WebhookAttempt(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(String(300))
     duration_ms: Mapped[int] = mapped_column(Integer)
+
+
+class Refusal(Base):
+    """A request refused before anything was reserved or sent (402 budget, 429 rate or
+    parallel, 403 model): never a ledger event, never charged to a budget."""
+
+    __tablename__ = "refusals"
+    __table_args__ = (
+        Index("ix_refusals_created", "created_at", "id"),
+        Index("ix_refusals_user_created", "user_id", "created_at"),
+        Index("ix_refusals_team_created", "team_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    token_id: Mapped[str | None] = mapped_column(String(40))
+    user_id: Mapped[str] = mapped_column(String(40))
+    team_id: Mapped[str] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(String(16))  # budget | rpm | tpm | parallel | model
+    scope: Mapped[str] = mapped_column(String(8))  # token | user | team: whose limit refused
+    subject_id: Mapped[str] = mapped_column(String(40))  # that token's, user's or team's id
+    http_status: Mapped[int] = mapped_column(Integer)
+    code: Mapped[str] = mapped_column(String(40))  # the client's error code
+    message: Mapped[str] = mapped_column(Text)  # the client's error message (at most 1000)

@@ -67,7 +67,7 @@ async def _tokens(session: AsyncSession, tokens) -> list[TokenOut]:
 # Teams (admin)
 
 
-@router.post("/teams", status_code=201, responses=error_responses(400, *ADMIN))
+@router.post("/teams", status_code=201, responses=error_responses(400, 409, *ADMIN))
 async def create_team(
     body: TeamCreate,
     _: Principal = Depends(admin_only),
@@ -100,7 +100,7 @@ async def get_team(
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
-@router.patch("/teams/{team_id}", responses=error_responses(400, 404, *ADMIN))
+@router.patch("/teams/{team_id}", responses=error_responses(400, 404, 409, *ADMIN))
 async def patch_team(
     team_id: str,
     body: TeamPatch,

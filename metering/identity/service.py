@@ -28,6 +28,10 @@ class EmailTaken(MeteringError):
     status, code = 409, "email_taken"
 
 
+class TeamNameTaken(MeteringError):
+    status, code = 409, "team_name_taken"
+
+
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_parallel_requests", "allowed_models")
 
 
@@ -143,6 +147,7 @@ async def list_tokens(
 async def create_team(
     session: AsyncSession, name: str, limit, interval: str, limits: dict | None = None
 ) -> Team:
+    await _team_name_free(session, name)
     now = utcnow()
     team = Team(id=new_id("team"), name=name, created_at=now)
     set_limits(team, limits or {})
@@ -150,6 +155,14 @@ async def create_team(
     session.add(new_budget(team.id, "team", _pico(limit), interval, now))
     await session.flush()
     return team
+
+
+async def _team_name_free(session: AsyncSession, name: str, except_id: str | None = None) -> None:
+    """Team names are unique among live teams, compared without case (409 names the holder)."""
+    query = select(Team.id).where(func.lower(Team.name) == name.lower(), Team.deleted_at.is_(None))
+    existing = await session.scalar(query.limit(1))
+    if existing is not None and existing != except_id:
+        raise TeamNameTaken(f"a team named {name!r} already exists (id {existing})", param="name")
 
 
 async def _email_free(session: AsyncSession, email: str, except_id: str | None = None) -> None:
@@ -279,7 +292,8 @@ async def _narrows_user(session: AsyncSession, user: User, patterns: list[str] |
 async def update_team(session: AsyncSession, team_id: str, fields: dict) -> Team:
     """Apply a PATCH's fields (those it sent); the team as it now is."""
     team = await get_team(session, team_id)
-    if fields.get("name") is not None:
+    if fields.get("name") is not None and fields["name"] != team.name:
+        await _team_name_free(session, fields["name"], except_id=team_id)
         team.name = fields["name"]
     if set_limits(team, fields):
         # Every replica's cached credentials of the team carry its limits: dropped.

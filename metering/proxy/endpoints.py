@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from metering import metrics
 from metering.auth.principal import RULE_ERRORS, Principal, any_principal, user_principal
 from metering.budgets.rates import release_claim
+from metering.budgets.refusals import Refused
 from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
@@ -31,6 +32,7 @@ router = APIRouter(prefix="/v1")
 
 class BudgetExceeded(MeteringError):
     status, code = 402, "budget_exceeded"
+    refused: Refused | None = None  # what refused it, for the refusals table
 
 
 def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
@@ -46,7 +48,12 @@ def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
     headers = {"x-budget-scope": budget.scope}
     if resets:
         headers["x-budget-resets-at"] = resets
-    return BudgetExceeded(message, headers=headers)
+    error = BudgetExceeded(message, headers=headers)
+    error.refused = Refused("budget", budget.scope, budget.subject_id)
+    return error
+
+
+REFUSALS = (BudgetExceeded, admission.RateLimitExceeded, admission.ModelNotAllowed)
 
 
 def _encode(body: dict) -> bytes:
@@ -83,6 +90,25 @@ async def chat_completions(
     t0 = time.perf_counter()
     raw = await read_body(request, services.settings.max_body_bytes)
     chat = validate(parse_json(raw), len(raw))
+    try:
+        return await serve(request, principal, services, chat, t0)
+    except REFUSALS as exc:
+        if exc.refused is not None:
+            await services.refusals.record(
+                request.scope["state"]["request_id"],
+                principal=principal,
+                model=chat.model,
+                refused=exc.refused,
+                status=exc.status,
+                code=exc.code,
+                message=exc.message,
+            )
+        raise
+
+
+async def serve(request: Request, principal: Principal, services: Services, chat, t0) -> Response:
+    """The request's routes tried in turn (the next one when an attempt fails before any byte
+    reached the client)."""
     catalog = services.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)
     admission.check_model(principal, target.name)
