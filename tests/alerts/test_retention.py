@@ -9,9 +9,11 @@ from decimal import Decimal
 
 from sqlalchemy import func, select
 
+from metering.alerts.record import rearms_until
 from metering.alerts.retention import prune
 from metering.db import Database, utcnow
 from metering.models import AlertEvent, WebhookAttempt
+from metering.timefmt import parse_rfc3339
 from tests.alerts.conftest import alerts, ask, hold, hold_of, new_path, wait_for
 
 RESET = "budget.window_reset"
@@ -100,3 +102,13 @@ def test_old_finished_deliveries_and_their_events_are_pruned(alerts_db, alerts_a
     assert still["history"] and _events(alerts_db, pending["event_id"]) == 1
     # A never-resetting budget's crossing stays: its key would let it be recorded again.
     assert [e["id"] for e in alerts(api, subject_id=forever["id"], type=CROSSED)] == [kept["id"]]
+
+
+def test_an_event_stays_while_its_key_could_come_back():
+    ends = "2027-01-01T00:00:00.000000Z"
+    for type_ in (CROSSED, "budget.soft_limit_reached", "budget.exhausted"):
+        assert rearms_until(type_, {"resets_at": None}) is None
+        assert rearms_until(type_, {"resets_at": ends}) == parse_rfc3339(ends)
+    assert rearms_until("token.expiring", {"expires_at": ends}) == parse_rfc3339(ends)
+    for type_ in (RESET, "reconciliation.differs", "webhook.test"):
+        assert rearms_until(type_, {"resets_at": None}) < utcnow()
