@@ -9,6 +9,7 @@ from decimal import Decimal
 
 from sqlalchemy import func, select
 
+from metering import jobs
 from metering.alerts.record import rearms_until
 from metering.alerts.retention import prune
 from metering.db import Database, utcnow
@@ -112,3 +113,17 @@ def test_an_event_stays_while_its_key_could_come_back():
     assert rearms_until("token.expiring", {"expires_at": ends}) == parse_rfc3339(ends)
     for type_ in (RESET, "reconciliation.differs", "webhook.test"):
         assert rearms_until(type_, {"resets_at": None}) < utcnow()
+
+
+def test_the_outbox_is_pruned_only_with_a_retention_setting(tmp_path):
+    db = Database(f"sqlite:///{tmp_path / 'jobs.db'}")
+
+    async def scheduled(retention_days):
+        scheduler = jobs.start_scheduler(db, 900, retention_days)
+        try:
+            return {job.id for job in scheduler.get_jobs()}
+        finally:
+            scheduler.shutdown(wait=False)
+
+    assert "prune_alerts" in asyncio.run(scheduled(7))
+    assert "prune_alerts" not in asyncio.run(scheduled(None))
