@@ -196,6 +196,7 @@ def create_app(
                 poll_s=settings.webhook_poll_s,
                 timeout_s=settings.webhook_timeout_s,
                 concurrency=settings.webhook_concurrency,
+                per_webhook=settings.webhook_per_endpoint,
                 policy=Policy(
                     base_s=settings.webhook_backoff_base_s,
                     max_s=settings.webhook_backoff_max_s,

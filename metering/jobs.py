@@ -7,6 +7,7 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy import select
 
 from metering import metrics
+from metering.alerts import retention as alerts_retention
 from metering.alerts import service as alerts
 from metering.budgets import leases, rates, refusals
 from metering.budgets import service as budgets
@@ -118,6 +119,15 @@ def start_scheduler(
             seconds=RETENTION_EVERY_S,
             next_run_time=first,
             id="forget_old_refusals",
+            max_instances=1,
+            coalesce=True,
+        )
+        scheduler.add_job(
+            guard(alerts_retention.prune, db, retention_days),
+            "interval",
+            seconds=RETENTION_EVERY_S,
+            next_run_time=first,
+            id="prune_alerts",
             max_instances=1,
             coalesce=True,
         )

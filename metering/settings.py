@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     webhook_backoff_max_s: float = Field(default=3600.0, gt=0, le=86400)
     webhook_retry_for_s: float = Field(default=86400.0, gt=0, le=30 * 86400)
     webhook_concurrency: int = Field(default=16, ge=1, le=256)
+    # Deliveries one replica sends at once to one webhook: a receiver that hangs holds these
+    # slots at most, never all of webhook_concurrency.
+    webhook_per_endpoint: int = Field(default=4, ge=1, le=256)
 
     @field_validator("admin_key")
     @classmethod

@@ -9,7 +9,7 @@ This module only builds and writes rows; it imports nothing above the data layer
 import json
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -18,7 +18,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from metering.db import dialect_name
 from metering.models import AlertEvent, ApiToken, User
 from metering.money import format_usd
-from metering.timefmt import rfc3339
+from metering.timefmt import parse_rfc3339, rfc3339
 
 THRESHOLD_CROSSED = "budget.threshold_crossed"
 SOFT_LIMIT_REACHED = "budget.soft_limit_reached"
@@ -132,6 +132,19 @@ def crossings(
         data = figures.data(soft_limit=format_usd(soft_limit))
         rows.append(event_row(SOFT_LIMIT_REACHED, key, data, now, user_id=user_id))
     return rows
+
+
+def rearms_until(type_: str, data: dict) -> datetime | None:
+    """Until when an event's key could be written again were its row gone (None: for ever):
+    a budget's events until its window ends (their key holds the window's start; a budget that
+    never resets keeps them), token.expiring until the token expires (its key holds the
+    expiry); the others never (a closed window, a stored reconciliation, a test)."""
+    if type_ in (THRESHOLD_CROSSED, SOFT_LIMIT_REACHED, EXHAUSTED):
+        ends = data.get("resets_at")
+        return None if ends is None else parse_rfc3339(ends)
+    if type_ == TOKEN_EXPIRING:
+        return parse_rfc3339(data["expires_at"])
+    return datetime.min.replace(tzinfo=UTC)
 
 
 def _insert(conn):

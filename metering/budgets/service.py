@@ -520,8 +520,9 @@ _EXHAUSTED_SEEN_MAX = 10_000
 
 
 async def record_exhausted(db: Database, spec: HoldSpec, budget: BudgetView) -> None:
-    """budget.exhausted: the first refusal of a window, per budget. Never fails the refusal."""
-    key = f"{budget.subject_id}:{rfc3339(budget.window_start)}"
+    """budget.exhausted: the first refusal of a window, per budget and credit_limit (a limit
+    changed inside the window re-arms it). Never fails the refusal."""
+    key = f"{budget.subject_id}:{rfc3339(budget.window_start)}:{budget.credit_limit}"
     if key in _EXHAUSTED_SEEN:
         return
     billing = spec.billing

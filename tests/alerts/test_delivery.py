@@ -16,6 +16,7 @@ from tests.alerts.conftest import (
     hold,
     hold_of,
     new_path,
+    start_server,
     wait_for,
 )
 
@@ -116,6 +117,37 @@ def test_a_hanging_receiver_does_not_hold_up_the_proxy(alerts_api, receiver):
     finally:
         receiver.hang.discard(path)
         receiver.release.set()
+
+
+def test_a_hanging_receiver_holds_its_own_slots_only(fresh_db, sim, receiver):
+    # Four slots, at most two of them to one webhook; the hanging one has six to send.
+    server, api = start_server(fresh_db, sim, webhook_concurrency=4, webhook_per_endpoint=2)
+    path, healthy_path = new_path(), new_path()
+    receiver.release.clear()
+    receiver.hang.add(path)
+    try:
+        team = api.team()
+        hanging = hold(api, receiver.url(path), [CROSSED], team["id"])
+        for _ in range(6):
+            api.ok("POST", f"/v1/webhooks/{hanging['id']}/test", 202)
+        wait_for(lambda: len(receiver.at(path)) >= 2, message="two deliveries hanging")
+        healthy = hold(api, receiver.url(healthy_path), [CROSSED], team["id"])
+        for _ in range(3):
+            api.ok("POST", f"/v1/webhooks/{healthy['id']}/test", 202)
+        delivered = wait_for(
+            lambda: [d for d in _deliveries(api, healthy["id"]) if d["status"] == "delivered"][2:],
+            message="the healthy receiver's deliveries",
+        )
+        assert delivered and len(receiver.at(healthy_path)) == 3
+        # The hanging receiver still holds exactly its two; its other four wait their turn.
+        assert len(receiver.at(path)) == 2
+        waiting = _deliveries(api, hanging["id"])
+        assert len(waiting) == 6 and {d["status"] for d in waiting} == {"pending"}
+        assert sorted(d["attempts"] for d in waiting) == [0] * 6
+    finally:
+        receiver.hang.discard(path)
+        receiver.release.set()
+        server.stop()
 
 
 @pytest.mark.postgres

@@ -1,6 +1,6 @@
 """Thresholds are recorded where spend changes, once per budget, threshold and window, whatever
 the interleaving; a window that resets re-arms them; the first refusal of a window is
-budget.exhausted."""
+budget.exhausted (again when the limit changes)."""
 
 import time
 import uuid
@@ -76,6 +76,25 @@ def test_a_burst_over_two_replicas_crosses_each_threshold_once(alerts_db, alerts
         assert exhausted[0]["data"]["team_id"] is not None
     finally:
         second.stop()
+
+
+def test_a_changed_limit_re_arms_budget_exhausted(alerts_api):
+    hold = Decimal(hold_of(alerts_api, tag()))
+    _, _, token = alerts_api.principal(token_limit=str(hold))
+    key = token["token"]
+    _top_up(alerts_api, token["id"], key, hold)
+    assert not _try(alerts_api, key) and not _try(alerts_api, key)  # refused twice: one event
+    (first,) = alerts(alerts_api, subject_id=token["id"], type="budget.exhausted")
+
+    raised = hold * 2
+    alerts_api.ok("PATCH", f"/v1/tokens/{token['id']}", json={"credit_limit": str(raised)})
+    _top_up(alerts_api, token["id"], key, raised)
+    assert not _try(alerts_api, key) and not _try(alerts_api, key)
+    exhausted = alerts(alerts_api, subject_id=token["id"], type="budget.exhausted")
+    assert len(exhausted) == 2
+    limits = sorted(Decimal(e["data"]["credit_limit"]) for e in exhausted)
+    assert limits == [hold, raised]
+    assert first["id"] in {e["id"] for e in exhausted}
 
 
 def test_a_soft_limit_alerts_once_and_never_refuses(alerts_api):

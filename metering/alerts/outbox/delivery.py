@@ -2,8 +2,9 @@
 want them (one delivery row per event and webhook), claims deliveries that are due, POSTs them
 and records each attempt.
 
-No event is sent twice at once: a delivery is claimed by one UPDATE of the due rows picked with
-FOR UPDATE SKIP LOCKED (PostgreSQL; SQLite has one writer), which sets `claimed_until`. A
+No event is sent twice at once: a delivery is claimed in one transaction that picks due rows
+with FOR UPDATE SKIP LOCKED (PostgreSQL) and sets `claimed_until` on those still unclaimed (so
+on SQLite too, with one writer). At most `per_webhook` go to one webhook at once. A
 replica that dies holding a claim leaves it to expire, and another sends it: delivery is at
 least once, and `x-metering-event-id` lets a receiver drop a repeat. No database connection is
 held while a receiver answers, and the worker has its own HTTP client (timeouts, no redirects,
@@ -12,6 +13,7 @@ a bounded pool): a receiver that hangs or fails costs the proxy nothing.
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import httpx
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -125,30 +127,41 @@ async def dispatch(db: Database) -> int:
     return len(events)
 
 
-_DUE = (
-    select(WebhookDelivery.id)
-    .where(
+def _due(now: datetime, full: list[str], limit: int):
+    """Due deliveries not claimed by anyone, of webhooks not at their cap here (`full`)."""
+    query = select(WebhookDelivery.id, WebhookDelivery.webhook_id).where(
         WebhookDelivery.status == "pending",
-        WebhookDelivery.next_attempt_at <= bindparam("now"),
-        (WebhookDelivery.claimed_until.is_(None))
-        | (WebhookDelivery.claimed_until < bindparam("now")),
+        WebhookDelivery.next_attempt_at <= now,
+        (WebhookDelivery.claimed_until.is_(None)) | (WebhookDelivery.claimed_until < now),
     )
-    .order_by(WebhookDelivery.next_attempt_at)
-    .limit(bindparam("n"))
-    .with_for_update(skip_locked=True)
-    .scalar_subquery()
-)
-_CLAIM = (
-    update(WebhookDelivery.__table__)
-    .where(WebhookDelivery.id.in_(_DUE))
-    .values(claimed_until=bindparam("until"))
-    .returning(WebhookDelivery.id)
-)
+    if full:
+        query = query.where(WebhookDelivery.webhook_id.not_in(full))
+    return (
+        query.order_by(WebhookDelivery.next_attempt_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+
+
+def pick(due: list, room: int, per_webhook: int, busy: dict[str, int]) -> list[str]:
+    """Of the due (id, webhook_id) rows in order, the ones to send: at most `room` in all and
+    at most `per_webhook` in flight to one webhook, counting the `busy` ones already sent."""
+    taken: dict[str, int] = {}
+    ids = []
+    for row in due:
+        if len(ids) >= room:
+            break
+        count = busy.get(row.webhook_id, 0) + taken.get(row.webhook_id, 0)
+        if count < per_webhook:
+            taken[row.webhook_id] = taken.get(row.webhook_id, 0) + 1
+            ids.append(row.id)
+    return ids
 
 
 @dataclass(slots=True)
 class Claimed:
     id: str
+    webhook_id: str
     created_at: datetime
     url: str
     secret: str
@@ -156,18 +169,47 @@ class Claimed:
     body: bytes
 
 
-async def claim(db: Database, limit: int, claim_s: float) -> list[Claimed]:
-    """Take up to `limit` due deliveries for this replica (no other takes them meanwhile)."""
+async def claim(
+    db: Database,
+    limit: int,
+    claim_s: float,
+    per_webhook: int | None = None,
+    busy: dict[str, int] | None = None,
+) -> tuple[list[Claimed], bool]:
+    """Take up to `limit` due deliveries for this replica (no other takes them meanwhile), at
+    most `per_webhook` in flight to one webhook with the `busy` ones. Also says whether due
+    deliveries were left for a webhook's cap (a next pass, without that webhook, takes others).
+    """
+    busy = busy or {}
+    per_webhook = per_webhook or limit
     now = utcnow()
     until = now + timedelta(seconds=claim_s)
+    full = sorted(w for w, n in busy.items() if n >= per_webhook)
     async with db.begin() as conn:
-        ids = list((await conn.execute(_CLAIM, {"now": now, "n": limit, "until": until})).scalars())
+        due = (await conn.execute(_due(now, full, max(limit, BATCH)))).all()
+        chosen = pick(due, limit, per_webhook, busy)
+        if not chosen:
+            return [], False
+        # Still unclaimed (SQLite has no row locks: another replica may have claimed some).
+        claimed = update(WebhookDelivery.__table__).where(
+            WebhookDelivery.id.in_(chosen),
+            WebhookDelivery.status == "pending",
+            (WebhookDelivery.claimed_until.is_(None)) | (WebhookDelivery.claimed_until < now),
+        )
+        ids = list(
+            (
+                await conn.execute(
+                    claimed.values(claimed_until=until).returning(WebhookDelivery.id)
+                )
+            ).scalars()
+        )
         if not ids:
-            return []
+            return [], False
         rows = (
             await conn.execute(
                 select(
                     WebhookDelivery.id,
+                    WebhookDelivery.webhook_id,
                     WebhookDelivery.created_at,
                     Webhook.url,
                     Webhook.secret,
@@ -181,9 +223,11 @@ async def claim(db: Database, limit: int, claim_s: float) -> list[Claimed]:
                 .where(WebhookDelivery.id.in_(ids))
             )
         ).all()
+    left = len(chosen) < min(len(due), limit)
     return [
         Claimed(
             id=r.id,
+            webhook_id=r.webhook_id,
             created_at=r.created_at,
             url=r.url,
             secret=r.secret,
@@ -193,7 +237,7 @@ async def claim(db: Database, limit: int, claim_s: float) -> list[Claimed]:
             ),
         )
         for r in rows
-    ]
+    ], left
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,9 +328,16 @@ async def finish(db: Database, delivery: Claimed, answer: Answer, policy: Policy
     return status
 
 
+def cap_of(per_webhook: int, concurrency: int) -> int:
+    """Deliveries in flight to one webhook: at most `per_webhook`, and fewer than all the
+    slots, so a receiver that hangs always leaves one to the others (none with one slot)."""
+    return max(1, min(per_webhook, concurrency - 1))
+
+
 class Outbox:
     """The worker of one replica: a pass every `poll_s` (at once when poked, or while there is
-    more to do), sends at most `concurrency` at a time."""
+    more to do), sends at most `concurrency` at a time and at most `per_webhook` of them to
+    one webhook."""
 
     def __init__(
         self,
@@ -295,11 +346,13 @@ class Outbox:
         poll_s: float = 1.0,
         timeout_s: float = 10.0,
         concurrency: int = 16,
+        per_webhook: int = 4,
         policy: Policy | None = None,
     ) -> None:
         self.db = db
         self.poll_s = poll_s
         self.concurrency = concurrency
+        self.per_webhook = cap_of(per_webhook, concurrency)
         self.policy = policy or Policy()
         self.timeout_s = timeout_s
         self.claim_s = timeout_s + CLAIM_MARGIN_S
@@ -314,6 +367,8 @@ class Outbox:
         # Deliveries being sent: a receiver that hangs holds its slot until its timeout, never
         # the pass that claimed it, so the others go on being claimed and sent.
         self._sending: set[asyncio.Task] = set()
+        # How many of them go to each webhook (no key for a webhook with none).
+        self._busy: dict[str, int] = {}
         self.sent = 0
 
     def start(self) -> None:
@@ -338,19 +393,31 @@ class Outbox:
 
     async def run_once(self) -> bool:
         """One pass: fan out, then claim as many due deliveries as there are free slots and
-        start sending them. True when there may be more to do at once."""
+        start sending them (a webhook at its cap waits for its own to finish). True when there
+        may be more to do at once."""
         dispatched = await dispatch(self.db)
         room = self.concurrency - len(self._sending)
-        claimed = await claim(self.db, room, self.claim_s) if room > 0 else []
+        claimed, left = (
+            await claim(self.db, room, self.claim_s, self.per_webhook, self._busy)
+            if room > 0
+            else ([], False)
+        )
         loop = asyncio.get_running_loop()
         for delivery in claimed:
             task = loop.create_task(self._deliver(delivery))
             self._sending.add(task)
-            task.add_done_callback(self._sent)
-        return dispatched >= BATCH or (room > 0 and len(claimed) >= room)
+            self._busy[delivery.webhook_id] = self._busy.get(delivery.webhook_id, 0) + 1
+            task.add_done_callback(functools.partial(self._sent, delivery.webhook_id))
+        full = room > 0 and len(claimed) >= room
+        return dispatched >= BATCH or full or (left and len(claimed) > 0)
 
-    def _sent(self, task: asyncio.Task) -> None:
+    def _sent(self, webhook_id: str, task: asyncio.Task) -> None:
         self._sending.discard(task)
+        count = self._busy.get(webhook_id, 0) - 1
+        if count > 0:
+            self._busy[webhook_id] = count
+        else:
+            self._busy.pop(webhook_id, None)
         self.poke()  # a slot is free
 
     async def _deliver(self, delivery: Claimed) -> None:
