@@ -185,7 +185,7 @@ def test_thresholds_are_set_and_changed_with_the_budget(alerts_api):
     patched = alerts_api.ok(
         "PATCH", f"/v1/teams/{team['id']}", json={"alert_thresholds": None, "soft_limit": "7"}
     )
-    assert patched["alert_thresholds"] == [50, 80, 100] and patched["soft_limit"] == "7.000000"
+    assert patched["alert_thresholds"] == [50, 80, 100] and patched["soft_limit"] == "7"
 
 
 def test_metrics_show_how_much_of_a_budget_is_used(alerts_api):
