@@ -292,10 +292,20 @@ class LeaseBook:
                 self._lock = asyncio.Lock()
             mono = time.monotonic()
             if any(self.too_small.get(s, 0.0) > mono for s in subjects):
-                return None  # its slices were given back when it was found too small
+                # Found too small a moment ago: the database path decides, and must see the
+                # credit of any slice this process took since (a request that was waiting
+                # for the lock) and could not use for this request.
+                if any(s in self.leases for s in subjects):
+                    async with self._lock:
+                        await self._give_up(subjects)
+                return None
             async with self._lock:
                 claim = self._claim(subjects, amount)  # grown meanwhile by another request
                 if claim is None:
+                    if any(self.too_small.get(s, 0.0) > mono for s in subjects):
+                        # Found too small by the request that held the lock before this one.
+                        await self._give_up(subjects)
+                        return None
                     if not await self._take(spec, amount):
                         # Too little left to lease: the database path decides, and sees the
                         # credit this process's leases of these budgets were not using.
