@@ -1,14 +1,16 @@
 """Proxy latency with and without a hanging webhook receiver, while thresholds cross.
 
-    python -m bench.alerts [--requests 400] [--concurrency 8] [--pg postgresql://...]
+    python -m bench.alerts [--requests 400] [--concurrency 8] [--rounds 5] [--pg postgresql://...]
 
-One `metering serve` (SQLite, or a fresh PostgreSQL database with --pg) and the simulated
-upstream. Each phase gives every worker a fresh token whose limit its share of the requests
+Two `metering serve` processes side by side (each on its own SQLite file, or its own fresh
+PostgreSQL database with --pg) and the simulated upstream: one with no webhook, one with a
+webhook at a hanging receiver; their phases are interleaved round by round. Each phase gives every worker a fresh token whose limit its share of the requests
 fills, with ten thresholds (10%, 20%, ... 100%): every token crosses all ten, so the outbox
-gets events throughout. A first, unmeasured phase warms the server up. Phase "without": no webhook. Phase "with": a webhook for every event
-at a receiver that accepts connections and never answers (the worker's timeout is 30 s, so
-every delivery hangs for the whole phase). The figure is the ratio with / without of p50, p95
-and throughput; 1.0 means the hanging receiver costs the proxy nothing.
+gets events throughout. A first, unmeasured phase warms each server up. "without": no webhook. "with": a webhook for
+every event at a receiver that accepts connections and never answers (the worker's timeout is
+30 s, so its deliveries hang; at most METERING_WEBHOOK_PER_ENDPOINT of them at once). The figure
+is the median over the rounds of the ratio with / without of p50, p95 and throughput; 1.0 means
+the hanging receiver costs the proxy nothing.
 """
 
 import argparse
@@ -129,67 +131,93 @@ def phase(admin: Admin, base: str, hold: Decimal, args) -> load.LoadResult:
     return measured
 
 
+def serve(stack: contextlib.ExitStack, tmp: Path, name: str, args, sim_port: int):
+    """One `metering serve` on a database of its own; its base URL, admin and a request's hold."""
+    if args.pg:
+        _, database_url = stack.enter_context(postgres_database(args.pg))
+    else:
+        database_url = f"sqlite:///{tmp / f'{name}.db'}"
+    config = tmp / f"{name}.toml"
+    config.write_text(catalog_toml(sim_port))
+    admin_key = "bench-admin-" + uuid.uuid4().hex
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "METERING_DATABASE_URL": database_url,
+        "METERING_ADMIN_KEY": admin_key,
+        "METERING_CONFIG": str(config),
+        "METERING_WEBHOOKS_ALLOW_LOOPBACK": "true",
+        "METERING_WEBHOOK_TIMEOUT_S": "30",
+        "METERING_LEASE_SHARE": "0",
+        SIM_KEY_ENV: SIM_KEY,
+    }
+    argv_ = [*metering_command(), "serve", "--port", str(port), "--log-level", "warning"]
+    workdir = tmp / name
+    workdir.mkdir()
+    server = Process(f"metering-{name}", argv_, env, workdir, workdir)
+    stack.callback(server.stop)
+    server.wait_http(f"{base}/healthz", timeout=120)
+    admin = Admin(base, admin_key)
+    return base, admin, hold_of(admin, base)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--pg", help="PostgreSQL admin DSN: run on a fresh database there")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pg", help="PostgreSQL admin DSN: run on fresh databases there")
     args = parser.parse_args(argv)
 
+    rows: list[tuple[int, str, load.LoadResult]] = []
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         _, sim_port = start_sim(tmp, stack, SIM_KEY)
-        if args.pg:
-            _, database_url = stack.enter_context(postgres_database(args.pg))
-        else:
-            database_url = f"sqlite:///{tmp / 'bench.db'}"
-        config = tmp / "metering.toml"
-        config.write_text(catalog_toml(sim_port))
-        admin_key = "bench-admin-" + uuid.uuid4().hex
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "METERING_DATABASE_URL": database_url,
-            "METERING_ADMIN_KEY": admin_key,
-            "METERING_CONFIG": str(config),
-            "METERING_WEBHOOKS_ALLOW_LOOPBACK": "true",
-            "METERING_WEBHOOK_TIMEOUT_S": "30",
-            "METERING_LEASE_SHARE": "0",
-            SIM_KEY_ENV: SIM_KEY,
-        }
-        argv_ = [*metering_command(), "serve", "--port", str(port), "--log-level", "warning"]
-        server = Process("metering", argv_, env, tmp, tmp)
-        stack.callback(server.stop)
-        server.wait_http(f"{base}/healthz", timeout=120)
-        admin = Admin(base, admin_key)
-        hold = hold_of(admin, base)
-
-        phase(admin, base, hold, args)  # a first pass, so neither phase pays the warming up
-        without = phase(admin, base, hold, args)
+        plain = serve(stack, tmp, "without", args, sim_port)
+        hung = serve(stack, tmp, "with", args, sim_port)
         receiver = HangingReceiver()
         stack.callback(receiver.close)
-        admin.ok("POST", "/v1/webhooks", 201, json={"url": receiver.url, "events": list(TYPES)})
-        with_ = phase(admin, base, hold, args)
-        alerts = admin.ok("GET", "/v1/alerts", params={"limit": 1000})["data"]
+        hung[1].ok("POST", "/v1/webhooks", 201, json={"url": receiver.url, "events": list(TYPES)})
+        for base, admin, hold in (plain, hung):
+            phase(admin, base, hold, args)  # a first pass, so no measured phase pays warming up
+        for round_ in range(1, args.rounds + 1):
+            # Interleaved, alternating which goes first: the machine's noise falls on both.
+            order = [("without", plain), ("with a hanging receiver", hung)]
+            for name, (base, admin, hold) in order if round_ % 2 else order[::-1]:
+                rows.append((round_, name, phase(admin, base, hold, args)))
+        alerts = hung[1].ok("GET", "/v1/alerts", params={"limit": 1000})["data"]
 
-    rows = {
-        "without": without,
-        "with a hanging receiver": with_,
-    }
+    backend = "postgresql" if args.pg else "sqlite"
     print(
-        f"backend: {'postgresql' if args.pg else 'sqlite'}; {args.requests} requests at C={args.concurrency}"
+        f"backend: {backend}; {args.rounds} rounds of {args.requests} requests at C={args.concurrency}"
     )
-    print(f"{'phase':<26}{'ok':>6}{'p50 ms':>10}{'p95 ms':>10}{'req/s':>10}")
-    for name, r in rows.items():
+    print(f"{'round':<7}{'phase':<26}{'ok':>6}{'p50 ms':>10}{'p95 ms':>10}{'req/s':>10}")
+    for round_, name, r in sorted(rows, key=lambda row: (row[0], row[1] != "without")):
         print(
-            f"{name:<26}{r.ok:>6}{r.percentile_ms(50):>10.2f}{r.percentile_ms(95):>10.2f}{r.rps:>10.1f}"
+            f"{round_:<7}{name:<26}{r.ok:>6}{r.percentile_ms(50):>10.2f}"
+            f"{r.percentile_ms(95):>10.2f}{r.rps:>10.1f}"
         )
+    ratios: dict[str, list[float]] = {"p50": [], "p95": [], "throughput": []}
+    for round_ in range(1, args.rounds + 1):
+        pair = {name: r for n, name, r in rows if n == round_}
+        without, with_ = pair["without"], pair["with a hanging receiver"]
+        ratios["p50"].append(with_.percentile_ms(50) / without.percentile_ms(50))
+        ratios["p95"].append(with_.percentile_ms(95) / without.percentile_ms(95))
+        ratios["throughput"].append(with_.rps / without.rps)
     print(
-        f"ratio with/without: p50 {with_.percentile_ms(50) / without.percentile_ms(50):.3f}, "
-        f"p95 {with_.percentile_ms(95) / without.percentile_ms(95):.3f}, "
-        f"throughput {with_.rps / without.rps:.3f}"
+        "median ratio with/without over the rounds: "
+        + ", ".join(f"{k} {median(v):.3f}" for k, v in ratios.items())
+        + " (per round p50: "
+        + " ".join(f"{v:.2f}" for v in ratios["p50"])
+        + ")"
     )
     crossed = sum(e["type"] == "budget.threshold_crossed" for e in alerts)
     print(
