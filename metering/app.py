@@ -21,6 +21,7 @@ from metering.auth.invalidation import Credentials
 from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
+from metering.billing.endpoints import router as billing_router
 from metering.budgets.endpoints import router as budgets_router
 from metering.budgets.leases import LeaseBook
 from metering.catalog import CatalogStore, record_prices
@@ -231,6 +232,7 @@ def create_app(
     app.include_router(identity_router)
     app.include_router(budgets_router)
     app.include_router(reports_router)
+    app.include_router(billing_router)
     app.include_router(metrics_router)
     app.include_router(auth_router)
     app.include_router(dashboard_router)

@@ -739,3 +739,66 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
         if claim is not None:
             # A hold not found was swept (charged whole): its lease lost the whole hold.
             claim.end(released=released)
+
+
+@dataclass(frozen=True, slots=True)
+class Dated:
+    """An amount charged to budgets at a moment that may be past: ingested usage, or an
+    adjustment (negative for a credit)."""
+
+    subjects: list[str]
+    at: datetime
+    amount: int
+
+
+def _closed_upsert(session: AsyncSession):
+    statement = _upsert_ignore(session)(BudgetWindow.__table__)
+    return statement.on_conflict_do_update(
+        index_elements=["subject_id", "window_start"],
+        set_={"spent": BudgetWindow.__table__.c.spent + statement.excluded.spent},
+    )
+
+
+async def charge_dated(session: AsyncSession, charges: list[Dated], now: datetime) -> None:
+    """Charge each amount to the window of each budget it falls in, in the caller's
+    transaction: the current window's `spent`, or a closed window's kept total (corrected,
+    never reopened for admission; a window that closed without a recorded total gets one). An
+    amount from before a budget existed is charged to the calendar window of its moment (hourly,
+    daily, weekly, monthly), or to the budget's first window (fixed windows, never). The budgets are locked
+    in subject_id order (the order every writer here uses) and rolled first."""
+    subjects = sorted({s for charge in charges for s in charge.subjects})
+    if not subjects:
+        return
+    budgets = await load(session, subjects, lock=True)
+    for budget in budgets.values():
+        await roll(session, budget, now)
+    current: dict[str, int] = {}
+    closed: dict[tuple[str, datetime], dict] = {}
+    for charge in charges:
+        for subject in charge.subjects:
+            budget = budgets.get(subject)
+            if budget is None:
+                continue
+            # Before the budget existed: its calendar window of then, or its first window.
+            start, end = current_window(budget, charge.at)
+            if start >= current_window(budget, now)[0]:
+                current[subject] = current.get(subject, 0) + charge.amount
+                continue
+            row = closed.setdefault(
+                (subject, start),
+                {
+                    "subject_id": subject,
+                    "window_start": start,
+                    "window_end": end,
+                    "scope": budget.scope,
+                    "credit_limit": budget.credit_limit,
+                    "spent": 0,
+                    "recorded_at": now,
+                },
+            )
+            row["spent"] += charge.amount
+    if current:
+        rows = [{"charged_id": s, "cost": current[s], "amount": 0} for s in sorted(current)]
+        await session.execute(_CHARGE_ONE, rows)
+    if closed:
+        await session.execute(_closed_upsert(session), [closed[key] for key in sorted(closed)])

@@ -107,6 +107,12 @@ async def spend(
     format: str = Query("json", pattern="^(json|csv)$"),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
     page: int = Query(1, ge=1, le=MAX_PAGE),
+    adjustments: str = Query(
+        "include",
+        pattern="^(include|exclude)$",
+        description="`include` (default): cost with the adjustment events (price corrections, "
+        "credits); `exclude`: cost as the original events charged it.",
+    ),
 ) -> StreamingResponse:
     report = await spend_report(
         services.db,
@@ -119,6 +125,7 @@ async def spend(
         ),
         limit=limit,
         page=page,
+        adjusted=adjustments == "include",
     )
     if format == "csv":
         return StreamingResponse(

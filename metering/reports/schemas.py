@@ -18,6 +18,9 @@ class SpendSums(BaseModel):
     reasoning_tokens: int
     cost: str
     uncharged: str
+    # The part of cost made by adjustment events (price corrections, credits); "0" when the
+    # report was asked for with adjustments=exclude, whose cost is the original charges only.
+    adjustments: str
 
 
 class SpendRow(SpendSums):
@@ -36,6 +39,7 @@ class SpendOut(BaseModel):
     start: str
     end: str
     group_by: list[str]
+    adjustments: Literal["included", "excluded"]
     total: SpendSums
     row_count: int
     page: int

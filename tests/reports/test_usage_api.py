@@ -37,6 +37,9 @@ EVENT_FIELDS = {
     "uncharged",
     "ttft_ms",
     "latency_ms",
+    "kind",
+    "corrects_event_id",
+    "reason",
 }
 DETAIL_FIELDS = (
     "text_tokens",
@@ -72,6 +75,9 @@ CSV_HEADER = [
     "uncharged",
     "ttft_ms",
     "latency_ms",
+    "kind",
+    "corrects_event_id",
+    "reason",
 ]
 RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
 
