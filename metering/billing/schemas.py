@@ -40,3 +40,40 @@ class EventResult(BaseModel):
 
 class EventsOut(BaseModel):
     data: list[EventResult]
+
+
+class RerateIn(BaseModel):
+    provider: str = Field(max_length=100)
+    model: str = Field(max_length=200)
+    start: str = Field(max_length=64, description="RFC 3339, inclusive")
+    end: str | None = Field(None, max_length=64, description="RFC 3339, exclusive; default now")
+    reason: str = Field(max_length=500)
+
+
+class RerateOut(BaseModel):
+    adjusted: int = Field(description="adjustment events appended (one per corrected event)")
+    difference: str = Field(description="their sum, USD (negative: the range was overcharged)")
+
+
+class AdjustmentIn(BaseModel):
+    amount: str = Field(max_length=64, description='signed USD, e.g. "-5.00" for a credit')
+    reason: str = Field(max_length=500)
+    team_id: str | None = Field(None, max_length=40)
+    user_id: str | None = Field(None, max_length=40)
+    token_id: str | None = Field(None, max_length=40)
+    corrects_event_id: str | None = Field(None, max_length=40)
+    at: str | None = Field(
+        None, max_length=64, description="RFC 3339: the moment (and budget window) it counts in"
+    )
+
+
+class AdjustmentOut(BaseModel):
+    id: str
+    kind: Literal["adjustment"]
+    created_at: str
+    team_id: str
+    user_id: str
+    token_id: str | None
+    corrects_event_id: str | None
+    cost: str
+    reason: str

@@ -9,6 +9,9 @@ from metering.ledger.charge import Usage
 from metering.ledger.event import ADJUSTMENT, INGESTED, Event, bounded
 from metering.money import cost_pico
 
+RERATED = "rerated"  # usage_source of an adjustment a rerate made
+MANUAL = "manual"  # usage_source of an adjustment made by hand (a credit, a correction)
+
 
 def new_event_id() -> str:
     return f"evt_{uuid.uuid4().hex}"
@@ -82,11 +85,12 @@ def adjustment_event(
     at: datetime,
     made_at: datetime,
     corrects: str | None = None,
+    source: str = RERATED,
 ) -> Event:
     """An adjustment of `difference` picodollars (negative: a credit), charged in the hour of
     `at` (the corrected event's, so every report over any range equals a recomputation at the
     right prices); `made_at` (started_at) is when it was made. It counts no tokens and no
-    request; `prices` are those it applies (a rerate's), the next rerate compares with them."""
+    request. `source`: rerated (a rerate's: `prices` are those it applied) or manual."""
     return Event(
         id=new_event_id(),
         created_at=at,
@@ -113,7 +117,7 @@ def adjustment_event(
         video_tokens=None,
         accepted_prediction_tokens=None,
         rejected_prediction_tokens=None,
-        usage_source=ADJUSTMENT,
+        usage_source=source,
         usage_anomaly=None,
         input_price=prices[0],
         cached_price=prices[1],
