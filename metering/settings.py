@@ -69,6 +69,10 @@ class Settings(BaseSettings):
     breaker_cooldown_s: float = Field(default=30.0, gt=0)
     # Events older than this many days move to ledger_events_archive; None keeps all hot.
     retention_days: int | None = Field(default=None, ge=1)
+    # The FOCUS export's BillingAccountId and BillingAccountName (GET /v1/exports/focus).
+    focus_billing_account: str = Field(default="metering", min_length=1, max_length=200)
+    # A run (x-metering-run) not used for this long is forgotten: its id may start a new run.
+    run_idle_s: int = Field(default=3600, ge=1, le=30 * 86400)
 
     @field_validator("admin_key")
     @classmethod

@@ -30,11 +30,16 @@ class PriceBook:
         self.rows = rows
 
     @classmethod
-    async def load(cls, conn: AsyncConnection | AsyncSession, models: set[str]) -> "PriceBook":
+    async def load(
+        cls, conn: AsyncConnection | AsyncSession, models: set[str] | None
+    ) -> "PriceBook":
+        """The history of `models` (None: of every model; a row per price change, few)."""
         found: dict[tuple[str, str], list[PriceRow]] = {}
-        if not models:
-            return cls(found)
-        query = select(Price.__table__).where(Price.model.in_(sorted(models))).order_by(Price.id)
+        query = select(Price.__table__).order_by(Price.id)
+        if models is not None:
+            if not models:
+                return cls(found)
+            query = query.where(Price.model.in_(sorted(models)))
         for row in await conn.execute(query):
             found.setdefault((row.model, row.provider), []).append(
                 PriceRow(

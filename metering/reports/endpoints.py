@@ -6,7 +6,7 @@ from starlette.datastructures import UploadFile
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
-from metering.reports import reconciliation, usage
+from metering.reports import focus, reconciliation, usage
 from metering.reports.schemas import ReconciliationOut, SpendOut, UsageOut
 from metering.reports.spend import (
     DEFAULT_ROWS,
@@ -137,6 +137,47 @@ async def spend(
             },
         )
     return StreamingResponse(report.json(), media_type="application/json", headers=report.paging())
+
+
+@router.get(
+    "/exports/focus",
+    responses={
+        200: {
+            "description": "FOCUS 1.2 rows as CSV, or (format=parquet) as a Parquet file",
+            "content": {**CSV, "application/vnd.apache.parquet": {"schema": {"type": "string"}}},
+        },
+        **error_responses(400, *RULE_ERRORS["admin"]),
+    },
+    description="Spend over [start, end) (whole UTC hours; default the last 30 days) as FinOps "
+    "FOCUS 1.2 rows: per hour, team, user, token, model and provider, one Usage row per token "
+    "kind (ConsumedQuantity in Tokens, ListUnitPrice from the price history) and an Adjustment "
+    "row for corrections and credits. BilledCost sums to /v1/spend's cost. Streamed.",
+)
+async def focus_export(
+    _: Principal = Depends(admin_only),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    team_id: str | None = Query(None, max_length=40),
+    format: str = Query("csv", pattern="^(csv|parquet)$"),
+) -> StreamingResponse:
+    start_at, end_at = focus.parse_range(start, end)
+    filters = {}
+    if team_id is not None:
+        check_text(team_id, "team_id")
+        filters["team_id"] = team_id
+    account = services.settings.focus_billing_account
+    if format == "parquet":
+        return StreamingResponse(
+            focus.parquet_stream(services.db, start_at, end_at, filters, account),
+            media_type="application/vnd.apache.parquet",
+            headers={"content-disposition": 'attachment; filename="focus.parquet"'},
+        )
+    return StreamingResponse(
+        focus.csv_stream(services.db, start_at, end_at, filters, account),
+        media_type="text/csv",
+        headers={"content-disposition": 'attachment; filename="focus.csv"'},
+    )
 
 
 def _too_large() -> TooLarge:
