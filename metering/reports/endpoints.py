@@ -139,14 +139,28 @@ async def spend(
     return StreamingResponse(report.json(), media_type="application/json", headers=report.paging())
 
 
+class CsvResponse(Response):
+    media_type = "text/csv"
+
+
+def _json_errors(*statuses: int) -> dict:
+    """error_responses() for a route whose own media type is not JSON: its errors still are."""
+    error = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+    return {
+        status: {"description": spec["description"], "content": {"application/json": error}}
+        for status, spec in error_responses(*statuses).items()
+    }
+
+
 @router.get(
     "/exports/focus",
+    response_class=CsvResponse,
     responses={
         200: {
             "description": "FOCUS 1.2 rows as CSV, or (format=parquet) as a Parquet file",
             "content": {**CSV, "application/vnd.apache.parquet": {"schema": {"type": "string"}}},
         },
-        **error_responses(400, *RULE_ERRORS["admin"]),
+        **_json_errors(400, *RULE_ERRORS["admin"]),
     },
     description="Spend over [start, end) (whole UTC hours; default the last 30 days) as FinOps "
     "FOCUS 1.2 rows: per hour, team, user, token, model and provider, one Usage row per token "
