@@ -183,7 +183,9 @@ def create_app(
                 services.catalog = store.current
 
         scheduler = (
-            jobs.start_scheduler(db, settings.hold_ttl_s, settings.retention_days)
+            jobs.start_scheduler(
+                db, settings.hold_ttl_s, settings.retention_days, settings.run_idle_s
+            )
             if run_jobs
             else None
         )

@@ -38,7 +38,7 @@ from metering.errors import LedgerUnavailable
 from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
 from metering.ledger.outcome import Billing
-from metering.models import Budget, BudgetLease, BudgetWindow, Hold
+from metering.models import Budget, BudgetLease, BudgetWindow, Hold, Run
 
 if TYPE_CHECKING:
     from metering.budgets.leases import LeaseBook
@@ -252,6 +252,7 @@ _HELD = (
     Hold.rate_kinds,
     Hold.rate_window,
     Hold.rate_tokens,
+    Hold.run_id,
 )
 _TAKE_HOLD = delete(Hold.__table__).where(Hold.id == bindparam("hold_id")).returning(*_HELD)
 _INSERT_HOLD = insert(Hold.__table__)
@@ -271,6 +272,17 @@ class BudgetShortfall(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class RunKey:
+    """A run named by a request: its team's, its id, the budget its first request gives
+    (x-metering-run-budget; later requests' is ignored), and how long it lives unused."""
+
+    team_id: str
+    run_id: str
+    budget: int | None
+    idle_s: int
+
+
+@dataclass(frozen=True, slots=True)
 class HoldSpec:
     """What reserve() needs: the request's billing (whose budgets; kept with the hold, so an
     expired hold can be charged) and what it may cost."""
@@ -282,6 +294,10 @@ class HoldSpec:
     model_max_output: int
     # The rate counters the request took (metering.budgets.rates), written on its hold.
     rates: "rates.RateClaim | None" = None
+    # x-metering-max-cost: the most this request may cost (picodollars), or None.
+    max_cost: int | None = None
+    # x-metering-run: the run whose own budget the request is also held against, or None.
+    run: "RunKey | None" = None
 
     @property
     def hold_id(self) -> str:
@@ -340,8 +356,22 @@ class Reservation:
         )
 
 
+def request_view(spec: HoldSpec, now: datetime) -> BudgetView | None:
+    """x-metering-max-cost as a budget of the request's own (scope `request`)."""
+    if spec.max_cost is None:
+        return None
+    return BudgetView("request", spec.hold_id, spec.max_cost, "never", now, None, 0, 0)
+
+
+def run_view(run, now: datetime) -> BudgetView:
+    return BudgetView(
+        "run", run.id, run.credit_limit, "never", run.created_at, None, run.spent, run.reserved
+    )
+
+
 def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
-    """The output allowance to hold for, and whether it was lowered to fit the credit left."""
+    """The output allowance to hold for, and whether it was lowered to fit the credit left
+    (`views`: the budgets', and the request's own and its run's when it has them)."""
     limited = [v for v in views if v.credit_limit is not None]
     wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
     tightest = min(limited, key=lambda v: v.remaining, default=None)
@@ -386,6 +416,7 @@ def hold_row(
         "rate_kinds": spec.rates.kinds if spec.rates is not None else None,
         "rate_window": spec.rates.window if spec.rates is not None else None,
         "rate_tokens": spec.rates.tokens if spec.rates is not None else None,
+        "run_id": spec.run.run_id if spec.run is not None else None,
     }
 
 
@@ -417,7 +448,11 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
     budgets = await load(session, spec.subjects, lock=True)
     ordered = [budgets[s] for s in spec.subjects if s in budgets]
     views = [view(b, now) for b in ordered]
-    output_tokens, clamped = _plan(spec, views)
+    run = await _lock_run(session, spec.run, now) if spec.run is not None else None
+    extra = [v for v in (request_view(spec, now),) if v is not None]
+    if run is not None:
+        extra.append(run_view(run, now))
+    output_tokens, clamped = _plan(spec, views + extra)
     amount = spec.amount(output_tokens)
     starts = {}
     for budget in ordered:
@@ -427,6 +462,10 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
     result = await session.execute(_RESERVE, {"ids": list(starts), "amount": amount})
     if result.rowcount != len(starts):
         return None
+    if run is not None:
+        held = await session.execute(_RESERVE_RUN, _run_params(spec.run, amount, now))
+        if held.rowcount != 1:
+            return None
     await session.execute(_INSERT_HOLD, hold_row(spec, amount, now, ttl_s))
     windows = {b.subject_id: (b.reset_interval, b.anchor_at, starts[b.subject_id]) for b in ordered}
     return Reservation(spec.hold_id, amount, output_tokens, clamped, windows)
@@ -438,7 +477,8 @@ async def reserve(
     """Reserve the request's worst case against every budget at once, or raise BudgetShortfall.
     With `leases`, a request their slices cover is admitted in memory (one INSERT of its hold,
     written in a group); any other takes the database path below."""
-    if leases is not None:
+    if leases is not None and spec.run is None:
+        # A request of a run is held in the run's row too: always the database path.
         reservation = await leases.admit(spec)
         if reservation is not None:
             return reservation
@@ -454,7 +494,15 @@ async def reserve(
     async with db.transaction() as session:
         budgets = await load(session, spec.subjects)
         slack = await lease_slack(session, spec.subjects)
-        views = [view(budgets[s], utcnow(), slack.get(s, 0)) for s in spec.subjects if s in budgets]
+        now = utcnow()
+        views = [view(budgets[s], now, slack.get(s, 0)) for s in spec.subjects if s in budgets]
+        if spec.run is not None:
+            run = await session.scalar(select(Run).where(*_run_is(spec.run)))
+            if run is not None:
+                views.append(run_view(run, now))
+        extra = request_view(spec, now)
+        if extra is not None:
+            views.append(extra)
     limited = [v for v in views if v.credit_limit is not None]
     if not limited:
         # Only unlimited budgets, yet every conditional write missed: the rows moved under us
@@ -511,6 +559,8 @@ async def settle_in(
     else:
         charge = {"ids": subjects, "cost": event.cost, "amount": hold.amount}
         await session.execute(_CHARGE, charge)
+    if hold.run_id is not None:
+        await session.execute(_CHARGE_RUN, [_run_charge(hold, event.cost)])
     await writer.append(session, event)
     # Last: the counters' rows are locked until the commit that follows.
     await rates.give_back(session, rate_returns(hold, _used_tokens(event)))
@@ -578,6 +628,7 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     totals: dict[str, list[int]] = {}
     leases: dict[str, int] = {}
     returns: list[dict] = []
+    runs: list[dict] = []
     async with db.begin() as conn:
         rows = await conn.execute(_TAKE_HOLDS, {"ids": [event.id for event, _ in items]})
         holds = {row.id: row for row in rows}
@@ -591,8 +642,14 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
             results.append(True)
             _add_charges(totals, leases, hold, event.cost)
             returns += rate_returns(hold, _used_tokens(event))
+            if hold.run_id is not None:
+                runs.append(_run_charge(hold, event.cost))
         if taken:
             await _charge(conn, totals, leases)
+            if runs:  # after the budgets: the order every writer takes them in
+                await conn.execute(
+                    _CHARGE_RUN, sorted(runs, key=lambda r: (r["r_team"], r["r_id"]))
+                )
             await writer.append_many(conn, taken)
             # Last: the counters' rows are locked until the commit that follows.
             await rates.give_back(conn, _summed(returns))
@@ -732,6 +789,8 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
             if hold is not None and not hold.leased:
                 subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
                 await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})
+            if hold is not None and hold.run_id is not None:
+                await session.execute(_CHARGE_RUN, [_run_charge(hold, 0)])
             if hold is not None:
                 await rates.give_back(session, rate_returns(hold, None, released=True))
         released = hold is not None
@@ -802,3 +861,95 @@ async def charge_dated(session: AsyncSession, charges: list[Dated], now: datetim
         await session.execute(_CHARGE_ONE, rows)
     if closed:
         await session.execute(_closed_upsert(session), [closed[key] for key in sorted(closed)])
+
+
+# Runs (x-metering-run): a budget of the run's own, the fourth scope a request is held against.
+# Its row is locked after the request's budgets (the order every writer here takes them in).
+_runs = Run.__table__
+
+
+def _run_is(key: RunKey) -> tuple:
+    return (_runs.c.team_id == key.team_id, _runs.c.id == key.run_id)
+
+
+def _run_params(key: RunKey, amount: int, now: datetime) -> dict:
+    return {"r_team": key.team_id, "r_id": key.run_id, "amount": amount, "now": now}
+
+
+_RESERVE_RUN = (
+    update(_runs)
+    .where(
+        _runs.c.team_id == bindparam("r_team"),
+        _runs.c.id == bindparam("r_id"),
+        _runs.c.spent + _runs.c.reserved + bindparam("amount") <= _runs.c.credit_limit,
+    )
+    .values(reserved=_runs.c.reserved + bindparam("amount"), last_used_at=bindparam("now"))
+)
+_CHARGE_RUN = (
+    update(_runs)
+    .where(_runs.c.team_id == bindparam("r_team"), _runs.c.id == bindparam("r_id"))
+    .values(
+        spent=_runs.c.spent + bindparam("cost"), reserved=_runs.c.reserved - bindparam("amount")
+    )
+)
+
+
+def _run_charge(hold, cost: int) -> dict:
+    return {"r_team": hold.team_id, "r_id": hold.run_id, "cost": cost, "amount": hold.amount}
+
+
+class UnknownRun(Exception):
+    """A run named without x-metering-run-budget that has no row (never started, or expired)."""
+
+
+async def _lock_run(session: AsyncSession, key: RunKey, now: datetime):
+    """The run's row, locked; made by its first request (with the budget it gives), and made
+    anew when the one there has been idle past its time with nothing held."""
+    if key.budget is not None:
+        fresh = {
+            "team_id": key.team_id,
+            "id": key.run_id,
+            "credit_limit": key.budget,
+            "spent": 0,
+            "reserved": 0,
+            "created_at": now,
+            "last_used_at": now,
+        }
+        await session.execute(_upsert_ignore(session)(_runs).values(fresh).on_conflict_do_nothing())
+    run = (await session.execute(select(_runs).where(*_run_is(key)).with_for_update())).first()
+    if run is None:
+        raise UnknownRun(key.run_id)
+    idle = now - run.last_used_at > timedelta(seconds=key.idle_s)
+    if idle and run.reserved == 0 and run.created_at != now:
+        if key.budget is None:
+            raise UnknownRun(key.run_id)
+        # Expired: the id starts a new run.
+        await session.execute(
+            update(_runs)
+            .where(*_run_is(key))
+            .values(credit_limit=key.budget, spent=0, created_at=now, last_used_at=now)
+        )
+        run = (await session.execute(select(_runs).where(*_run_is(key)))).first()
+    return run
+
+
+async def expire_runs(db: Database, idle_s: int, batch: int = 500) -> int:
+    """Forget runs unused for `idle_s` with nothing held."""
+    before = utcnow() - timedelta(seconds=idle_s)
+    async with db.begin() as conn:
+        stale = (
+            select(_runs.c.team_id, _runs.c.id)
+            .where(_runs.c.last_used_at < before, _runs.c.reserved == 0)
+            .limit(batch)
+        )
+        rows = (await conn.execute(stale)).all()
+        for row in rows:
+            await conn.execute(
+                delete(_runs).where(
+                    _runs.c.team_id == row.team_id,
+                    _runs.c.id == row.id,
+                    _runs.c.last_used_at < before,
+                    _runs.c.reserved == 0,
+                )
+            )
+    return len(rows)
