@@ -152,10 +152,15 @@ def _digest(content: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
+def _an_id(value) -> bool:
+    """An id worth looking up (anything else is rejected when its event is checked)."""
+    return isinstance(value, str) and 0 < len(value) <= 40 and "\x00" not in value
+
+
 async def _owners(session, raws: list[dict]) -> tuple[dict, dict]:
     """token id -> user id, user id -> team id, for the ids the batch names."""
-    tokens = {r["token_id"] for r in raws if isinstance(r.get("token_id"), str)}
-    users = {r["user_id"] for r in raws if isinstance(r.get("user_id"), str)}
+    tokens = {r["token_id"] for r in raws if _an_id(r.get("token_id"))}
+    users = {r["user_id"] for r in raws if _an_id(r.get("user_id"))}
     token_users: dict[str, str] = {}
     if tokens:
         rows = await session.execute(
@@ -329,7 +334,8 @@ async def ingest(db: Database, catalog: Catalog, principal: Principal, raws: lis
     dicts = [raw for raw in raws if isinstance(raw, dict)]
     async with db.reads() as session:
         owners = await _owners(session, dicts) if principal.is_admin else ({}, {})
-        models = {raw["model"] for raw in dicts if isinstance(raw.get("model"), str)}
+        sent = (raw.get("model") for raw in dicts)
+        models = {m for m in sent if isinstance(m, str) and m in catalog.models}
         prices = await PriceBook.load(session, models)
     ctx = {"catalog": catalog, "principal": principal, "now": now, "owners": owners}
     ctx["prices"] = prices

@@ -62,6 +62,12 @@ def check_reason(reason) -> str:
     return bounded("reason", reason)
 
 
+def check_name(value: str | None, name: str) -> None:
+    """Text from outside that a query compares with: no NUL (PostgreSQL refuses it)."""
+    if value is not None and "\x00" in value:
+        raise InvalidRequest(f"{name} must not contain NUL characters", param=name)
+
+
 def parse_moment(value: str | None, name: str) -> datetime | None:
     if value is None:
         return None
@@ -165,6 +171,8 @@ async def rerate(
     """Correct every usage event of `model` at `provider` in [start, end) to the price history."""
     if end <= start:
         raise InvalidRequest("end must be after start", param="end")
+    check_name(provider, "provider")
+    check_name(model, "model")
     reason = check_reason(reason)
     async with db.reads() as session:
         book = await PriceBook.load(session, {model})
@@ -218,6 +226,13 @@ async def adjust(
     """A manual adjustment (negative: a credit) to a team, a user, a token or one event, charged
     to the budget window of `at` (default now; an event's own moment when it corrects one)."""
     reason = check_reason(reason)
+    for name, value in (
+        ("team_id", team_id),
+        ("user_id", user_id),
+        ("token_id", token_id),
+        ("corrects_event_id", corrects_event_id),
+    ):
+        check_name(value, name)
     now = utcnow()
     model = provider = upstream_model = ""
     upstream_id = None
