@@ -27,7 +27,8 @@ class UsageEventIn(BaseModel):
 class EventsIn(BaseModel):
     events: list[Any] = Field(
         max_length=MAX_BATCH,
-        description=f"Up to {MAX_BATCH:,} events, each shaped as UsageEventIn",
+        description=f"Up to {MAX_BATCH:,} events, each checked on its own",
+        json_schema_extra={"items": UsageEventIn.model_json_schema()},
     )
 
 

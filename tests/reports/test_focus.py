@@ -167,3 +167,19 @@ def test_the_export_takes_whole_hours_and_the_admin_only(api):
         io.BytesIO(export(api, "parquet", start="2001-01-01T00:00:00Z", end="2001-01-02T00:00:00Z"))
     )
     assert table.num_rows == 0 and tuple(table.schema.names) == COLUMNS
+
+
+def test_a_large_range_is_written_a_chunk_at_a_time(api, monkeypatch):
+    """Groups are read and written CHUNK at a time: a Parquet row group each (the server runs
+    in this process, so a small CHUNK makes a few groups a large range)."""
+    from metering.reports import focus
+
+    team, start, end = traffic(api)
+    params = {"start": start, "end": end, "team_id": team["id"]}
+    whole = pq.read_table(io.BytesIO(export(api, "parquet", **params)))
+    monkeypatch.setattr(focus, "CHUNK", 2)
+    chunked = pq.ParquetFile(io.BytesIO(export(api, "parquet", **params)))
+    assert chunked.metadata.num_row_groups > 2
+    assert chunked.read().to_pylist() == whole.to_pylist()
+    text = export(api, "csv", **params).decode()
+    assert len(list(csv.DictReader(io.StringIO(text)))) == whole.num_rows
