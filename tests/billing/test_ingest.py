@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import httpx
+import pytest
 from sqlalchemy import select
 
 from metering.models import BudgetWindow
@@ -202,7 +203,7 @@ def test_ingested_usage_is_priced_at_its_moment(api):
 
 def test_concurrent_duplicates_on_two_servers_make_one_event(api, sim):
     if api.backend != "postgresql":
-        return  # one SQLite file is one server's
+        pytest.skip("replicas share PostgreSQL; one SQLite file is one server's")
     _, user, _ = api.principal()
     catalog = parse_catalog(
         catalog_for(sim), environ={"SIM_EXASCALE_KEY": "sim-key", "SIM_OPENAI_KEY": "sim-key"}
