@@ -765,6 +765,9 @@ async def _settle_late(session: AsyncSession, event: Event) -> bool:
     correction = {"ids": replaced.subjects, "delta": replaced.delta, "at": replaced.charged_at}
     await session.execute(_CORRECT, correction)
     await session.execute(_CORRECT_CLOSED, correction)
+    if replaced.run_id is not None:  # its run was charged the whole hold too
+        run = {"r_team": replaced.team_id, "r_id": replaced.run_id, "cost": replaced.delta}
+        await session.execute(_CHARGE_RUN, [{**run, "amount": 0}])
     return True
 
 

@@ -105,6 +105,8 @@ class Event:
     kind: str = column(String(16), server_default=USAGE, default=USAGE)
     corrects_event_id: str | None = column(String(40), default=None)
     reason: str | None = column(Text(), limit=500, default=None)
+    # The run (x-metering-run) the request belonged to, within its team, or None.
+    run_id: str | None = column(String(100), default=None)
 
     def params(self) -> dict:
         """The event as the insert's parameters (replaced below by its written-out form)."""

@@ -207,6 +207,7 @@ async def try_route(
         cached_price=route.cached_micro,
         output_price=route.output_micro,
         prompt_bound=prompt_tokens_upper_bound(chat.size, chat.body),
+        run_id=run.run_id if run is not None else None,
     )
     spec = HoldSpec(
         billing,

@@ -35,6 +35,7 @@ def upgrade() -> None:
             )
             batch.add_column(sa.Column("corrects_event_id", sa.String(length=40), nullable=True))
             batch.add_column(sa.Column("reason", sa.Text(), nullable=True))
+            batch.add_column(sa.Column("run_id", sa.String(length=100), nullable=True))
     op.create_index("ix_ledger_events_corrects", "ledger_events", ["corrects_event_id"])
     for table in ROLLUPS:
         with op.batch_alter_table(table) as batch:
@@ -78,6 +79,7 @@ def downgrade() -> None:
     op.drop_index("ix_ledger_events_corrects", table_name="ledger_events")
     for table in LEDGERS:
         with op.batch_alter_table(table) as batch:
+            batch.drop_column("run_id")
             batch.drop_column("reason")
             batch.drop_column("corrects_event_id")
             batch.drop_column("kind")

@@ -11,7 +11,7 @@ import openai
 from sqlalchemy import select
 
 from metering.budgets.service import expire_runs
-from metering.db import Database
+from metering.db import Database, utcnow
 from metering.models import Run
 from tests.budgets.conftest import pico, query
 
@@ -72,6 +72,7 @@ def test_a_run_of_20_concurrent_requests_never_passes_its_budget(api):
             assert headers["x-budget-scope"] == "run"
     events = api.events(token_id=token["id"])
     assert len(events) == statuses.count(200)
+    assert {e["run_id"] for e in events} == {run_id}
     spent = sum(pico(e["cost"]) for e in events)
     assert 0 < spent <= pico(budget)
     row = run_row(api, team["id"], run_id)
@@ -142,3 +143,40 @@ def test_an_idle_run_is_forgotten(api):
     assert call(client, run_headers(run_id), max_tokens=10)[0] == 400
     assert call(client, run_headers(run_id, "1"), max_tokens=10)[0] == 200  # a new run
     assert run_row(api, team["id"], run_id).spent > 0
+
+
+def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(fresh_db):
+    """The sweeper charges a run's expired hold in full (its event names the run); the
+    request's late settle gives the run back the difference, as it does its budgets."""
+    from dataclasses import replace
+
+    from metering.budgets.service import RunKey, reserve, settle
+    from metering.jobs import expire_holds
+    from metering.models import LedgerEvent
+    from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects
+
+    async def scenario() -> None:
+        db = Database(fresh_db, 2)
+        try:
+            subjects = _subjects()
+            await _add_budgets(db, subjects, "1", "never", utcnow())
+            run = RunKey(subjects["team"], "late-run", pico("0.01"), 3600)
+            spec = replace(_spec(subjects), run=run)
+            spec = replace(spec, billing=replace(spec.billing, run_id=run.run_id))
+            held = await reserve(db, spec, ttl_s=0)
+            assert await expire_holds(db) == 1
+            async with db.sessions() as session:
+                row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
+                assert (row.spent, row.reserved) == (held.amount, 0)
+                placeholder = await session.get(LedgerEvent, held.hold_id)
+                assert placeholder.run_id == run.run_id and placeholder.cost == held.amount
+            late = _event(spec, 3, id=held.hold_id)
+            assert late.run_id == run.run_id
+            assert await settle(db, late) is True
+            async with db.sessions() as session:
+                row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
+                assert (row.spent, row.reserved) == (late.cost, 0)
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())

@@ -92,7 +92,7 @@ def sample_event(**values) -> Event:
 
 def test_the_typed_event_is_the_declaration():
     assert tuple(f.name for f in fields(Event)) == NAMES
-    assert len(NAMES) == 38
+    assert len(NAMES) == 39
     assert {
         "token_id",
         "upstream_id",
@@ -105,6 +105,7 @@ def test_the_typed_event_is_the_declaration():
         "error",
         "corrects_event_id",
         "reason",
+        "run_id",
     } == NULLABLE
     # The counts an event records are the upstream usage's, detail for detail.
     usage_fields = {f.name for f in fields(Usage)}

@@ -40,6 +40,7 @@ EVENT_FIELDS = {
     "kind",
     "corrects_event_id",
     "reason",
+    "run_id",
 }
 DETAIL_FIELDS = (
     "text_tokens",
@@ -78,6 +79,7 @@ CSV_HEADER = [
     "kind",
     "corrects_event_id",
     "reason",
+    "run_id",
 ]
 RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
 
