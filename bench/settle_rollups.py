@@ -68,6 +68,7 @@ def event(i: int, now: datetime) -> Event:
         latency_ms=20,
         error=None,
         usage_anomaly=None,
+        max_tokens_clamped=None,
         uncharged=0,
     )
 

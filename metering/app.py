@@ -14,7 +14,9 @@ from sqlalchemy import text
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metering import jobs
+from metering import jobs, metrics
+from metering.alerts.endpoints import router as alerts_router
+from metering.alerts.outbox.delivery import Outbox, Policy
 from metering.auth.endpoints import router as auth_router
 from metering.auth.failures import FailedCredentials
 from metering.auth.invalidation import Credentials
@@ -24,6 +26,7 @@ from metering.auth.tokens import Signer
 from metering.billing.endpoints import router as billing_router
 from metering.budgets.endpoints import router as budgets_router
 from metering.budgets.leases import LeaseBook
+from metering.budgets.refusals import RefusalLog
 from metering.catalog import CatalogStore, record_prices
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
@@ -170,6 +173,7 @@ def create_app(
             live_holds=LiveHolds(),
             leases=leases,
             catalog=catalog,
+            refusals=RefusalLog(db, metrics.refusal_dropped),
         )
         app.state.services = services
         services.credentials.start()
@@ -189,6 +193,20 @@ def create_app(
             if run_jobs
             else None
         )
+        if run_jobs:
+            services.outbox = Outbox(
+                db,
+                poll_s=settings.webhook_poll_s,
+                timeout_s=settings.webhook_timeout_s,
+                concurrency=settings.webhook_concurrency,
+                per_webhook=settings.webhook_per_endpoint,
+                policy=Policy(
+                    base_s=settings.webhook_backoff_base_s,
+                    max_s=settings.webhook_backoff_max_s,
+                    retry_for_s=settings.webhook_retry_for_s,
+                ),
+            )
+            services.outbox.start()
         if scheduler is not None and store.path is not None:
             scheduler.add_job(
                 jobs.guard(watch_catalog),
@@ -205,6 +223,8 @@ def create_app(
             keep_alive.cancel()
             if scheduler is not None:
                 scheduler.shutdown(wait=False)
+            if services.outbox is not None:
+                await services.outbox.close()
             await services.upstreams.close()
             await leases.close()
             await services.credentials.stop()
@@ -235,6 +255,7 @@ def create_app(
     app.include_router(budgets_router)
     app.include_router(reports_router)
     app.include_router(billing_router)
+    app.include_router(alerts_router)
     app.include_router(metrics_router)
     app.include_router(auth_router)
     app.include_router(dashboard_router)

@@ -7,10 +7,12 @@ docker-compose `demo` profile does).
 """
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
 import secrets
+import shlex
 import sys
 import threading
 import time
@@ -307,6 +309,38 @@ def describe(statuses: Counter) -> str:
     return f"{sum(statuses.values())} requests ({counts})"
 
 
+# What each deliberate failure of the traffic shows (status -> why it is there).
+DELIBERATE = {
+    400: "the upstream's own 400 (helpdesk, sim:fault=http400), passed on with its status; "
+    "a ledger event at cost 0",
+    402: "budget_exceeded: the notebook token's daily limit of 0.010 USD cannot cover a 5th "
+    "request of up to 1,800 tokens; nothing reached the upstream, see GET /v1/refusals",
+    403: "model_not_allowed: the scripts token may only use gpt-* (its allowed_models)",
+    429: "rate_limit_exceeded: the scripts token's rpm_limit of 2 requests a minute",
+    502: "upstream_error: the upstream answered 500 (backend, sim:fault=http500); a ledger "
+    "event at cost 0",
+}
+
+
+def explain(statuses: Counter) -> str:
+    """One line per deliberate failure the traffic got: what it shows."""
+    lines = [
+        f"  {status}  {DELIBERATE[status]}" for status in sorted(statuses) if status in DELIBERATE
+    ]
+    if not lines:
+        return ""
+    return "the failures are deliberate:\n" + "\n".join(lines)
+
+
+def python_example() -> str:
+    """The interpreter to paste the SDK example with: this one (the venv's, under `make demo`),
+    which has the `openai` package when the test extras are installed."""
+    python = shlex.quote(sys.executable)
+    if importlib.util.find_spec("openai") is None:
+        return f"{python} -m pip install openai   # first: no openai package here\n  {python}"
+    return python
+
+
 def banner(base: str, token: str, admin_key: str, url: str) -> str:
     return f"""
 metering demo
@@ -320,11 +354,13 @@ metering demo
     -H "Authorization: Bearer {token}" -H "Content-Type: application/json" \\
     -d '{{"model": "minimax-m2.1", "messages": [{{"role": "user", "content": "hello"}}]}}'
 
-  python -c 'from openai import OpenAI
+  {python_example()} -c 'from openai import OpenAI
 c = OpenAI(base_url="{base}/v1", api_key="{token}")
 print(c.chat.completions.create(model="gpt-sim", messages=[{{"role": "user", "content": "hi"}}]))'
 
   curl -H "Authorization: Bearer {admin_key}" {base}/v1/usage
+
+  Ctrl-C stops the demo (the database file stays; the next run adds to it).
 """
 
 
@@ -348,6 +384,7 @@ def demo_in_background(
             print(f"demo traffic failed: {exc}", file=sys.stderr, flush=True)
             return
         print(f"demo traffic sent: {describe(statuses)}", flush=True)
+        print(explain(statuses), flush=True)
 
     thread = threading.Thread(target=run, name="demo-traffic", daemon=True)
     thread.start()
@@ -364,6 +401,8 @@ class DemoSettings(Settings):
     """The demo runs on this machine for a look around: any admin key it is given will do."""
 
     admin_key_min_chars: ClassVar[int] = 1
+    # A webhook receiver on this machine (http://127.0.0.1:...) may be tried with the demo.
+    webhooks_allow_loopback: bool = True
 
 
 def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:

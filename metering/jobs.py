@@ -7,7 +7,9 @@ from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy import select
 
 from metering import metrics
-from metering.budgets import leases, rates
+from metering.alerts import retention as alerts_retention
+from metering.alerts import service as alerts
+from metering.budgets import leases, rates, refusals
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
 from metering.ledger import retention
@@ -16,6 +18,7 @@ from metering.models import Budget, Hold
 
 log = logging.getLogger("metering.jobs")
 RETENTION_EVERY_S = 600
+EXPIRING_EVERY_S = 600
 
 
 async def expire_holds(db: Database, batch: int = 500, ttl_s: float | None = None) -> int:
@@ -104,6 +107,15 @@ def start_scheduler(
             max_instances=1,
             coalesce=True,
         )
+    scheduler.add_job(
+        guard(alerts.expiring_tokens, db),
+        "interval",
+        seconds=EXPIRING_EVERY_S,
+        next_run_time=first,
+        id="expiring_tokens",
+        max_instances=1,
+        coalesce=True,
+    )
     if retention_days is not None:
         scheduler.add_job(
             guard(retention.archive_old_events, db, retention_days),
@@ -111,6 +123,24 @@ def start_scheduler(
             seconds=RETENTION_EVERY_S,
             next_run_time=first,
             id="archive_old_events",
+            max_instances=1,
+            coalesce=True,
+        )
+        scheduler.add_job(
+            guard(refusals.forget_old, db, retention_days),
+            "interval",
+            seconds=RETENTION_EVERY_S,
+            next_run_time=first,
+            id="forget_old_refusals",
+            max_instances=1,
+            coalesce=True,
+        )
+        scheduler.add_job(
+            guard(alerts_retention.prune, db, retention_days),
+            "interval",
+            seconds=RETENTION_EVERY_S,
+            next_run_time=first,
+            id="prune_alerts",
             max_instances=1,
             coalesce=True,
         )

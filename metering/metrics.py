@@ -70,6 +70,12 @@ LIMIT_REJECTIONS = Counter(
     "`tokens` (tpm_limit), `parallel` (max_parallel_requests), both 429; `model` (403)",
     ["scope", "kind"],
 )
+REFUSALS_DROPPED = Counter(
+    "metering_refusals_dropped",
+    "Refused requests not recorded in the refusals table (too many waiting, or the database "
+    "refused the write), by reason",
+    ["reason"],
+)
 RESERVATIONS = Counter(
     "metering_reservations",
     "Requests admitted, by path: `lease` (against this process's credit leases, in memory) or "
@@ -125,6 +131,10 @@ def budget_rejected(scope: str) -> None:
     BUDGET_REJECTIONS.labels(scope).inc()
 
 
+def refusal_dropped(reason: str) -> None:
+    REFUSALS_DROPPED.labels(reason).inc()
+
+
 def limit_rejected(scope: str, kind: str) -> None:
     LIMIT_REJECTIONS.labels(scope, kind).inc()
 
@@ -132,8 +142,9 @@ def limit_rejected(scope: str, kind: str) -> None:
 class _Gauges:
     """Values read at scrape time."""
 
-    def __init__(self, open_holds: int | None) -> None:
+    def __init__(self, open_holds: int | None, used: list | None = None) -> None:
         self.open_holds = open_holds
+        self.used = used
 
     def collect(self):
         if self.open_holds is not None:
@@ -142,16 +153,30 @@ class _Gauges:
                 "Holds of requests in flight (or of crashed replicas, until they expire)",
                 value=self.open_holds,
             )
+        if self.used is not None:
+            family = GaugeMetricFamily(
+                BUDGET_USED_RATIO,
+                "Spent / credit_limit of a budget in its current window (the "
+                f"{queries.USED_RATIOS_SHOWN} most used limited budgets); alert rules: "
+                "dashboards/prometheus",
+                labels=["scope", "subject_id"],
+            )
+            for scope, subject_id, ratio in self.used:
+                family.add_metric([scope, subject_id], ratio)
+            yield family
 
 
-def render(open_holds: int | None) -> bytes:
+BUDGET_USED_RATIO = "metering_budget_used_ratio"
+
+
+def render(open_holds: int | None, used: list | None = None) -> bytes:
     if os.environ.get(MULTIPROC_ENV):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = REGISTRY
     gauges = CollectorRegistry()
-    gauges.register(_Gauges(open_holds))
+    gauges.register(_Gauges(open_holds, used))
     return generate_latest(registry) + generate_latest(gauges)
 
 
@@ -180,4 +205,9 @@ async def metrics(
     except Exception:
         log.warning("open holds unavailable: the database cannot be reached", exc_info=True)
         open_holds = None
-    return Response(render(open_holds), media_type=CONTENT_TYPE_LATEST)
+    try:
+        used: list | None = await queries.used_ratios(services.db)
+    except Exception:
+        log.warning("budget use unavailable: the database cannot be reached", exc_info=True)
+        used = None
+    return Response(render(open_holds, used), media_type=CONTENT_TYPE_LATEST)

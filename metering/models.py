@@ -92,6 +92,10 @@ class Budget(Base):
     window_start: Mapped[datetime] = mapped_column(UTCDateTime)
     spent: Mapped[int] = mapped_column(Pico, default=0)
     reserved: Mapped[int] = mapped_column(Pico, default=0)
+    # Alerts (metering.alerts): percentages of credit_limit as a JSON list (None: the default
+    # [50, 80, 100]), and an amount that alerts but never refuses.
+    alert_thresholds: Mapped[str | None] = mapped_column(String(200))
+    soft_limit: Mapped[int | None] = mapped_column(Pico)
 
 
 class BudgetWindow(Base):
@@ -401,3 +405,101 @@ class Run(Base):
     reserved: Mapped[int] = mapped_column(Pico, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_used_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
+class AlertEvent(Base):
+    """One alert, written in the transaction that caused it: the outbox. `dedupe_key` makes it
+    once per budget, threshold and window; `dispatched` turns true when its deliveries exist."""
+
+    __tablename__ = "alert_events"
+    __table_args__ = (
+        Index("ix_alert_events_created", "created_at", "id"),
+        Index("ix_alert_events_dispatched", "dispatched", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    type: Mapped[str] = mapped_column(String(40))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    scope: Mapped[str] = mapped_column(String(16))
+    subject_id: Mapped[str] = mapped_column(String(40))
+    team_id: Mapped[str | None] = mapped_column(String(40))
+    user_id: Mapped[str | None] = mapped_column(String(40), index=True)
+    dedupe_key: Mapped[str] = mapped_column(String(200), unique=True)
+    data: Mapped[str] = mapped_column(Text)  # the body's `data`, as JSON
+    dispatched: Mapped[bool] = mapped_column(Boolean, default=False, server_default=text("false"))
+
+
+class Webhook(Base):
+    """A receiver of alert events: global (team_id None) or one team's."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    url: Mapped[str] = mapped_column(Text)
+    events: Mapped[str] = mapped_column(Text)  # a JSON list of event types
+    team_id: Mapped[str | None] = mapped_column(String(40))
+    secret: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class WebhookDelivery(Base):
+    """One event to one webhook: pending until a 2xx, retried with backoff, then failed.
+    `claimed_until`: a replica sending it; a claim that expires (its replica died) is taken
+    again by another."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        Index("uq_webhook_deliveries_pair", "webhook_id", "event_id", unique=True),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    webhook_id: Mapped[str] = mapped_column(String(40))
+    event_id: Mapped[str] = mapped_column(String(40))
+    status: Mapped[str] = mapped_column(String(12))  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    claimed_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(String(300))
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class WebhookAttempt(Base):
+    """One POST of a delivery: its status code (None: no answer) and a short excerpt."""
+
+    __tablename__ = "webhook_attempts"
+
+    delivery_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(String(300))
+    duration_ms: Mapped[int] = mapped_column(Integer)
+
+
+class Refusal(Base):
+    """A request refused before anything was reserved or sent (402 budget, 429 rate or
+    parallel, 403 model): never a ledger event, never charged to a budget."""
+
+    __tablename__ = "refusals"
+    __table_args__ = (
+        Index("ix_refusals_created", "created_at", "id"),
+        Index("ix_refusals_user_created", "user_id", "created_at"),
+        Index("ix_refusals_team_created", "team_id", "created_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    token_id: Mapped[str | None] = mapped_column(String(40))
+    user_id: Mapped[str] = mapped_column(String(40))
+    team_id: Mapped[str] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(String(16))  # budget | rpm | tpm | parallel | model
+    scope: Mapped[str] = mapped_column(String(8))  # token | user | team: whose limit refused
+    subject_id: Mapped[str] = mapped_column(String(40))  # that token's, user's or team's id
+    http_status: Mapped[int] = mapped_column(Integer)
+    code: Mapped[str] = mapped_column(String(40))  # the client's error code
+    message: Mapped[str] = mapped_column(Text)  # the client's error message (at most 1000)

@@ -51,14 +51,15 @@ def price_to_micro(price_per_mtok: Decimal) -> int:
 
 
 def format_usd(pico: int | None) -> str | None:
-    """Plain decimal notation, never an exponent: 360000000 -> "0.000360"."""
+    """The one money format (JSON, CSV, messages): the exact amount in plain decimal notation,
+    no exponent, no trailing zeros and no trailing point: 360000000 -> "0.00036", 10**13 ->
+    "10", 0 -> "0"."""
     if pico is None:
         return None
     sign = "-" if pico < 0 else ""
     whole, frac = divmod(abs(pico), 10**12)
     text = f"{frac:012d}".rstrip("0")
-    text = text.ljust(6, "0")
-    return f"{sign}{whole}.{text}"
+    return f"{sign}{whole}.{text}" if text else f"{sign}{whole}"
 
 
 def format_price(micro: int) -> str:

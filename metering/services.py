@@ -16,10 +16,12 @@ from metering.auth.invalidation import Credentials
 from metering.auth.passwords import Passwords
 from metering.auth.tokens import Signer
 from metering.budgets.leases import LeaseBook
+from metering.budgets.refusals import RefusalLog
 from metering.db import Database
 from metering.settings import Catalog, Settings
 
 if TYPE_CHECKING:  # the proxy's own types, named here only for the annotations
+    from metering.alerts.outbox.delivery import Outbox
     from metering.proxy.live import LiveHolds
     from metering.proxy.routing import Breakers
     from metering.proxy.upstreams import Upstreams
@@ -41,6 +43,10 @@ class Services:
     leases: LeaseBook
     # Replaced when the catalog file changes; a request reads it once, when it starts.
     catalog: Catalog
+    # Requests refused before anything was reserved (402, 429, 403), written in groups.
+    refusals: RefusalLog
+    # The webhook delivery worker of this process (None when background work is off).
+    outbox: "Outbox | None" = None
 
 
 async def get_services(connection: HTTPConnection) -> Services:

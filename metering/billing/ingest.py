@@ -321,7 +321,9 @@ async def _write(db: Database, items: list[Item], now: datetime) -> None:
             events = [i.event for i in new]
             await writer.append_many(conn, events)
             await charge_dated(
-                conn, [Dated(_subjects(e), e.created_at, e.cost) for e in events], now
+                conn,
+                [Dated(_subjects(e), e.created_at, e.cost, e.team_id, e.user_id) for e in events],
+                now,
             )
         for item in new:
             item.status, item.event_id, item.stored = "created", item.event.id, item.digest

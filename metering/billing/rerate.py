@@ -150,7 +150,9 @@ async def _rerate_chunk(conn, rows, book: PriceBook, reason: str, now: datetime)
         adjustments.append(event)
     if adjustments:
         await writer.append_many(conn, adjustments)
-        charges = [Dated(_subjects(e), e.created_at, e.cost) for e in adjustments]
+        charges = [
+            Dated(_subjects(e), e.created_at, e.cost, e.team_id, e.user_id) for e in adjustments
+        ]
         await charge_dated(conn, charges, now)
     return adjustments
 
@@ -280,5 +282,9 @@ async def adjust(
     event.upstream_id = upstream_id
     async with db.begin() as conn:
         await writer.append(conn, event)
-        await charge_dated(conn, [Dated(_subjects(event), event.created_at, amount)], now)
+        await charge_dated(
+            conn,
+            [Dated(_subjects(event), event.created_at, amount, event.team_id, event.user_id)],
+            now,
+        )
     return event

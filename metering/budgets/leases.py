@@ -411,8 +411,10 @@ class LeaseBook:
             if lease.id is None:
                 continue
             if lease.inflight == 0:
-                self.retiring.remove(lease)
-                await give_back(self.db, lease.id, lease.subject_id)
+                # The upkeep may have given it back while an earlier one was being returned.
+                if lease in self.retiring:
+                    self.retiring.remove(lease)
+                    await give_back(self.db, lease.id, lease.subject_id)
                 continue
             free = lease.amount - lease.inflight
             if free <= 0:

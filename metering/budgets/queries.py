@@ -40,6 +40,26 @@ async def open_holds(db: Database) -> int:
         return await session.scalar(select(func.count()).select_from(Hold))
 
 
+USED_RATIOS_SHOWN = 500
+
+
+async def used_ratios(db: Database, limit: int = USED_RATIOS_SHOWN) -> list[tuple[str, str, float]]:
+    """(scope, subject_id, spent / credit_limit) of the most used limited budgets, in their
+    current windows (a window that ended counts as 0): for the /metrics gauge."""
+    ratio = Budget.spent * 1.0 / Budget.credit_limit
+    query = (
+        select(Budget)
+        .where(Budget.credit_limit > 0, Budget.spent > 0)
+        .order_by(ratio.desc())
+        .limit(limit)
+    )
+    now = utcnow()
+    async with db.reads() as session:
+        budgets = list(await session.scalars(query))
+    views = [view(b, now) for b in budgets]
+    return [(v.scope, v.subject_id, v.spent / v.credit_limit) for v in views if v.spent]
+
+
 async def current_limits(db: Database, scope: str, subject_id: str) -> dict:
     """A subject's limits beyond credit and how much of each is in use now."""
     table, live = _SUBJECTS[scope]

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from metering import limits
 from metering.budgets.service import BudgetView
@@ -22,6 +22,10 @@ class BudgetOut(BaseModel):
     spent: str
     reserved: str
     remaining: str | None
+    alert_thresholds: list[int]
+    threshold_passed: int | None = Field(
+        description="The highest of alert_thresholds that spent has reached in this window"
+    )
 
     @classmethod
     def of(cls, current: BudgetView) -> "BudgetOut":
@@ -35,6 +39,8 @@ class BudgetOut(BaseModel):
             spent=format_usd(current.spent),
             reserved=format_usd(current.reserved),
             remaining=format_usd(current.remaining),
+            alert_thresholds=list(current.thresholds),
+            threshold_passed=current.threshold_passed,
         )
 
 

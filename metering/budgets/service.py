@@ -20,16 +20,29 @@ stay reserved across the roll, and a request is charged to the window it settles
 """
 
 import asyncio
+import logging
 import weakref
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from sqlalchemy import Row, bindparam, delete, func, insert, select, update
+from sqlalchemy import (
+    BigInteger,
+    Row,
+    String,
+    bindparam,
+    delete,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from metering.alerts import record
 from metering.budgets import rates
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.windows import parse_interval, window_for
@@ -39,11 +52,13 @@ from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
 from metering.ledger.outcome import Billing
 from metering.models import Budget, BudgetLease, BudgetWindow, Hold, Run
+from metering.timefmt import rfc3339
 
 if TYPE_CHECKING:
     from metering.budgets.leases import LeaseBook
 
 RESERVE_ATTEMPTS = 4
+log = logging.getLogger("metering.budgets")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +73,21 @@ class BudgetView:
     resets_at: datetime | None
     spent: int
     reserved: int
+    thresholds: tuple[int, ...] = record.DEFAULT_THRESHOLDS  # alert thresholds, % of the limit
 
     @property
     def remaining(self) -> int | None:
         if self.credit_limit is None:
             return None
         return max(self.credit_limit - self.spent - self.reserved, 0)
+
+    @property
+    def threshold_passed(self) -> int | None:
+        """The highest alert threshold `spent` has reached in this window, if any."""
+        if not self.credit_limit:
+            return None
+        passed = [p for p in self.thresholds if self.spent * 100 >= self.credit_limit * p]
+        return max(passed, default=None)
 
 
 def current_window(budget: Budget, now: datetime) -> tuple[datetime, datetime | None]:
@@ -84,6 +108,7 @@ def view(budget: Budget, now: datetime, slack: int = 0) -> BudgetView:
         resets_at=end,
         spent=0 if rolled else budget.spent,
         reserved=max(budget.reserved - slack, 0),
+        thresholds=record.thresholds_of(getattr(budget, "alert_thresholds", None)),
     )
 
 
@@ -174,12 +199,40 @@ async def roll(session: AsyncSession, budget: Budget, now: datetime) -> None:
             ).where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start),
         )
         .on_conflict_do_nothing()
+        .returning(BudgetWindow.spent)
     )
-    await session.execute(closed)
-    await session.execute(
-        update(Budget)
-        .where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start)
-        .values(spent=0, window_start=start)
+    closed_spent = (await session.execute(closed)).scalar()
+    reset = (
+        await session.execute(
+            update(Budget.__table__)
+            .where(Budget.subject_id == budget.subject_id, Budget.window_start == old_start)
+            .values(spent=0, window_start=start)
+            .returning(*_CHARGED)
+        )
+    ).first()
+    if reset is not None and closed_spent is not None:
+        await _alert_reset(session, reset, closed_spent, old_start, now)
+
+
+async def _alert_reset(session, row, closed_spent: int, old_start: datetime, now) -> None:
+    """budget.window_reset, once per closed window, for a budget that alerts (a limit or a soft
+    limit): its figures as the window closed; the new window re-arms its thresholds."""
+    if row.credit_limit is None and row.soft_limit is None:
+        return
+    team_id, user_id = await record.owners(session, row.scope, row.subject_id)
+    figures = record.Figures(
+        row.scope,
+        row.subject_id,
+        team_id,
+        row.credit_limit,
+        closed_spent,
+        row.reserved,
+        resets_at(row, row.window_start),
+    )
+    data = figures.data(window_start=rfc3339(old_start), new_window_start=rfc3339(row.window_start))
+    key = f"{row.subject_id}:{rfc3339(old_start)}"
+    await record.write(
+        session, [record.event_row(record.WINDOW_RESET, key, data, now, user_id=user_id)]
     )
 
 
@@ -225,9 +278,24 @@ def _add_to_budgets(**values):
     )
 
 
+_B = Budget.__table__.c
+# What a charge returns: enough to tell, with no further round trip, whether it crossed a
+# threshold or a soft limit (metering.alerts.record).
+_CHARGED = (
+    _B.subject_id,
+    _B.scope,
+    _B.credit_limit,
+    _B.soft_limit,
+    _B.alert_thresholds,
+    _B.spent,
+    _B.reserved,
+    _B.reset_interval,
+    _B.anchor_at,
+    _B.window_start,
+)
 _CHARGE = _add_to_budgets(
     spent=Budget.spent + bindparam("cost"), reserved=Budget.reserved - bindparam("amount")
-)
+).returning(*_CHARGED)
 _RELEASE = _add_to_budgets(reserved=Budget.reserved - bindparam("amount"))
 # Conditional write: matches every budget only while each can still cover the hold.
 _RESERVE = (
@@ -477,6 +545,53 @@ async def reserve(
     """Reserve the request's worst case against every budget at once, or raise BudgetShortfall.
     With `leases`, a request their slices cover is admitted in memory (one INSERT of its hold,
     written in a group); any other takes the database path below."""
+    try:
+        return await _reserve(db, spec, ttl_s, leases)
+    except BudgetShortfall as refused:
+        await record_exhausted(db, spec, refused.shortfall.budget)
+        raise
+
+
+# Exhausted budgets this process has recorded (the database keeps each once anyway): a budget
+# refusing request after request costs one write per window, not one per refusal.
+_EXHAUSTED_SEEN: set[str] = set()
+_EXHAUSTED_SEEN_MAX = 10_000
+
+
+async def record_exhausted(db: Database, spec: HoldSpec, budget: BudgetView) -> None:
+    """budget.exhausted: the first refusal of a window, per budget and credit_limit (a limit
+    changed inside the window re-arms it). Never fails the refusal."""
+    if budget.scope in ("request", "run"):  # x-metering-max-cost and a run: no budget row
+        return
+    key = f"{budget.subject_id}:{rfc3339(budget.window_start)}:{budget.credit_limit}"
+    if key in _EXHAUSTED_SEEN:
+        return
+    billing = spec.billing
+    user_id = None if budget.scope == "team" else billing.user_id
+    figures = record.Figures(
+        budget.scope,
+        budget.subject_id,
+        billing.team_id,
+        budget.credit_limit,
+        budget.spent,
+        budget.reserved,
+        budget.resets_at,
+    )
+    row = record.event_row(record.EXHAUSTED, key, figures.data(), utcnow(), user_id=user_id)
+    try:
+        async with db.begin() as conn:
+            await record.write(conn, [row])
+    except Exception:  # the refusal stands; a later one records it
+        log.warning("could not record budget.exhausted for %s", budget.subject_id, exc_info=True)
+        return
+    if len(_EXHAUSTED_SEEN) >= _EXHAUSTED_SEEN_MAX:
+        _EXHAUSTED_SEEN.clear()
+    _EXHAUSTED_SEEN.add(key)
+
+
+async def _reserve(
+    db: Database, spec: HoldSpec, ttl_s: int, leases: "LeaseBook | None"
+) -> Reservation:
     if leases is not None and spec.run is None:
         # A request of a run is held in the run's row too: always the database path.
         reservation = await leases.admit(spec)
@@ -555,10 +670,13 @@ async def settle_in(
         charges: dict[str, list[int]] = {}
         leases: dict[str, int] = {}
         _add_charges(charges, leases, hold, event.cost)
-        await _charge(session, charges, leases)
+        await _charge(session, charges, leases, _people({}, hold), now)
     else:
         charge = {"ids": subjects, "cost": event.cost, "amount": hold.amount}
-        await session.execute(_CHARGE, charge)
+        charged = (await session.execute(_CHARGE, charge)).all()
+        await alert_crossings(
+            session, charged, {s: event.cost for s in subjects}, _people({}, hold), now
+        )
     if hold.run_id is not None:
         await session.execute(_CHARGE_RUN, [_run_charge(hold, event.cost)])
     await writer.append(session, event)
@@ -597,12 +715,66 @@ _CHARGE_LEASE = (
 )
 
 
-async def _charge(conn, charges: dict[str, list[int]], leases: dict[str, int]) -> None:
-    """Charge the sums: budgets in subject_id order (each UPDATE locks its row, so they are
-    locked in the order every writer here uses), then their leases."""
+def _people(people: dict, hold) -> dict:
+    """subject -> (team_id, user_id) of a hold's budgets, for the alerts they may raise."""
+    people[hold.team_id] = (hold.team_id, None)
+    people[hold.user_id] = (hold.team_id, hold.user_id)
+    if hold.token_id:
+        people[hold.token_id] = (hold.team_id, hold.user_id)
+    return people
+
+
+def resets_at(row, at: datetime) -> datetime | None:
+    return window_for(parse_interval(row.reset_interval), row.anchor_at, at)[1]
+
+
+async def alert_crossings(conn, charged, costs: dict[str, int], people, now: datetime) -> None:
+    """Record the thresholds and soft limits the charged budgets just passed (rows returned by
+    the charge: `spent` after it; before it, `spent - cost`). Nothing is written, and no round
+    trip made, when none was passed."""
+    events: list[dict] = []
+    for row in charged:
+        cost = costs.get(row.subject_id, 0)
+        if cost <= 0 or (row.credit_limit is None and row.soft_limit is None):
+            continue
+        before = row.spent - cost
+        thresholds = record.thresholds_of(row.alert_thresholds)
+        if not record.passed(before, row.spent, row.credit_limit, thresholds, row.soft_limit):
+            continue
+        team_id, user_id = people.get(row.subject_id, (None, None))
+        figures = record.Figures(
+            row.scope,
+            row.subject_id,
+            team_id,
+            row.credit_limit,
+            row.spent,
+            row.reserved,
+            resets_at(row, row.window_start),
+        )
+        events += record.crossings(
+            figures, before, thresholds, row.soft_limit, row.window_start, now, user_id
+        )
+    await record.write(conn, events)
+
+
+async def _charge(
+    conn, charges: dict[str, list[int]], leases: dict[str, int], people: dict, now: datetime
+) -> None:
+    """Charge the sums: budgets in subject_id order (locked in the order every writer here
+    uses), then their leases. The charged rows come back, for the alerts they may raise."""
     subjects = sorted(charges)
     rows = [{"charged_id": s, "cost": charges[s][0], "amount": charges[s][1]} for s in subjects]
-    await conn.execute(_CHARGE_ONE, rows)
+    if dialect_name(conn) == "postgresql":
+        sums = {
+            "ids": subjects,
+            "charged_ids": subjects,
+            "costs": [r["cost"] for r in rows],
+            "amounts": [r["amount"] for r in rows],
+        }
+        charged = (await conn.execute(_CHARGE_ALL, sums)).all()
+    else:  # SQLite: in process, one writer; a statement per budget costs no round trip
+        charged = [(await conn.execute(_CHARGE_ONE, row)).one() for row in rows]
+    await alert_crossings(conn, charged, {s: charges[s][0] for s in subjects}, people, now)
     if leases:
         taken = [{"lease_id": lease, "cost": cost} for lease, cost in sorted(leases.items())]
         await conn.execute(_CHARGE_LEASE, taken)
@@ -615,6 +787,32 @@ _CHARGE_ONE = (
     update(Budget.__table__)
     .where(Budget.subject_id == bindparam("charged_id"))
     .values(spent=Budget.spent + bindparam("cost"), reserved=Budget.reserved - bindparam("amount"))
+    .returning(*_CHARGED)
+    .execution_options(synchronize_session=False)
+)
+# PostgreSQL: every budget of a group charged in one statement, the rows locked first in
+# subject_id order (see `load`); the sums joined as VALUES.
+_LOCKED = (
+    select(Budget.subject_id)
+    .where(Budget.subject_id.in_(_ids()))
+    .order_by(Budget.subject_id)
+    .with_for_update()
+    .subquery()
+)
+_SUMS = (
+    func.unnest(
+        bindparam("charged_ids", type_=ARRAY(String)),
+        bindparam("costs", type_=ARRAY(BigInteger)),
+        bindparam("amounts", type_=ARRAY(BigInteger)),
+    )
+    .table_valued("charged_id", "cost", "amount", name="sums")
+    .render_derived()
+)
+_CHARGE_ALL = (
+    update(Budget.__table__)
+    .where(_B.subject_id == _LOCKED.c.subject_id, _SUMS.c.charged_id == _B.subject_id)
+    .values(spent=_B.spent + _SUMS.c.cost, reserved=_B.reserved - _SUMS.c.amount)
+    .returning(*_CHARGED)
     .execution_options(synchronize_session=False)
 )
 
@@ -629,6 +827,8 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     leases: dict[str, int] = {}
     returns: list[dict] = []
     runs: list[dict] = []
+    people: dict = {}
+    now = max(event.created_at for event, _ in items)
     async with db.begin() as conn:
         rows = await conn.execute(_TAKE_HOLDS, {"ids": [event.id for event, _ in items]})
         holds = {row.id: row for row in rows}
@@ -641,11 +841,12 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
             taken.append(event)
             results.append(True)
             _add_charges(totals, leases, hold, event.cost)
+            _people(people, hold)
             returns += rate_returns(hold, _used_tokens(event))
             if hold.run_id is not None:
                 runs.append(_run_charge(hold, event.cost))
         if taken:
-            await _charge(conn, totals, leases)
+            await _charge(conn, totals, leases, people, now)
             if runs:  # after the budgets: the order every writer takes them in
                 await conn.execute(
                     _CHARGE_RUN, sorted(runs, key=lambda r: (r["r_team"], r["r_id"]))
@@ -811,6 +1012,9 @@ class Dated:
     subjects: list[str]
     at: datetime
     amount: int
+    # Whose they are, for the alerts a charge to the current window may raise.
+    team_id: str | None = None
+    user_id: str | None = None
 
 
 def _closed_upsert(session: AsyncSession):
@@ -836,11 +1040,14 @@ async def charge_dated(session: AsyncSession, charges: list[Dated], now: datetim
         await roll(session, budget, now)
     current: dict[str, int] = {}
     closed: dict[tuple[str, datetime], dict] = {}
+    people: dict = {}
     for charge in charges:
         for subject in charge.subjects:
             budget = budgets.get(subject)
             if budget is None:
                 continue
+            owner = None if subject == charge.team_id else charge.user_id
+            people.setdefault(subject, (charge.team_id, owner))
             # Before the budget existed: its calendar window of then, or its first window.
             start, end = current_window(budget, charge.at)
             if start >= current_window(budget, now)[0]:
@@ -859,9 +1066,8 @@ async def charge_dated(session: AsyncSession, charges: list[Dated], now: datetim
                 },
             )
             row["spent"] += charge.amount
-    if current:
-        rows = [{"charged_id": s, "cost": current[s], "amount": 0} for s in sorted(current)]
-        await session.execute(_CHARGE_ONE, rows)
+    if current:  # the settle's path: a threshold a positive amount passes alerts as a settle's
+        await _charge(session, {s: [cost, 0] for s, cost in current.items()}, {}, people, now)
     if closed:
         await session.execute(_closed_upsert(session), [closed[key] for key in sorted(closed)])
 

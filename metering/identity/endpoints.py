@@ -43,6 +43,12 @@ def _limits(body, services: Services) -> dict:
     return fields
 
 
+def _alerts(body) -> dict:
+    """The alert fields a body sent (metering.alerts: they alert, never refuse)."""
+    sent = body.model_dump(exclude_unset=True)
+    return {name: sent[name] for name in service.ALERT_FIELDS if name in sent}
+
+
 async def _teams(session: AsyncSession, teams) -> list[TeamOut]:
     budgets = await service.budgets_of(session, [t.id for t in teams])
     return [TeamOut.of(t, budgets.get(t.id)) for t in teams]
@@ -61,7 +67,7 @@ async def _tokens(session: AsyncSession, tokens) -> list[TokenOut]:
 # Teams (admin)
 
 
-@router.post("/teams", status_code=201, responses=error_responses(400, *ADMIN))
+@router.post("/teams", status_code=201, responses=error_responses(400, 409, *ADMIN))
 async def create_team(
     body: TeamCreate,
     _: Principal = Depends(admin_only),
@@ -71,6 +77,7 @@ async def create_team(
     team = await service.create_team(
         session, body.name, body.credit_limit, body.reset_interval, _limits(body, services)
     )
+    await service.set_alerts(session, team.id, _alerts(body))
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
@@ -93,7 +100,7 @@ async def get_team(
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
-@router.patch("/teams/{team_id}", responses=error_responses(400, 404, *ADMIN))
+@router.patch("/teams/{team_id}", responses=error_responses(400, 404, 409, *ADMIN))
 async def patch_team(
     team_id: str,
     body: TeamPatch,
@@ -146,6 +153,7 @@ async def create_user(
         interval=body.reset_interval,
         limits=_limits(body, services),
     )
+    await service.set_alerts(session, user.id, _alerts(body))
     return UserOut.of(user, await service.get_budget(session, user.id))
 
 
@@ -216,6 +224,7 @@ async def create_token(
         max_lifetime_s=services.settings.token_max_lifetime_s,
         limits=_limits(body, services),
     )
+    await service.set_alerts(session, token.id, _alerts(body))
     out = TokenOut.of(token, await service.get_budget(session, token.id))
     return TokenCreated(token=secret, **out.model_dump())
 

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from metering import limits
+from metering.alerts.record import DEFAULT_THRESHOLDS, thresholds_of
 from metering.budgets.windows import InvalidInterval, parse_interval
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import MoneyError, format_usd, parse_usd
@@ -44,12 +45,50 @@ class _Body(BaseModel):
         return value
 
 
+MAX_THRESHOLDS = 10
+
+
+def _thresholds(value: object) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_THRESHOLDS:
+        raise ValueError(
+            f"alert_thresholds must be a list of at most {MAX_THRESHOLDS} percentages (or null "
+            "for the default [50, 80, 100])"
+        )
+    for item in value:
+        if type(item) is not int or not 1 <= item <= 100:
+            raise ValueError("alert_thresholds entries must be whole numbers from 1 to 100")
+    return sorted(set(value))
+
+
+def _soft(value: object) -> Decimal | None:
+    if value is None:
+        return None
+    try:
+        return parse_usd(value, field="soft_limit")
+    except MoneyError as exc:
+        raise ValueError(str(exc)) from None
+
+
 class _Limited(_Body):
     credit_limit: Decimal | None = None
     reset_interval: str = "never"
+    alert_thresholds: list[int] | None = Field(
+        default=None,
+        description="Percentages of credit_limit (1 to 100) at which budget.threshold_crossed "
+        "is sent, once per window; null: [50, 80, 100]; []: none",
+    )
+    soft_limit: Decimal | None = Field(
+        default=None,
+        description="An amount (USD) whose crossing sends budget.soft_limit_reached, once per "
+        "window; it never refuses a request; null: none",
+    )
 
     _check_limit = field_validator("credit_limit", mode="before")(_limit)
     _check_interval = field_validator("reset_interval", mode="before")(_interval)
+    _check_thresholds = field_validator("alert_thresholds", mode="before")(_thresholds)
+    _check_soft = field_validator("soft_limit", mode="before")(_soft)
 
 
 def _bounded(high: int, description: str):
@@ -181,11 +220,18 @@ class TokenPatch(_Limited, _RateLimited, _Expiring):
 
 def _limits(budget: Budget | None, subject) -> dict:
     credit = (
-        {"credit_limit": None, "reset_interval": "never"}
+        {
+            "credit_limit": None,
+            "reset_interval": "never",
+            "alert_thresholds": list(DEFAULT_THRESHOLDS),
+            "soft_limit": None,
+        }
         if budget is None
         else {
             "credit_limit": format_usd(budget.credit_limit),
             "reset_interval": budget.reset_interval,
+            "alert_thresholds": list(thresholds_of(budget.alert_thresholds)),
+            "soft_limit": format_usd(budget.soft_limit),
         }
     )
     models = limits.parse_models(subject.allowed_models)
@@ -199,6 +245,8 @@ def _limits(budget: Budget | None, subject) -> dict:
 
 
 class _LimitsOut(BaseModel):
+    alert_thresholds: list[int]
+    soft_limit: str | None
     rpm_limit: int | None
     tpm_limit: int | None
     max_parallel_requests: int | None

@@ -1,5 +1,6 @@
 """Teams, users and API tokens. Services flush; the endpoint's unit of work commits."""
 
+import json
 import uuid
 from datetime import datetime, timedelta
 
@@ -25,6 +26,10 @@ class TokenCapReached(MeteringError):
 
 class EmailTaken(MeteringError):
     status, code = 409, "email_taken"
+
+
+class TeamNameTaken(MeteringError):
+    status, code = 409, "team_name_taken"
 
 
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_parallel_requests", "allowed_models")
@@ -142,6 +147,7 @@ async def list_tokens(
 async def create_team(
     session: AsyncSession, name: str, limit, interval: str, limits: dict | None = None
 ) -> Team:
+    await _team_name_free(session, name)
     now = utcnow()
     team = Team(id=new_id("team"), name=name, created_at=now)
     set_limits(team, limits or {})
@@ -149,6 +155,14 @@ async def create_team(
     session.add(new_budget(team.id, "team", _pico(limit), interval, now))
     await session.flush()
     return team
+
+
+async def _team_name_free(session: AsyncSession, name: str, except_id: str | None = None) -> None:
+    """Team names are unique among live teams, compared without case (409 names the holder)."""
+    query = select(Team.id).where(func.lower(Team.name) == name.lower(), Team.deleted_at.is_(None))
+    existing = await session.scalar(query.limit(1))
+    if existing is not None and existing != except_id:
+        raise TeamNameTaken(f"a team named {name!r} already exists (id {existing})", param="name")
 
 
 async def _email_free(session: AsyncSession, email: str, except_id: str | None = None) -> None:
@@ -278,7 +292,8 @@ async def _narrows_user(session: AsyncSession, user: User, patterns: list[str] |
 async def update_team(session: AsyncSession, team_id: str, fields: dict) -> Team:
     """Apply a PATCH's fields (those it sent); the team as it now is."""
     team = await get_team(session, team_id)
-    if fields.get("name") is not None:
+    if fields.get("name") is not None and fields["name"] != team.name:
+        await _team_name_free(session, fields["name"], except_id=team_id)
         team.name = fields["name"]
     if set_limits(team, fields):
         # Every replica's cached credentials of the team carry its limits: dropped.
@@ -396,3 +411,22 @@ async def change_budget(session: AsyncSession, subject_id: str, fields: dict) ->
         )
         # Every replica drops its leases of this budget before the change is answered.
         await invalidation.record(session, invalidation.subject("budget", subject_id))
+    await set_alerts(session, subject_id, fields)
+
+
+ALERT_FIELDS = ("alert_thresholds", "soft_limit")
+
+
+async def set_alerts(session: AsyncSession, subject_id: str, fields: dict) -> None:
+    """A budget's thresholds and soft limit (those sent). They only alert: admission never
+    reads them, so no replica needs to hear of the change."""
+    values: dict = {}
+    if "alert_thresholds" in fields:
+        chosen = fields["alert_thresholds"]
+        values["alert_thresholds"] = None if chosen is None else json.dumps(sorted(chosen))
+    if "soft_limit" in fields:
+        values["soft_limit"] = _pico(fields["soft_limit"])
+    if values:
+        await session.execute(
+            update(Budget).where(Budget.subject_id == subject_id).values(**values)
+        )

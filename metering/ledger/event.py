@@ -9,7 +9,7 @@ Money is integer picodollars (cost, uncharged); prices are micro-USD per 1M toke
 picodollars per token.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
 from types import NoneType, UnionType
 from typing import get_args
@@ -41,15 +41,11 @@ class Spec:
     public: bool = True  # shown by GET /v1/usage
     group: str | None = None  # the object GET /v1/usage nests it in
     money: bool = False  # picodollars, shown as a decimal USD string
+    price: bool = False  # micro-USD per 1M tokens, shown as a decimal USD-per-1M-tokens string
     server_default: str | None = None
 
 
-_NO_DEFAULT = object()
-
-
-def column(sql: TypeEngine, default=_NO_DEFAULT, **spec) -> object:
-    if default is _NO_DEFAULT:
-        return field(metadata={"spec": Spec(sql, **spec)})
+def column(sql: TypeEngine, *, default: object = MISSING, **spec) -> object:
     return field(default=default, metadata={"spec": Spec(sql, **spec)})
 
 
@@ -64,7 +60,7 @@ class Event:
 
     id: str = column(String(40))
     created_at: datetime = column(UTCDateTime())  # when it was charged
-    started_at: datetime = column(UTCDateTime(), public=False)
+    started_at: datetime = column(UTCDateTime())  # when the attempt began
     token_id: str | None = column(String(40))
     user_id: str = column(String(40))
     team_id: str = column(String(40))
@@ -91,15 +87,18 @@ class Event:
     usage_source: str = column(String(16))  # reported | estimated | unsettled
     # Why the reported usage was not taken as it came (see metering.ledger.charge), or None.
     usage_anomaly: str | None = column(String(40))
-    input_price: int = column(BigInteger(), public=False)
-    cached_price: int = column(BigInteger(), public=False)
-    output_price: int = column(BigInteger(), public=False)
+    # The output allowance max_tokens was lowered to so that the credit left covers the
+    # request (the response's x-max-tokens-clamped), or None when it was not lowered.
+    max_tokens_clamped: int | None = column(BigInteger(), default=None)
+    input_price: int = column(BigInteger(), price=True)
+    cached_price: int = column(BigInteger(), price=True)
+    output_price: int = column(BigInteger(), price=True)
     cost: int = column(Pico(), money=True)  # what the budgets were charged
     # The reported usage's cost above what was charged (the charge stops at the hold).
     uncharged: int = column(Pico(), money=True, server_default="0")
     ttft_ms: int | None = column(Integer())
     latency_ms: int | None = column(Integer())
-    error: str | None = column(Text(), limit=2000, public=False)
+    error: str | None = column(Text(), limit=2000)
     # usage, or adjustment: a correction appended to the ledger (its cost is the difference it
     # makes; the event it corrects, if any, and why). An original row is never rewritten.
     kind: str = column(String(16), server_default=USAGE, default=USAGE)

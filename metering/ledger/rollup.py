@@ -263,7 +263,7 @@ def hour_value(column, dialect: str):
 def rebuild_statement(source, dialect: str, *, adjustments: bool = True):
     """INSERT INTO spend_hourly the sums of a ledger-shaped table (for tools that write events
     in bulk, e.g. the benchmark's generator; appending keeps the rollup itself). Without
-    `adjustments`: a table and rollup from before adjustment events (revision 0010)."""
+    `adjustments`: a table and rollup from before adjustment events (revision 0012)."""
     hour = hour_value(source.c.created_at, dialect)
     token = func.coalesce(source.c.token_id, "")
     keys = (hour, source.c.team_id, source.c.user_id, token, source.c.model, source.c.provider)

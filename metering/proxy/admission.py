@@ -8,6 +8,7 @@ from metering import metrics
 from metering.auth.principal import Principal
 from metering.budgets import rates
 from metering.budgets.rates import RateLimited, Refusal
+from metering.budgets.refusals import Refused
 from metering.budgets.service import HoldSpec
 from metering.db import utcnow
 from metering.errors import MeteringError
@@ -17,10 +18,12 @@ from metering.timefmt import rfc3339
 
 class RateLimitExceeded(MeteringError):
     status, code = 429, "rate_limit_exceeded"
+    refused: Refused | None = None  # what refused it, for the refusals table
 
 
 class ModelNotAllowed(MeteringError):
     status, code = 403, "model_not_allowed"
+    refused: Refused | None = None
 
 
 # The name of each kind in metrics, settings and headers.
@@ -38,12 +41,14 @@ def check_model(principal: Principal, model: str) -> None:
         return
     metrics.limit_rejected(scope.scope, "model")
     allowed = ", ".join(scope.models or ()) or "(none)"
-    raise ModelNotAllowed(
+    error = ModelNotAllowed(
         f"model {model} is not allowed for {scope.scope} {scope.subject_id}: its allowed_models "
         f"are {allowed}",
         param="model",
         headers={"x-limit-scope": scope.scope},
     )
+    error.refused = Refused("model", scope.scope, scope.subject_id)
+    raise error
 
 
 def visible_models(principal: Principal, names: list[str]) -> list[str]:
@@ -93,7 +98,9 @@ def rate_limited(exc: RateLimited) -> RateLimitExceeded:
         if refusal.resets_at is not None:
             left = (refusal.resets_at - now).total_seconds()
             headers[f"x-ratelimit-reset-{suffix}"] = rates.duration(max(left, 0))
-    return RateLimitExceeded(_message(refusal, now), headers=headers)
+    error = RateLimitExceeded(_message(refusal, now), headers=headers)
+    error.refused = Refused(refusal.kind, refusal.scope, refusal.subject_id)
+    return error
 
 
 async def admit(

@@ -138,6 +138,8 @@ class Attempt:
             prompt_tokens=lambda: estimate_prompt_tokens(body),
             text_tokens=estimate_text_tokens,
         )
+        if self.reservation.clamped:
+            event.max_tokens_clamped = self.reservation.max_tokens
         settled = await _retrying(
             self.services,
             "settle",

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from metering import metrics
 from metering.auth.principal import RULE_ERRORS, Principal, any_principal, user_principal
 from metering.budgets.rates import release_claim
+from metering.budgets.refusals import Refused
 from metering.budgets.service import BudgetShortfall, HoldSpec, RunKey, UnknownRun, reserve
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
@@ -32,6 +33,7 @@ router = APIRouter(prefix="/v1")
 
 class BudgetExceeded(MeteringError):
     status, code = 402, "budget_exceeded"
+    refused: Refused | None = None  # what refused it, for the refusals table
 
 
 def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
@@ -47,7 +49,13 @@ def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
     headers = {"x-budget-scope": budget.scope}
     if resets:
         headers["x-budget-resets-at"] = resets
-    return BudgetExceeded(message, headers=headers)
+    error = BudgetExceeded(message, headers=headers)
+    # A run's id may be longer than the column keeps (its first 40 characters are kept).
+    error.refused = Refused("budget", budget.scope, budget.subject_id[:40])
+    return error
+
+
+REFUSALS = (BudgetExceeded, admission.RateLimitExceeded, admission.ModelNotAllowed)
 
 
 MAX_COST = "x-metering-max-cost"
@@ -119,6 +127,25 @@ async def chat_completions(
     t0 = time.perf_counter()
     raw = await read_body(request, services.settings.max_body_bytes)
     chat = validate(parse_json(raw), len(raw))
+    try:
+        return await serve(request, principal, services, chat, t0)
+    except REFUSALS as exc:
+        if exc.refused is not None:
+            await services.refusals.record(
+                request.scope["state"]["request_id"],
+                principal=principal,
+                model=chat.model,
+                refused=exc.refused,
+                status=exc.status,
+                code=exc.code,
+                message=exc.message,
+            )
+        raise
+
+
+async def serve(request: Request, principal: Principal, services: Services, chat, t0) -> Response:
+    """The request's routes tried in turn (the next one when an attempt fails before any byte
+    reached the client)."""
     max_cost, run = ceilings(request, principal, services.settings.run_idle_s)
     catalog = services.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)

@@ -6,8 +6,14 @@ from starlette.datastructures import UploadFile
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
-from metering.reports import focus, reconciliation, usage
-from metering.reports.schemas import ReconciliationOut, SpendOut, UsageOut
+from metering.reports import focus, reconciliation, refusals, usage
+from metering.reports.schemas import (
+    ReconciliationOut,
+    RefusalsOut,
+    RefusalSummaryOut,
+    SpendOut,
+    UsageOut,
+)
 from metering.reports.spend import (
     DEFAULT_ROWS,
     MAX_PAGE,
@@ -24,6 +30,11 @@ MAX_EXPORT_BYTES = 64 * 1024 * 1024
 CSV = {"text/csv": {"schema": {"type": "string"}}}
 # GET /v1/usage names no user, token or team in its path, so the self rule never answers 404.
 USAGE_ERRORS = tuple(status for status in RULE_ERRORS["self"] if status != 404)
+DEFAULT_USAGE_PAGE = 100
+LABELS_DOC = (
+    "true: each row also carries the names of its ids: team_name, user_email, token_name "
+    "(for the ids the row has)"
+)
 
 
 @router.get(
@@ -44,9 +55,16 @@ async def list_usage(
     token_id: str | None = Query(None, max_length=40),
     model: str | None = Query(None, max_length=200),
     provider: str | None = Query(None, max_length=100),
-    limit: int = Query(100, ge=1, le=1000),
+    limit: int | None = Query(
+        None,
+        ge=1,
+        le=1000,
+        description="Events per page (default 100). With format=csv: at most this many rows "
+        "(and `x-next-cursor` when there are more); without it the CSV streams every row.",
+    ),
     cursor: str | None = Query(None, max_length=500),
     format: str = Query("json", pattern="^(json|csv)$"),
+    labels: bool = Query(False, description=LABELS_DOC),
 ) -> Response:
     query = usage.events_query(
         principal,
@@ -56,14 +74,26 @@ async def list_usage(
             team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
         ),
     )
-    if format == "csv":
+    attachment = {"content-disposition": 'attachment; filename="usage.csv"'}
+    if format == "csv" and limit is None and cursor is None:
         return StreamingResponse(
-            usage.csv_stream(services.db, query),
+            usage.csv_stream(services.db, query, labels=labels),
             media_type="text/csv",
-            headers={"content-disposition": 'attachment; filename="usage.csv"'},
+            headers=attachment,
         )
+    if format == "csv":
+        events, next_cursor = await usage.page_events(
+            services.db, query, limit=limit or DEFAULT_USAGE_PAGE, cursor=cursor
+        )
+        headers = {**attachment, **({"x-next-cursor": next_cursor} if next_cursor else {})}
+        body = await usage.csv_page(services.db, events, labels)
+        return Response(body, media_type="text/csv", headers=headers)
     # Sent as built: a page of events is not walked again by the response model.
-    return JSONResponse(await usage.page(services.db, query, limit=limit, cursor=cursor))
+    return JSONResponse(
+        await usage.page(
+            services.db, query, limit=limit or DEFAULT_USAGE_PAGE, cursor=cursor, labels=labels
+        )
+    )
 
 
 SPEND_400 = (
@@ -113,6 +143,7 @@ async def spend(
         description="`include` (default): cost with the adjustment events (price corrections, "
         "credits); `exclude`: cost as the original events charged it.",
     ),
+    labels: bool = Query(False, description=LABELS_DOC),
 ) -> StreamingResponse:
     report = await spend_report(
         services.db,
@@ -126,6 +157,7 @@ async def spend(
         limit=limit,
         page=page,
         adjusted=adjustments == "include",
+        labels=labels,
     )
     if format == "csv":
         return StreamingResponse(
@@ -192,6 +224,110 @@ async def focus_export(
         media_type="text/csv",
         headers={"content-disposition": 'attachment; filename="focus.csv"'},
     )
+
+
+REASON = Query(None, pattern="^(budget|rpm|tpm|parallel|model)$")
+SCOPE = Query(None, pattern="^(token|user|team|request|run)$")
+
+
+@router.get(
+    "/refusals",
+    response_model=RefusalsOut,
+    description="Requests refused before anything was reserved or sent (402 budget, 429 rate "
+    "or parallel limit, 403 model), newest first: never in the ledger, never charged. A user's "
+    "credential sees its own refusals only.",
+    responses={
+        200: {
+            "description": "Refusals newest first, as JSON or (format=csv) as CSV",
+            "content": CSV,
+        },
+        **error_responses(400, *USAGE_ERRORS),
+    },
+)
+async def list_refusals(
+    principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    team_id: str | None = Query(None, max_length=40),
+    user_id: str | None = Query(None, max_length=40),
+    token_id: str | None = Query(None, max_length=40),
+    model: str | None = Query(None, max_length=200),
+    reason: str | None = REASON,
+    scope: str | None = SCOPE,
+    limit: int = Query(DEFAULT_USAGE_PAGE, ge=1, le=1000),
+    cursor: str | None = Query(None, max_length=500),
+    format: str = Query("json", pattern="^(json|csv)$"),
+    labels: bool = Query(False, description=LABELS_DOC),
+) -> Response:
+    filters = dict(
+        team_id=team_id, user_id=user_id, token_id=token_id, model=model, reason=reason, scope=scope
+    )
+    query = refusals.refusals_query(principal, start=start, end=end, filters=filters)
+    found = await refusals.page(services.db, query, limit=limit, cursor=cursor, labels=labels)
+    if format == "csv":
+        headers = {"content-disposition": 'attachment; filename="refusals.csv"'}
+        if found["next_cursor"]:
+            headers["x-next-cursor"] = found["next_cursor"]
+        return Response(
+            refusals.as_csv(found["data"], labels), media_type="text/csv", headers=headers
+        )
+    return JSONResponse(found)
+
+
+@router.get(
+    "/refusals/summary",
+    response_model=RefusalSummaryOut,
+    description="Refusals counted by the keys of `group_by` (team, user, token, model, reason, "
+    "scope, day, hour; none: one total row) over [start, end), by default the last 30 days, "
+    "paged like /v1/spend.",
+    responses={
+        200: {"description": "The counts, as JSON or (format=csv) as CSV", "content": CSV},
+        **error_responses(400, *USAGE_ERRORS),
+    },
+)
+async def refusal_summary(
+    principal: Principal = Depends(any_principal),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    group_by: str | None = Query(None, max_length=200),
+    team_id: str | None = Query(None, max_length=40),
+    user_id: str | None = Query(None, max_length=40),
+    token_id: str | None = Query(None, max_length=40),
+    model: str | None = Query(None, max_length=200),
+    reason: str | None = REASON,
+    scope: str | None = SCOPE,
+    limit: int = Query(1000, ge=1, le=refusals.MAX_SUMMARY_ROWS),
+    page: int = Query(1, ge=1, le=MAX_PAGE),
+    format: str = Query("json", pattern="^(json|csv)$"),
+    labels: bool = Query(False, description=LABELS_DOC),
+) -> Response:
+    report = await refusals.summary(
+        services.db,
+        principal,
+        start=start,
+        end=end,
+        group_by=group_by,
+        filters=dict(
+            team_id=team_id,
+            user_id=user_id,
+            token_id=token_id,
+            model=model,
+            reason=reason,
+            scope=scope,
+        ),
+        limit=limit,
+        page=page,
+        labels=labels,
+    )
+    if format == "csv":
+        return Response(
+            refusals.summary_csv(report, labels),
+            media_type="text/csv",
+            headers={"content-disposition": 'attachment; filename="refusals-summary.csv"'},
+        )
+    return JSONResponse(report)
 
 
 def _too_large() -> TooLarge:

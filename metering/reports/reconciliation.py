@@ -20,6 +20,7 @@ from decimal import Decimal
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from metering.alerts import record
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
 from metering.ledger.event import ADJUSTMENT
@@ -398,7 +399,29 @@ async def reconcile(db: Database, provider: str, tolerance: Decimal, data: bytes
                 result=json.dumps(result),
             )
         )
+        await _alert_differs(session, result, now)
     return result
+
+
+async def _alert_differs(session, result: dict, now) -> None:
+    """reconciliation.differs, in the transaction that stores a comparison that differs."""
+    differing = {
+        status: result["summary"][status] + result["request_summary"][status]
+        for status in STATUSES
+        if status != "matched"
+    }
+    if not any(differing.values()):
+        return
+    data = {
+        "scope": "reconciliation",
+        "subject_id": result["id"],
+        "team_id": None,
+        "provider": result["provider"],
+        "days": result["days"][:31],
+        **differing,
+    }
+    row = record.event_row(record.RECONCILIATION_DIFFERS, result["id"], data, now)
+    await record.write(session, [row])
 
 
 async def load(db: Database, reconciliation_id: str) -> dict | None:

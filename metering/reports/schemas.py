@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from metering.db import UTCDateTime
 from metering.ledger.event import NULLABLE, Event, Spec
+from metering.reports.labels import LABEL_KEYS
 
 
 class SpendSums(BaseModel):
@@ -33,6 +34,10 @@ class SpendRow(SpendSums):
     provider: str | None = None
     day: str | None = None
     hour: str | None = None
+    # With labels=true, beside the ids the row is grouped by:
+    team_name: str | None = None
+    user_email: str | None = None
+    token_name: str | None = None
 
 
 class SpendOut(BaseModel):
@@ -109,6 +114,8 @@ def _shown_type(name: str, annotation: object, spec: Spec) -> object:
     text, everything else as the event declares it (nullable where the column is)."""
     if spec.money:
         shown: object = Annotated[str, Field(description="USD, as an exact decimal string")]
+    elif spec.price:
+        shown = Annotated[str, Field(description="USD per 1M tokens, as an exact decimal string")]
     elif isinstance(spec.sql, UTCDateTime):
         shown = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
     else:
@@ -137,6 +144,8 @@ def _usage_event_model() -> type[BaseModel]:
     for group, members in groups.items():
         title = "".join(part.capitalize() for part in group.split("_"))
         top[group] = (create_model(title, __config__=EXACT, **members), ...)
+    for label in LABEL_KEYS:  # only with labels=true
+        top[label] = (str | None, None)
     return create_model(
         "UsageEvent",
         __config__=EXACT,
@@ -154,3 +163,70 @@ class UsageOut(BaseModel):
     object: Literal["list"]
     data: list[UsageEvent]  # type: ignore[valid-type]
     next_cursor: str | None
+
+
+RefusalReason = Literal["budget", "rpm", "tpm", "parallel", "model"]
+
+
+class RefusalOut(BaseModel):
+    """A request refused before anything was reserved or sent: never a ledger event."""
+
+    id: str = Field(description="The refused answer's x-request-id")
+    created_at: str = Field(json_schema_extra={"format": "date-time"})
+    token_id: str | None
+    user_id: str
+    team_id: str
+    model: str
+    reason: RefusalReason = Field(
+        description="budget (402 budget_exceeded), rpm or tpm (429 rate_limit_exceeded), "
+        "parallel (429, max_parallel_requests), model (403 model_not_allowed)"
+    )
+    scope: Literal["token", "user", "team"] = Field(description="Whose limit refused it")
+    subject_id: str = Field(description="That token's, user's or team's id")
+    http_status: int
+    code: str
+    message: str
+    team_name: str | None = None
+    user_email: str | None = None
+    token_name: str | None = None
+
+
+class RefusalsOut(BaseModel):
+    """A page of refusals, newest first; next_cursor fetches the next one (None: the last)."""
+
+    object: Literal["list"]
+    data: list[RefusalOut]
+    next_cursor: str | None
+
+
+class RefusalCount(BaseModel):
+    """One group's count; only the keys named by group_by (and, with labels, their names)."""
+
+    team_id: str | None = None
+    user_id: str | None = None
+    token_id: str | None = None
+    model: str | None = None
+    reason: RefusalReason | None = None
+    scope: str | None = None
+    day: str | None = None
+    hour: str | None = None
+    team_name: str | None = None
+    user_email: str | None = None
+    token_name: str | None = None
+    refusals: int
+
+
+class RefusalTotal(BaseModel):
+    refusals: int
+
+
+class RefusalSummaryOut(BaseModel):
+    start: str
+    end: str
+    group_by: list[str]
+    total: RefusalTotal
+    row_count: int
+    page: int
+    limit: int
+    next_page: int | None
+    rows: list[RefusalCount]

@@ -55,6 +55,7 @@ from metering.models import (
 )
 from metering.money import format_usd
 from metering.reports.cells import row as csv_cells
+from metering.reports.labels import label_keys, label_rows
 from metering.reports.usage import check_range, check_text, own_user, parse_time
 from metering.timefmt import rfc3339
 
@@ -354,12 +355,15 @@ async def page_parts(db, query, keys: list[str], offset: int, limit: int):
             await asyncio.sleep(0)
 
 
-async def _rows_out(first, rest, keys: list[str], adjusted: bool = True):
+async def _rows_out(first, rest, keys: list[str], adjusted: bool = True, labelled=None):
+    """The page's rows as dicts, a chunk at a time; `labelled(rows)` adds their labels."""
     if first:
-        yield [_row_out(r, keys, adjusted) for r in first]
+        rows = [_row_out(r, keys, adjusted) for r in first]
+        yield await labelled(rows) if labelled else rows
     if rest is not None:
         async for part in rest:
-            yield [_row_out(r, keys, adjusted) for r in part]
+            rows = [_row_out(r, keys, adjusted) for r in part]
+            yield await labelled(rows) if labelled else rows
 
 
 def _dumps(value) -> str:
@@ -379,12 +383,12 @@ async def _json(head: dict, read_rows):
     yield b"]}"
 
 
-async def _csv(keys: list[str], read_rows):
+async def _csv(keys: list[str], read_rows, labels: bool = False):
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    writer.writerow([*keys, *METRICS])
+    columns = (*keys, *(label_keys(keys) if labels else ()), *METRICS)
+    writer.writerow(columns)
     yield buffer.getvalue().encode()
-    columns = (*keys, *METRICS)
     async for rows in read_rows():
         buffer.seek(0)
         buffer.truncate()
@@ -401,6 +405,7 @@ class SpendReport:
     head: dict
     keys: list[str]
     read_rows: Callable[[], AsyncIterator[list[dict]]]
+    labels: bool = False
 
     def paging(self) -> dict[str, str]:
         """The paging headers of both formats."""
@@ -413,7 +418,7 @@ class SpendReport:
         return _json(self.head, self.read_rows)
 
     def csv(self) -> AsyncIterator[bytes]:
-        return _csv(self.keys, self.read_rows)
+        return _csv(self.keys, self.read_rows, self.labels)
 
 
 async def spend_report(
@@ -427,6 +432,7 @@ async def spend_report(
     limit: int,
     page: int,
     adjusted: bool = True,
+    labels: bool = False,
 ) -> SpendReport:
     """The report a caller asked for: a user's credential sees its own user's spend only."""
     end_at = parse_time(end, "end") or utcnow()
@@ -468,4 +474,7 @@ async def spend_report(
         "limit": limit,
         "next_page": page + 1 if offset + limit < count else None,
     }
-    return SpendReport(head, keys, partial(_rows_out, first, parts, keys, adjusted))
+    labelled = partial(label_rows, db, keys=keys) if labels else None
+    return SpendReport(
+        head, keys, partial(_rows_out, first, parts, keys, adjusted, labelled), labels
+    )

@@ -10,32 +10,47 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from operator import attrgetter
 
-from sqlalchemy import Select, and_, or_, select
+from sqlalchemy import Boolean, Select, and_, or_, select
 
 from metering.auth.service import Principal
 from metering.db import Database, UTCDateTime
 from metering.errors import Forbidden, InvalidRequest
 from metering.ledger.event import PUBLIC, SPECS
 from metering.models import LedgerEvent
-from metering.money import format_usd
+from metering.money import format_price, format_usd
 from metering.reports.cells import row as csv_cells
+from metering.reports.labels import LABEL_KEYS, LABELS, label_rows, lookup
 from metering.timefmt import parse_rfc3339, rfc3339
 
 CSV_COLUMNS = PUBLIC  # the event's public columns, the detail objects flattened
 
 
 def _shown(name: str):
-    """How GET /v1/usage shows a column's value: money as decimal USD, times in RFC 3339."""
+    """How GET /v1/usage shows a column's value: money as decimal USD, prices as decimal USD per
+    1M tokens, times in RFC 3339."""
     spec = SPECS[name]
     if spec.money:
         return format_usd
+    if spec.price:
+        return format_price
     if isinstance(spec.sql, UTCDateTime):
         return rfc3339
     return None
 
 
+def csv_bool(value: bool) -> str:
+    """CSV booleans as JSON writes them (a spreadsheet and a script read both)."""
+    return "true" if value else "false"
+
+
+def _csv_shown(name: str):
+    return csv_bool if isinstance(SPECS[name].sql, Boolean) else _shown(name)
+
+
 _SHOWN = tuple((name, SPECS[name].group, _shown(name)) for name in PUBLIC)
-_CSV_SHOWN = tuple((i, shown) for i, (_, _, shown) in enumerate(_SHOWN) if shown is not None)
+_CSV_SHOWN = tuple(
+    (i, shown) for i, name in enumerate(PUBLIC) if (shown := _csv_shown(name)) is not None
+)
 _csv_values = attrgetter(*PUBLIC)
 
 
@@ -137,8 +152,10 @@ def events_query(
     )
 
 
-async def page(db: Database, query: Select, *, limit: int, cursor: str | None) -> dict:
-    """One page of at most `limit` events, after the cursor's event if one is given."""
+async def page_events(
+    db: Database, query: Select, *, limit: int, cursor: str | None
+) -> tuple[list[LedgerEvent], str | None]:
+    """At most `limit` events after the cursor's event (if one is given), and the next cursor."""
     if cursor:
         created, event_id = decode_cursor(cursor)
         query = query.where(before(created, event_id))
@@ -146,11 +163,19 @@ async def page(db: Database, query: Select, *, limit: int, cursor: str | None) -
         events = list(await session.scalars(query.limit(limit + 1)))
     more = len(events) > limit
     events = events[:limit]
-    return {
-        "object": "list",
-        "data": [event_out(e) for e in events],
-        "next_cursor": encode_cursor(events[-1]) if more else None,
-    }
+    return events, encode_cursor(events[-1]) if more else None
+
+
+async def page(
+    db: Database, query: Select, *, limit: int, cursor: str | None, labels: bool = False
+) -> dict:
+    """One page of at most `limit` events, after the cursor's event if one is given; with
+    `labels`, each event carries team_name, user_email and token_name."""
+    events, next_cursor = await page_events(db, query, limit=limit, cursor=cursor)
+    data = [event_out(e) for e in events]
+    if labels:
+        await label_rows(db, data, LABELS)
+    return {"object": "list", "data": data, "next_cursor": next_cursor}
 
 
 def before(created: datetime, event_id: str):
@@ -165,12 +190,40 @@ def before(created: datetime, event_id: str):
 COLUMNS = tuple(LedgerEvent.__table__.columns)
 
 
-async def csv_stream(db: Database, query: Select, batch: int = 2000) -> AsyncIterator[bytes]:
+def csv_header(labels: bool) -> list[str]:
+    return [*CSV_COLUMNS, *(LABEL_KEYS if labels else ())]
+
+
+async def _csv_rows(db: Database, events, labels: bool) -> list[list]:
+    rows = [csv_row(e) for e in events]
+    if labels:
+        names = await lookup(db, {k: {getattr(e, k) for e in events} for k in LABELS})
+        for e, row in zip(events, rows, strict=True):
+            row.extend(csv_cells(names[k].get(getattr(e, k)) for k in LABELS))
+    return rows
+
+
+def _write(buffer: io.StringIO, writer, rows) -> bytes:
+    buffer.seek(0)
+    buffer.truncate()
+    writer.writerows(rows)
+    return buffer.getvalue().encode()
+
+
+async def csv_page(db: Database, events, labels: bool) -> bytes:
+    """One page of events (`limit` given) as CSV, header first."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    return _write(buffer, writer, [csv_header(labels), *await _csv_rows(db, events, labels)])
+
+
+async def csv_stream(
+    db: Database, query: Select, batch: int = 2000, labels: bool = False
+) -> AsyncIterator[bytes]:
     """Streams every matching event in pages, so memory stays flat however many rows there are."""
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    writer.writerow(CSV_COLUMNS)
-    yield buffer.getvalue().encode()
+    yield _write(buffer, writer, [csv_header(labels)])
     last = None
     while True:
         page = query
@@ -182,11 +235,7 @@ async def csv_stream(db: Database, query: Select, batch: int = 2000) -> AsyncIte
         if not events:
             return
         for start in range(0, len(events), 500):
-            buffer.seek(0)
-            buffer.truncate()
-            for e in events[start : start + 500]:
-                writer.writerow(csv_row(e))
-            yield buffer.getvalue().encode()
+            yield _write(buffer, writer, await _csv_rows(db, events[start : start + 500], labels))
             # A send that does not block does not yield: let the proxy's requests run.
             await asyncio.sleep(0)
         last = events[-1]

@@ -49,7 +49,11 @@ def test_budgets_after_a_request(api):
                 "spent",
                 "reserved",
                 "remaining",
+                "alert_thresholds",
+                "threshold_passed",
             }
+            assert status["alert_thresholds"] == [50, 80, 100]
+            assert status["threshold_passed"] is None
             assert status["scope"] == scope
             assert status["id"] == subject
             assert usd(status["credit_limit"]) == Decimal(limits[scope])

@@ -62,9 +62,9 @@ def test_explicit_max_tokens_unaffordable_is_402(api, sim):
     for part in (
         "token",
         token["id"],
-        "limit 0.001000 USD",
+        "limit 0.001 USD",
         f"spent {status['spent']}",
-        "reserved 0.000000",
+        "reserved 0",
         f"resets at {status['resets_at']}",
     ):
         assert part in message, (part, message)

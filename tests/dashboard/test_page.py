@@ -361,3 +361,26 @@ def test_the_limits_panel_shows_each_limit_its_use_and_the_refusals(dashboard, s
         if line.startswith("metering_limit_rejections_total{")
     )
     assert refused == counted >= 2  # the demo's 403 and 429, at least
+
+
+def test_recent_alerts_and_budgets_past_a_threshold_are_shown(dashboard, site):
+    """The demo's "notebook" token is brought past its limit: its thresholds are crossed."""
+    tab = dashboard().sign_in(ADMIN_KEY)
+    alerts = site.get("/v1/alerts", limit=20)["data"]
+    assert any(a["type"] == "budget.threshold_crossed" for a in alerts)
+    assert tab.attrs("#alerts-body tr", "data-id", "data-type") == [
+        (a["id"], a["type"]) for a in alerts
+    ]
+    assert tab.page.locator("#alerts-empty").is_hidden()
+
+    expected = limited_budgets(site)
+    passed = {key: b["threshold_passed"] for key, b in expected.items() if b["threshold_passed"]}
+    assert passed
+    marked = tab.attrs(
+        "svg[data-chart='budgets'] g.past-threshold", "data-scope", "data-id", "data-threshold"
+    )
+    assert {(s, i): int(t) for s, i, t in marked} == passed
+    for scope, subject in passed:
+        mark = tab.page.locator(f"svg[data-chart='budgets'] g[data-id='{subject}'] .threshold-mark")
+        assert mark.text_content() == f"▲ past {passed[(scope, subject)]}%"
+    assert tab.errors == []

@@ -122,9 +122,20 @@ def test_metering_demo_serves_the_page_and_sends_its_traffic(tmp_path):
         text=True,
     )
     try:
-        output = read_until(process, re.compile(r"demo traffic (sent|failed).*"), timeout=60)
+        output = read_until(process, re.compile(r"demo traffic failed|  502  .*\n"), timeout=60)
         assert f"http://127.0.0.1:{port}/dashboard" in output
         assert "demo traffic sent" in output, output
+        # The SDK example names the interpreter that has the openai package, and runs as printed.
+        example = re.search(r"\n  (\S+) -c '(from openai.*?)'\n", output, re.S)
+        assert example.group(1) == sys.executable
+        ran = subprocess.run(
+            [example.group(1), "-c", example.group(2)], capture_output=True, text=True, timeout=60
+        )
+        assert ran.returncode == 0 and "ChatCompletion(" in ran.stdout, ran.stderr
+        assert "Ctrl-C stops the demo" in output
+        # Each deliberate failure of the traffic is explained.
+        for status in ("400", "402", "403", "429", "502"):
+            assert re.search(rf"\n  {status}  \w", output), (status, output)
         page = httpx.get(f"http://127.0.0.1:{port}/dashboard")
         assert page.status_code == 200 and "metering" in page.text
         totals = httpx.get(
@@ -136,7 +147,8 @@ def test_metering_demo_serves_the_page_and_sends_its_traffic(tmp_path):
         own = httpx.get(
             f"http://127.0.0.1:{port}/v1/spend", headers={"authorization": f"Bearer {token}"}
         ).json()["total"]
-        assert own["requests"] == len(DEMO_TOKEN_CALLS)  # the printed token shows something too
+        # The printed token shows something too: its traffic, and the example run above.
+        assert own["requests"] == len(DEMO_TOKEN_CALLS) + 1
     finally:
         process.terminate()
         process.wait(timeout=15)

@@ -278,3 +278,28 @@ def test_provisioning_points_at_the_dashboards_and_one_datasource():
     mounts = dict(v.split(":")[:2] for v in compose["services"]["grafana"]["volumes"])
     assert mounts["./dashboards/grafana/dashboards"] == provider["options"]["path"]
     assert mounts["./dashboards/grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+PROMETHEUS_RULES = ROOT / "dashboards" / "prometheus" / "metering-alerts.yml"
+GRAFANA_ALERTS = GRAFANA / "provisioning" / "alerting" / "metering-alerts.yml"
+
+
+def test_the_prometheus_rules_name_a_metric_the_proxy_exports():
+    from metering.metrics import BUDGET_USED_RATIO
+
+    rules = [r for g in yaml.safe_load(PROMETHEUS_RULES.read_text())["groups"] for r in g["rules"]]
+    assert rules and all(r["alert"] and r["expr"] for r in rules)
+    assert rules[0]["expr"] == f"{BUDGET_USED_RATIO} > 0.8"
+    for rule in rules:
+        assert re.findall(r"[a-z_]+_ratio", rule["expr"]) == [BUDGET_USED_RATIO]
+
+
+def test_the_grafana_alert_runs_as_the_reader_on_the_same_measure(query, pg_site):
+    [group] = yaml.safe_load(GRAFANA_ALERTS.read_text())["groups"]
+    [rule] = group["rules"]
+    source, threshold = rule["data"]
+    assert source["datasourceUid"] == "metering-postgres"
+    assert threshold["model"]["conditions"][0]["evaluator"] == {"type": "gt", "params": [0.8]}
+    columns, rows = query(source["model"]["rawSql"])
+    assert columns == ["scope", "subject_id", "budget_used_ratio"]
+    assert rows and all(ratio >= 0 for _, _, ratio in rows)

@@ -14,6 +14,8 @@ TOKEN_FIELDS = {
     "name",
     "prefix",
     "credit_limit",
+    "alert_thresholds",
+    "soft_limit",
     "rpm_limit",
     "tpm_limit",
     "max_parallel_requests",
@@ -56,7 +58,7 @@ def test_token_is_shown_once_and_never_listed(api, user):
     assert set(token) == TOKEN_FIELDS | {"token"}
     assert token["prefix"] == secret[:12]
     assert (token["name"], token["user_id"]) == ("laptop", user["id"])
-    assert (token["credit_limit"], token["reset_interval"]) == ("5.500000", "daily")
+    assert (token["credit_limit"], token["reset_interval"]) == ("5.5", "daily")
     assert token["expires_at"] is None and token["revoked_at"] is None
 
     listed = api.request("GET", f"/v1/users/{user['id']}/tokens")

@@ -285,3 +285,18 @@ def test_metering_reconcile_reads_a_file(api, scenario, tmp_path):
     )
     assert bad.returncode == 2
     assert b"line 2: cost" in bad.stderr
+
+
+def test_a_reconciliation_that_differs_is_an_alert(api, scenario):
+    result = reconcile(api, scenario)
+    found = api.ok(
+        "GET", "/v1/alerts", params={"type": "reconciliation.differs", "subject_id": result["id"]}
+    )["data"]
+    assert len(found) == 1
+    data = found[0]["data"]
+    assert data["scope"] == "reconciliation" and data["provider"] == scenario.provider
+    assert (data["differs"], data["missing_in_ledger"], data["missing_in_provider"]) == (
+        2 + 2,
+        1 + 2,
+        1 + 3,
+    )

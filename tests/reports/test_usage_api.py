@@ -15,6 +15,7 @@ from metering.reports.schemas import UsageEvent, UsageOut
 EVENT_FIELDS = {
     "id",
     "created_at",
+    "started_at",
     "token_id",
     "user_id",
     "team_id",
@@ -33,10 +34,15 @@ EVENT_FIELDS = {
     "completion_tokens_details",
     "usage_source",
     "usage_anomaly",
+    "max_tokens_clamped",
+    "input_price",
+    "cached_price",
+    "output_price",
     "cost",
     "uncharged",
     "ttft_ms",
     "latency_ms",
+    "error",
     "kind",
     "corrects_event_id",
     "reason",
@@ -54,6 +60,7 @@ DETAIL_FIELDS = (
 CSV_HEADER = [
     "id",
     "created_at",
+    "started_at",
     "token_id",
     "user_id",
     "team_id",
@@ -72,10 +79,15 @@ CSV_HEADER = [
     *DETAIL_FIELDS,
     "usage_source",
     "usage_anomaly",
+    "max_tokens_clamped",
+    "input_price",
+    "cached_price",
+    "output_price",
     "cost",
     "uncharged",
     "ttft_ms",
     "latency_ms",
+    "error",
     "kind",
     "corrects_event_id",
     "reason",
@@ -387,16 +399,16 @@ def test_the_response_model_is_built_from_the_event_declaration():
         assert {SPECS[member].group for member in nested} == {name}
         flat.extend(nested)
         types.update((member, f.annotation) for member, f in nested.items())
-    assert tuple(flat) == PUBLIC
+    assert tuple(flat) == (*PUBLIC, "team_name", "user_email", "token_name")
     declared = {f.name: f.type for f in fields(Event)}
     for name in PUBLIC:
-        if SPECS[name].money or name == "created_at":
+        if SPECS[name].money or SPECS[name].price or name in ("created_at", "started_at"):
             assert types[name] is str, name
         else:
             assert types[name] == declared[name], name
         assert (type(None) in getattr(types[name], "__args__", ())) == (name in NULLABLE), name
     schema = UsageOut.model_json_schema()["$defs"]["UsageEvent"]
-    assert schema["required"] == list(UsageEvent.model_fields)
+    assert schema["required"] == list(UsageEvent.model_fields)[:-3]  # not the labels
     assert schema["additionalProperties"] is False
     assert schema["properties"]["created_at"]["format"] == "date-time"
 
@@ -409,6 +421,6 @@ def test_a_page_is_exactly_what_its_model_declares(api, world):
     assert response.headers["content-type"] == "application/json"
     body = response.json()
     assert len(body["data"]) == 3 and body["next_cursor"] is not None
-    assert UsageOut.model_validate(body).model_dump(mode="json") == body
+    assert UsageOut.model_validate(body).model_dump(mode="json", exclude_unset=True) == body
     compact = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     assert response.content == compact.encode()

@@ -14,6 +14,7 @@ const RANGES = {
 };
 const TOP_TOKENS = 10;
 const RECENT = 25;
+const RECENT_ALERTS = 20;
 const MAX_SERIES = 8; // more groups than this are drawn as one "other" series
 const MAX_BUDGETS = 100; // per scope, for the admin
 const PARALLEL = 6;
@@ -37,8 +38,13 @@ const state = {
   data: null, // what the last refresh fetched
   timer: null,
   generation: 0,
-  prefs: { range: "24h", group: "team", refresh: 30 },
+  prefs: { range: "24h", group: "team", refresh: 30, tz: "utc" },
+  // What the viewer narrowed the page to; every panel's calls carry it, and so does the URL.
+  filters: { team: null, user: null, token: null, model: null },
+  models: [],
 };
+const FILTERS = { team: "team_id", user: "user_id", token: "token_id", model: "model" };
+const REFUSALS_SHOWN = 10;
 
 // --- the API ---------------------------------------------------------------------------------
 
@@ -96,7 +102,8 @@ async function everything(path) {
 // --- who is looking ----------------------------------------------------------------------------
 
 async function identify() {
-  const me = await api("/v1/me");
+  const [me, models] = await Promise.all([api("/v1/me"), api("/v1/models")]);
+  state.models = models.data.map((m) => m.id);
   if (me.kind === "admin") return { mode: "admin" };
   return { mode: "user", me: { user_id: me.user_id, team_id: me.team_id } };
 }
@@ -160,7 +167,11 @@ function rangeOf(name, now = new Date()) {
     if (unit === "hour") {
       at.setUTCHours(at.getUTCHours() + i);
       const iso = at.toISOString();
-      buckets.push({ key: `${iso.slice(0, 13)}:00:00Z`, label: iso.slice(11, 16), title: `${iso.slice(0, 16)} UTC` });
+      buckets.push({
+        key: `${iso.slice(0, 13)}:00:00Z`,
+        label: fmtTime(at, { date: false }),
+        title: fmtTime(at),
+      });
     } else {
       at.setUTCDate(at.getUTCDate() + i);
       const day = at.toISOString().slice(0, 10);
@@ -170,20 +181,92 @@ function rangeOf(name, now = new Date()) {
   return { name, unit, start: start.toISOString(), buckets };
 }
 
+/** The viewer's time zone: UTC unless they chose local time. */
+function timeZone() {
+  return state.prefs.tz === "local" ? Intl.DateTimeFormat().resolvedOptions().timeZone : "UTC";
+}
+
+/** A time as text, in the chosen zone, 24-hour clock: "2026-12-01 14:05" (or with seconds). */
+function fmtTime(iso, { seconds = false, date = true } = {}) {
+  const at = iso instanceof Date ? iso : new Date(iso);
+  const parts = Object.fromEntries(
+    new Intl.DateTimeFormat("en-CA", {
+      timeZone: timeZone(),
+      year: "numeric", month: "2-digit", day: "2-digit",
+      hour: "2-digit", minute: "2-digit", second: "2-digit", hourCycle: "h23",
+    }).formatToParts(at).map((p) => [p.type, p.value]),
+  );
+  const clock = `${parts.hour}:${parts.minute}${seconds ? ":" + parts.second : ""}`;
+  return date ? `${parts.year}-${parts.month}-${parts.day} ${clock}` : clock;
+}
+
+/** What the page says about its times. */
+function zoneNote() {
+  if (state.prefs.tz !== "local") return "times in UTC";
+  const offset = -new Date().getTimezoneOffset();
+  const sign = offset < 0 ? "-" : "+";
+  const hh = String(Math.floor(Math.abs(offset) / 60)).padStart(2, "0");
+  const mm = String(Math.abs(offset) % 60).padStart(2, "0");
+  return `times in local time (${timeZone()}, UTC${sign}${hh}:${mm}); days are UTC days`;
+}
+
 function when(iso) {
   const at = new Date(iso);
   const minutes = Math.round((at - Date.now()) / 60000);
-  const local = at.toLocaleString([], { dateStyle: "short", timeStyle: "short" });
-  if (minutes < 0) return local;
-  if (minutes < 90) return `in ${minutes} min (${local})`;
-  if (minutes < 48 * 60) return `in ${Math.round(minutes / 60)} h (${local})`;
-  return `in ${Math.round(minutes / 1440)} d (${local})`;
+  const shown = fmtTime(at);
+  if (minutes < 0) return shown;
+  if (minutes < 90) return `in ${minutes} min (${shown})`;
+  if (minutes < 48 * 60) return `in ${Math.round(minutes / 60)} h (${shown})`;
+  return `in ${Math.round(minutes / 1440)} d (${shown})`;
 }
 
 // --- data for each panel --------------------------------------------------------------------------
 
-function spend(range, groupBy) {
-  return api(`/v1/spend?${query({ start: range.start, group_by: groupBy })}`);
+/** The filters as API parameters (team_id, user_id, token_id, model). */
+function filterParams() {
+  const out = {};
+  for (const [name, param] of Object.entries(FILTERS)) {
+    if (state.filters[name]) out[param] = state.filters[name];
+  }
+  return out;
+}
+
+function spend(range, groupBy, extra = {}) {
+  return api(`/v1/spend?${query({ start: range.start, group_by: groupBy, ...filterParams(), ...extra })}`);
+}
+
+/** Whether a team, user or token falls within the filters (its own id, or its parents'). */
+function inFilters(directory, scope, o) {
+  const f = state.filters;
+  if (!f.team && !f.user && !f.token) return true;
+  if (scope === "team") {
+    const teamOf = f.token ? teamOfToken(directory, f.token) : f.user ? teamOfUser(directory, f.user) : f.team;
+    return o.id === teamOf;
+  }
+  if (scope === "user") {
+    if (f.token) return o.id === userOfToken(directory, f.token);
+    if (f.user) return o.id === f.user;
+    return (o.team_id ?? teamOfUser(directory, o.id)) === f.team;
+  }
+  if (f.token) return o.id === f.token;
+  const user = o.user_id ?? userOfToken(directory, o.id);
+  if (f.user) return user === f.user;
+  return teamOfUser(directory, user) === f.team;
+}
+
+function userOfToken(directory, id) {
+  const token = directory.tokens.get(id);
+  return token ? token.user_id : null;
+}
+
+function teamOfUser(directory, id) {
+  const user = directory.users.get(id);
+  if (user) return user.team_id;
+  return state.who.me && id === state.who.me.user_id ? state.who.me.team_id : null;
+}
+
+function teamOfToken(directory, id) {
+  return teamOfUser(directory, userOfToken(directory, id));
 }
 
 async function budgetRows(directory) {
@@ -203,7 +286,8 @@ async function budgetRows(directory) {
       if (!token.revoked_at) subjects.push({ scope: "token", o: token });
     }
   }
-  const budgets = await pool(subjects, ({ scope, o }) =>
+  const shown = subjects.filter(({ scope, o }) => inFilters(directory, scope, o));
+  const budgets = await pool(shown, ({ scope, o }) =>
     api(`/v1/${scope}s/${encodeURIComponent(o.id)}/budget`),
   );
   const label = {
@@ -222,6 +306,7 @@ async function budgetRows(directory) {
       reserved: Money.parse(b.reserved),
       resetsAt: b.resets_at,
       interval: b.reset_interval,
+      passed: b.threshold_passed ?? null,
     }))
     .map((r) => ({ ...r, used: r.limit === null ? -1 : Money.ratio(r.spent + r.reserved, r.limit) }))
     .sort((a, b) => order[a.scope] - order[b.scope] || b.used - a.used);
@@ -246,7 +331,8 @@ async function limitRows(directory) {
       if (!token.revoked_at && limited(token)) subjects.push({ scope: "token", o: token });
     }
   }
-  const rows = await pool(subjects, ({ scope, o }) =>
+  const shown = subjects.filter(({ scope, o }) => inFilters(directory, scope, o));
+  const rows = await pool(shown, ({ scope, o }) =>
     api(`/v1/${scope}s/${encodeURIComponent(o.id)}/limits`),
   );
   const label = {
@@ -318,10 +404,11 @@ function drawSpend(range, report, directory, group) {
     series,
     format: Money.format,
     plain: Money.plain,
-    empty: "no spend in this range",
+    empty: emptyText("no spend in this range"),
   });
+  const unit = range.unit === "hour" ? `hour (${state.prefs.tz === "local" ? "local time" : "UTC"})` : "UTC day";
   $("spend-caption").textContent =
-    `per ${range.unit} (UTC), stacked by ${group} · total ${Money.format(Money.parse(report.total.cost))}`;
+    `per ${unit}, stacked by ${group} · total ${Money.format(Money.parse(report.total.cost))}`;
 }
 
 function drawKinds(report) {
@@ -347,7 +434,7 @@ function drawKinds(report) {
     series: models.length ? series : [],
     format: (v) => Money.count(v),
     plain: (v) => v.toString(),
-    empty: "no tokens in this range",
+    empty: emptyText("no tokens in this range"),
   });
 }
 
@@ -370,12 +457,18 @@ function drawTopTokens(report, directory) {
     }),
     format: Money.format,
     plain: Money.plain,
-    empty: "no token spent anything in this range",
+    empty: emptyText("no token spent anything in this range"),
   });
 }
 
 function drawBudgets(rows) {
-  Charts.budgets($("budgets-chart"), { rows, when, empty: "no budgets with a limit" });
+  Charts.budgets($("budgets-chart"), {
+    rows,
+    when,
+    empty: filtered()
+      ? "no budget with a limit within these filters"
+      : "no budgets with a limit: give a team, user or token a credit_limit (PATCH)",
+  });
 }
 
 function drawLimits(rows, refusals) {
@@ -413,6 +506,43 @@ function drawLimits(rows, refusals) {
     : "no request refused by a limit on this replica since it started";
 }
 
+const ALERT_NAMES = {
+  "budget.threshold_crossed": "threshold crossed",
+  "budget.soft_limit_reached": "soft limit reached",
+  "budget.exhausted": "budget exhausted",
+  "budget.window_reset": "window reset",
+  "token.expiring": "token expiring",
+  "reconciliation.differs": "reconciliation differs",
+};
+
+function subjectName(directory, scope, id) {
+  if (scope === "team") return teamName(directory, id);
+  if (scope === "user") return userName(directory, id);
+  if (scope === "token") return tokenName(directory, id);
+  return id;
+}
+
+function drawAlerts(events, directory) {
+  const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
+  const money = (text) => (text === null || text === undefined ? "" : Money.format(Money.parse(text)));
+  const rows = events.map((e) => {
+    const d = e.data;
+    const bad = e.type === "budget.exhausted" || e.type === "reconciliation.differs";
+    return html("tr", { "data-id": e.id, "data-type": e.type, class: bad ? "error" : "" }, [
+      cell(fmtTime(e.created_at)),
+      cell(ALERT_NAMES[e.type] ?? e.type, bad ? "bad" : ""),
+      cell(d.scope),
+      cell(subjectName(directory, d.scope, d.subject_id)),
+      cell(d.threshold === null || d.threshold === undefined ? "" : `${d.threshold}%`, "num"),
+      cell(money(d.spent), "num"),
+      cell(money(d.credit_limit), "num"),
+    ]);
+  });
+  $("alerts-body").replaceChildren(...rows);
+  $("alerts").dataset.rows = String(rows.length);
+  $("alerts-empty").hidden = rows.length > 0;
+}
+
 function drawRecent(events, directory) {
   const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
   const rows = events.map((e) => {
@@ -421,15 +551,29 @@ function drawRecent(events, directory) {
     const details = [];
     if (e.prompt_tokens_details.cached_tokens) details.push(`${Money.count(e.prompt_tokens_details.cached_tokens)} cached`);
     if (e.completion_tokens_details.reasoning_tokens) details.push(`${Money.count(e.completion_tokens_details.reasoning_tokens)} reasoning`);
-    return html("tr", { "data-id": e.id, class: error ? "error" : "" }, [
-      cell(new Date(e.created_at).toLocaleTimeString()),
-      cell(teamName(directory, e.team_id)),
-      cell(userName(directory, e.user_id)),
-      cell(tokenName(directory, e.token_id)),
-      cell(e.model),
-      cell(e.provider),
-      cell(e.stream ? "stream" : "—"),
-      cell(e.http_status ? `${e.status} (${e.http_status})` : e.status, error ? "bad" : "ok"),
+    const who = whoCell(directory, e);
+    const statusText = e.http_status ? `${e.status} (${e.http_status})` : e.status;
+    const clamped = e.max_tokens_clamped;
+    const statusCell = cell(statusText, error ? "bad" : "ok");
+    if (clamped !== null && clamped !== undefined) {
+      statusCell.append(html("span", { class: "tag", title: "max_tokens was lowered to fit the credit left" }, [
+        `max_tokens clamped to ${Money.count(clamped)}`,
+      ]));
+      statusCell.dataset.csv = `${statusText}; max_tokens clamped to ${clamped}`;
+    }
+    const mode = e.stream ? "stream" : "";
+    const modelCell = cell(e.model);
+    modelCell.append(html("span", { class: "sub" }, [`${e.provider}${mode ? " · " + mode : ""}`]));
+    modelCell.dataset.csv = `${e.model} (${e.provider}${mode ? ", " + mode : ""})`;
+    return html("tr", {
+      "data-id": e.id,
+      "data-clamped": clamped ?? "",
+      class: [error ? "error" : "", clamped !== null && clamped !== undefined ? "clamped" : ""].join(" ").trim(),
+    }, [
+      cell(fmtTime(e.created_at, { seconds: true })),
+      who,
+      modelCell,
+      statusCell,
       cell(details.length ? `${tokens} (${details.join(", ")})` : tokens, "num"),
       cell(Money.format(Money.parse(e.cost)), "num"),
       cell(e.latency_ms === null ? "" : `${Money.count(e.latency_ms)} ms`, "num"),
@@ -439,6 +583,234 @@ function drawRecent(events, directory) {
   body.replaceChildren(...rows);
   $("recent").dataset.rows = String(rows.length);
   $("recent-empty").hidden = rows.length > 0;
+  const clamps = events.filter((e) => e.max_tokens_clamped !== null && e.max_tokens_clamped !== undefined).length;
+  $("recent-caption").textContent = events.length
+    ? `the last ${events.length} requests${filtered() ? " within the filters" : ""}` +
+      (clamps ? ` · ${clamps} had max_tokens clamped to fit the credit left` : "")
+    : "";
+}
+
+/** Team, user and token of a row, on two lines (one cell of CSV). */
+function whoCell(directory, row) {
+  const team = row.team_name ?? teamName(directory, row.team_id);
+  const user = row.user_email ?? userName(directory, row.user_id);
+  const token = tokenName(directory, row.token_id);
+  const td = html("td", {}, [user, html("span", { class: "sub" }, [`${team} · ${token}`])]);
+  td.dataset.csv = `${team} / ${user} / ${token}`;
+  return td;
+}
+
+function filtered() {
+  return Object.values(state.filters).some((v) => v);
+}
+
+/** An empty panel's text: what to do about it. */
+function emptyText(what) {
+  return filtered() ? `${what} within these filters: clear them or pick a longer range` : `${what}: send requests with a token, or pick a longer range`;
+}
+
+/** Which level the drill-down shows: teams, a team's users, a user's tokens, a token's models. */
+function drillLevel() {
+  const f = state.filters;
+  if (f.token) return "model";
+  if (f.user) return "token";
+  if (f.team) return "user";
+  return "team";
+}
+
+const DRILL_KEY = { team: "team_id", user: "user_id", token: "token_id", model: "model" };
+
+function drawDrill(level, report, directory) {
+  const key = DRILL_KEY[level];
+  const total = Money.parse(report.total.cost);
+  const name = (r) => {
+    if (level === "team") return r.team_name ?? teamName(directory, r.team_id);
+    if (level === "user") return r.user_email ?? userName(directory, r.user_id);
+    if (level === "token") return r.token_id === null ? tokenName(directory, null) : `${r.token_name ?? tokenName(directory, r.token_id)}`;
+    return r.model;
+  };
+  const rows = [...report.rows]
+    .map((r) => ({ ...r, pico: Money.parse(r.cost) }))
+    .sort((a, b) => compareDesc(a.pico, b.pico));
+  const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
+  $("drill-body").replaceChildren(
+    ...rows.map((r) => {
+      const id = r[key];
+      const label = name(r);
+      const canDrill = id !== null && !(level === "model" && state.filters.model === id);
+      const button = html("button", { type: "button", class: "drill", "data-level": level, "data-key": id ?? "" }, [label]);
+      if (!canDrill) button.disabled = true;
+      button.addEventListener("click", () => drillInto(level, id));
+      const first = html("td", {}, [button]);
+      first.dataset.csv = label;
+      return html("tr", { "data-key": id ?? "", "data-cost": Money.plain(r.pico) }, [
+        first,
+        cell(Money.count(r.requests), "num"),
+        cell(Money.format(r.pico), "num"),
+        cell(Money.percent(r.pico, total), "num"),
+      ]);
+    }),
+  );
+  $("drill").dataset.rows = String(rows.length);
+  $("drill").dataset.level = level;
+  $("drill-level").textContent = level;
+  $("drill-name").textContent = level;
+  const empty = $("drill-empty");
+  empty.hidden = rows.length > 0;
+  empty.textContent = emptyText("nothing spent in this range");
+  drawCrumbs(directory);
+}
+
+function drawCrumbs(directory) {
+  const f = state.filters;
+  const parts = [];
+  const link = (label, apply) => {
+    const a = html("a", { role: "button", tabindex: "0" }, [label]);
+    a.addEventListener("click", () => { apply(); changed(); });
+    return a;
+  };
+  parts.push(link("all teams", () => Object.assign(f, { team: null, user: null, token: null })));
+  if (f.team) parts.push(" › ", link(teamName(directory, f.team), () => Object.assign(f, { user: null, token: null })));
+  if (f.user) parts.push(" › ", link(userName(directory, f.user), () => Object.assign(f, { token: null })));
+  if (f.token) parts.push(" › ", html("span", {}, [tokenName(directory, f.token)]));
+  $("crumbs").replaceChildren(...parts);
+}
+
+function drillInto(level, id) {
+  const f = state.filters;
+  const directory = state.directory;
+  if (level === "team") Object.assign(f, { team: id, user: null, token: null });
+  else if (level === "user") Object.assign(f, { team: teamOfUser(directory, id) ?? f.team, user: id, token: null });
+  else if (level === "token") Object.assign(f, { user: userOfToken(directory, id) ?? f.user, token: id });
+  else f.model = id;
+  changed();
+}
+
+const REASONS = {
+  budget: "budget (402)",
+  rpm: "requests per minute (429)",
+  tpm: "tokens per minute (429)",
+  parallel: "in flight (429)",
+  model: "model not allowed (403)",
+};
+
+function drawRefused(summary, page, directory) {
+  const counts = summary.rows.map((r) => `${Money.count(r.refusals)} × ${REASONS[r.reason] ?? r.reason}`);
+  $("refusal-counts").textContent = summary.total.refusals
+    ? `${Money.count(summary.total.refusals)} in this range: ${counts.join(", ")}`
+    : "none in this range";
+  $("refusal-counts").dataset.total = String(summary.total.refusals);
+  const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
+  $("refused-body").replaceChildren(
+    ...page.data.map((r) =>
+      html("tr", { "data-id": r.id, "data-reason": r.reason }, [
+        cell(fmtTime(r.created_at, { seconds: true })),
+        whoCell(directory, r),
+        cell(r.model),
+        cell(`${REASONS[r.reason] ?? r.reason} · ${r.scope}`),
+        cell(String(r.http_status), "bad"),
+        cell(r.message, "why"),
+      ]),
+    ),
+  );
+  $("refused").dataset.rows = String(page.data.length);
+  $("refused-empty").hidden = page.data.length > 0;
+}
+
+/** The filter selects: what the key may see, narrowed by the filters above each. */
+function drawFilters(directory) {
+  const f = state.filters;
+  const fill = (select, all, options, value) => {
+    const node = $(select);
+    const known = new Set(options.map(([v]) => v));
+    if (value && !known.has(value)) options.push([value, value]);
+    node.replaceChildren(
+      html("option", { value: "" }, [all]),
+      ...options.map(([v, label]) => html("option", { value: v }, [label])),
+    );
+    node.value = value ?? "";
+  };
+  let teams = [...directory.teams.values()].map((t) => [t.id, t.name]);
+  if (state.who.mode === "user" && state.who.me) teams = [[state.who.me.team_id, teamName(directory, state.who.me.team_id)]];
+  teams.sort((a, b) => a[1].localeCompare(b[1]));
+  const users = [...directory.users.values()]
+    .filter((u) => !f.team || u.team_id === f.team)
+    .map((u) => [u.id, u.email])
+    .sort((a, b) => a[1].localeCompare(b[1]));
+  const tokens = [...directory.tokens.values()]
+    .filter((t) => (!f.user || t.user_id === f.user) && (!f.team || teamOfUser(directory, t.user_id) === f.team))
+    .map((t) => [t.id, `${tokenName(directory, t.id)}${t.revoked_at ? " (revoked)" : ""}`])
+    .sort((a, b) => a[1].localeCompare(b[1]));
+  fill("filter-team", "all teams", teams, f.team);
+  fill("filter-user", "all users", users, f.user);
+  fill("filter-token", "all tokens", tokens, f.token);
+  fill("filter-model", "all models", state.models.map((m) => [m, m]), f.model);
+  const shown = Object.entries(f).filter(([, v]) => v).map(([k]) => k);
+  $("filters-note").textContent = shown.length
+    ? `every panel shows only: ${shown.map((k) => `${k} ${$(`filter-${k}`).selectedOptions[0]?.textContent ?? f[k]}`).join(", ")}`
+    : "showing everything this key may see";
+  $("filters-clear").disabled = !shown.length;
+  $("tz-note").textContent = zoneNote();
+  document.body.dataset.filters = query(filterParams());
+  document.body.dataset.tz = state.prefs.tz;
+}
+
+/** A filter or preference changed: into the URL (never the key), then a refresh. */
+function changed() {
+  writeUrl();
+  refresh();
+}
+
+const URL_PREFS = { range: "24h", group: "team", tz: "utc" };
+
+function writeUrl() {
+  const params = {};
+  for (const [name, fallback] of Object.entries(URL_PREFS)) {
+    if (state.prefs[name] !== fallback) params[name] = state.prefs[name];
+  }
+  for (const name of Object.keys(FILTERS)) {
+    if (state.filters[name]) params[name] = state.filters[name];
+  }
+  const search = query(params);
+  history.replaceState(null, "", `${location.pathname}${search ? "?" + search : ""}`);
+}
+
+function readUrl() {
+  const params = new URLSearchParams(location.search);
+  if (params.get("range") in RANGES) state.prefs.range = params.get("range");
+  if (["team", "model", "provider"].includes(params.get("group"))) state.prefs.group = params.get("group");
+  if (["utc", "local"].includes(params.get("tz"))) state.prefs.tz = params.get("tz");
+  for (const name of Object.keys(FILTERS)) {
+    const value = params.get(name);
+    if (value && value.length <= 200) state.filters[name] = value;
+  }
+}
+
+/** A table as CSV, as it is on screen (a cell's data-csv where it shows more than one line). */
+function tableCsv(table) {
+  const escape = (text) => {
+    let value = text.replace(/\s+/g, " ").trim();
+    // A cell a spreadsheet would run as a formula gets a leading quote (OWASP), as the API does.
+    if (/^[=+\-@\t\r]/.test(value) && !/^[+-]?\d+(\.\d+)?$/.test(value)) value = `'${value}`;
+    return /[",\n]/.test(value) ? `"${value.replace(/"/g, '""')}"` : value;
+  };
+  const lines = [];
+  for (const row of table.querySelectorAll("tr")) {
+    const cells = [...row.children].map((c) => escape(c.dataset.csv ?? c.textContent ?? ""));
+    lines.push(cells.join(","));
+  }
+  return lines.join("\r\n") + "\r\n";
+}
+
+function exportCsv(id) {
+  const text = tableCsv($(id));
+  const stamp = fmtTime(new Date()).replace(/[ :]/g, "-");
+  const link = html("a", { download: `metering-${id}-${stamp}.csv` });
+  link.href = URL.createObjectURL(new Blob([text], { type: "text/csv" }));
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(link.href), 10000);
 }
 
 function drawSummary(total) {
@@ -452,8 +824,11 @@ function drawSummary(total) {
 /** Draws the last data fetched (again after a resize: charts are drawn at their pixel size). */
 function draw() {
   if (!state.data) return;
-  const { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals } =
+  const { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals, alerts } =
     state.data;
+  drawFilters(directory);
+  drawDrill(state.data.level, state.data.drill, directory);
+  drawRefused(state.data.refusalSummary, state.data.refusalPage, directory);
   drawSummary(byModel.total);
   drawSpend(range, byTime, directory, group);
   drawKinds(byModel);
@@ -461,6 +836,7 @@ function draw() {
   drawBudgets(budgets);
   drawLimits(limits, refusals);
   drawRecent(recent.data, directory);
+  drawAlerts(alerts.data, directory);
   const me = state.who.me;
   $("who").textContent = state.who.mode === "admin"
     ? "admin: everything"
@@ -487,19 +863,29 @@ async function refresh(force = false) {
     const unit = range.unit;
     const group = state.prefs.group;
     const directory = await loadDirectory(force);
-    const [byTime, byModel, byToken, recent, budgets, limits, refusals] = await Promise.all([
-      spend(range, `${unit},${group}`),
-      spend(range, "model"),
-      spend(range, "token"),
-      api(`/v1/usage?${query({ limit: RECENT })}`),
-      budgetRows(directory),
-      limitRows(directory),
-      limitRefusals(),
-    ]);
+    const level = drillLevel();
+    const filters = filterParams();
+    const [byTime, byModel, byToken, recent, budgets, limits, refusals, drill, refusalSummary, refusalPage, alerts] =
+      await Promise.all([
+        spend(range, `${unit},${group}`),
+        spend(range, "model"),
+        spend(range, "token"),
+        api(`/v1/usage?${query({ limit: RECENT, ...filters })}`),
+        budgetRows(directory),
+        limitRows(directory),
+        limitRefusals(),
+        spend(range, level, { labels: "true" }),
+        api(`/v1/refusals/summary?${query({ start: range.start, group_by: "reason", ...filters })}`),
+        api(`/v1/refusals?${query({ start: range.start, limit: REFUSALS_SHOWN, labels: "true", ...filters })}`),
+        api(`/v1/alerts?${query({ limit: RECENT_ALERTS })}`),
+      ]);
     if (generation !== state.generation) return; // a newer refresh has started
-    state.data = { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals };
+    state.data = {
+      range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals,
+      level, drill, refusalSummary, refusalPage, alerts,
+    };
     draw();
-    status(`updated ${new Date().toLocaleTimeString()}`);
+    status(`updated ${fmtTime(new Date(), { seconds: true, date: false })} (${state.prefs.tz === "local" ? "local time" : "UTC"})`);
     document.body.dataset.state = "ready";
   } catch (error) {
     if (generation !== state.generation) return;
@@ -565,9 +951,12 @@ function loadPrefs() {
     if (saved.range in RANGES) state.prefs.range = saved.range;
     if (["team", "model", "provider"].includes(saved.group)) state.prefs.group = saved.group;
     if ([0, 10, 30, 60].includes(Number(saved.refresh))) state.prefs.refresh = Number(saved.refresh);
+    if (["utc", "local"].includes(saved.tz)) state.prefs.tz = saved.tz;
   } catch {
     // unreadable preferences: keep the defaults
   }
+  readUrl(); // a shared link's view wins over this tab's last one
+  $("tz").value = state.prefs.tz;
   $("range").value = state.prefs.range;
   $("group").value = state.prefs.group;
   $("refresh-every").value = String(state.prefs.refresh);
@@ -583,12 +972,33 @@ function start() {
   });
   $("sign-out").addEventListener("click", () => signOut());
   $("refresh-now").addEventListener("click", () => refresh(true));
-  for (const [id, pref] of [["range", "range"], ["group", "group"], ["refresh-every", "refresh"]]) {
+  for (const [id, pref] of [["range", "range"], ["group", "group"], ["refresh-every", "refresh"], ["tz", "tz"]]) {
     $(id).addEventListener("change", (event) => {
       state.prefs[pref] = pref === "refresh" ? Number(event.target.value) : event.target.value;
       savePrefs();
-      refresh();
+      changed();
     });
+  }
+  for (const name of Object.keys(FILTERS)) {
+    $(`filter-${name}`).addEventListener("change", (event) => {
+      const value = event.target.value || null;
+      const f = state.filters;
+      const directory = state.directory;
+      if (name === "team") Object.assign(f, { team: value, user: null, token: null });
+      else if (name === "user") Object.assign(f, { user: value, token: null, team: value ? teamOfUser(directory, value) ?? f.team : f.team });
+      else if (name === "token") {
+        const user = value ? userOfToken(directory, value) : null;
+        Object.assign(f, { token: value, user: user ?? f.user, team: user ? teamOfUser(directory, user) ?? f.team : f.team });
+      } else f.model = value;
+      changed();
+    });
+  }
+  $("filters-clear").addEventListener("click", () => {
+    Object.assign(state.filters, { team: null, user: null, token: null, model: null });
+    changed();
+  });
+  for (const button of document.querySelectorAll("button.csv")) {
+    button.addEventListener("click", () => exportCsv(button.dataset.table));
   }
   let resizing = null;
   window.addEventListener("resize", () => {

@@ -43,7 +43,7 @@ const Charts = (() => {
   /** The container's width in pixels, so that text is drawn at its own size, not scaled. */
   function widthOf(container) {
     const width = Math.floor(container.getBoundingClientRect().width);
-    return Math.max(width || 760, 420);
+    return Math.max(width || 760, 240);
   }
 
   function swatch(color) {
@@ -156,7 +156,7 @@ const Charts = (() => {
   /** Horizontal bars, largest first. items: [{key, label, sub, value}] */
   function ranking(container, opts) {
     const { name, items, format, plain } = opts;
-    const W = widthOf(container), row = 30, labelW = Math.min(300, W * 0.35), valueW = 120;
+    const W = widthOf(container), row = 30, labelW = Math.min(300, W * 0.35), valueW = Math.min(120, W * 0.3);
     const H = Math.max(row * items.length, row) + 4;
     const max = items.reduce((a, it) => (it.value > a ? it.value : a), 0n);
     const total = items.reduce((a, it) => a + it.value, 0n);
@@ -199,7 +199,10 @@ const Charts = (() => {
    */
   function budgets(container, opts) {
     const { rows } = opts;
-    const W = widthOf(container), row = 42, labelW = Math.min(240, W * 0.35);
+    const W = widthOf(container);
+    // Narrow (a phone): the name above a full-width bar, the figures below it.
+    const narrow = W < 560;
+    const row = narrow ? 72 : 42, labelW = narrow ? 0 : Math.min(240, W * 0.35);
     const H = Math.max(row * rows.length, row) + 4;
     const root = svg("svg", {
       viewBox: `0 0 ${W} ${H}`,
@@ -214,11 +217,12 @@ const Charts = (() => {
       "data-total": Money.plain(rows.reduce((a, r) => a + r.spent, 0n)),
     });
     const barW = W - labelW - 10;
+    const bar = narrow ? 20 : 4; // the bar's offset in its row
     rows.forEach((r, i) => {
       const yTop = i * row + 4;
       const used = r.limit === null ? null : Money.ratio(r.spent + r.reserved, r.limit);
       const level = used === null ? "none" : used >= 0.9 ? "high" : used >= 0.75 ? "mid" : "low";
-      const percent = used === null ? "" : `${(used * 100).toFixed(used < 0.1 ? 1 : 0)}%`;
+      const percent = r.limit === null ? "" : Money.percent(r.spent + r.reserved, r.limit);
       const spentW = r.limit === null ? 0 : Math.min(1, Money.ratio(r.spent, r.limit)) * barW;
       const heldW = r.limit === null ? 0
         : Math.min(1 - spentW / barW, Money.ratio(r.reserved, r.limit)) * barW;
@@ -233,15 +237,31 @@ const Charts = (() => {
         "data-reserved": Money.plain(r.reserved),
         "data-limit": r.limit === null ? "" : Money.plain(r.limit),
         "data-resets-at": r.resetsAt ?? "",
-        class: `budget ${level}`,
+        "data-threshold": r.passed ?? "",
+        "data-percent": percent,
+        class: `budget ${level}${r.passed ? " past-threshold" : ""}`,
       }, [
-        text(0, yTop + 15, r.label, { class: "label" }),
-        text(0, yTop + 32, `${r.scope} · ${r.interval}`, { class: "sub" }),
-        svg("rect", { x: labelW, y: yTop + 4, width: barW, height: 14, rx: 3, class: "track" }),
-        svg("rect", { x: labelW, y: yTop + 4, width: spentW, height: 14, rx: 3, class: "spent" }),
-        svg("rect", { x: labelW + spentW, y: yTop + 4, width: heldW, height: 14, class: "held" }),
-        text(labelW, yTop + 33, `${summary} · ${resets}`, { class: "sub" }),
+        ...(narrow
+          ? [
+            text(0, yTop + 13, `${r.label} · ${r.scope} · ${r.interval}`, { class: "label" }),
+            text(0, yTop + 47, summary, { class: "sub" }),
+            text(0, yTop + 60, resets, { class: "sub" }),
+          ]
+          : [
+            text(0, yTop + 15, r.label, { class: "label" }),
+            text(0, yTop + 32, `${r.scope} · ${r.interval}`, { class: "sub" }),
+            text(labelW, yTop + 33, `${summary} · ${resets}`, { class: "sub" }),
+          ]),
+        svg("rect", { x: labelW, y: yTop + bar, width: barW, height: 14, rx: 3, class: "track" }),
+        svg("rect", { x: labelW, y: yTop + bar, width: spentW, height: 14, rx: 3, class: "spent" }),
+        svg("rect", { x: labelW + spentW, y: yTop + bar, width: heldW, height: 14, class: "held" }),
       ]);
+      if (r.passed) {
+        // The mark of a budget past one of its alert thresholds.
+        group.append(text(labelW + barW, yTop + 33, `▲ past ${r.passed}%`, {
+          class: "threshold-mark", "text-anchor": "end",
+        }));
+      }
       group.append(tooltip(
         `${r.label}: spent ${Money.format(r.spent)}, reserved ${Money.format(r.reserved)}` +
         (r.limit === null ? ", no limit" : ` of ${Money.format(r.limit)}`) +

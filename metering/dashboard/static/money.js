@@ -58,10 +58,22 @@ const Money = (() => {
     return Number((part * 1000000n) / whole) / 1000000;
   }
 
+  /**
+   * part / whole as a percentage for people, one decimal, rounded down, so that it is never
+   * more than the truth and non-zero spend never reads "0.0%": 1n of 10000n -> "<0.1%".
+   */
+  function percent(part, whole) {
+    if (whole === null || whole === undefined || whole <= 0n) return "";
+    if (part <= 0n) return "0%";
+    const tenths = (part * 1000n) / whole;
+    if (tenths === 0n) return "<0.1%";
+    return `${tenths / 10n}.${tenths % 10n}%`;
+  }
+
   /** Integers (token counts) for people: 1234567n -> "1,234,567". */
   function count(value) {
     return BigInt(value).toString().replace(/\B(?=(\d{3})+(?!\d))/g, ",");
   }
 
-  return { ONE, parse, sum, plain, format, niceStep, ratio, count };
+  return { ONE, parse, sum, plain, format, niceStep, ratio, percent, count };
 })();

@@ -1,7 +1,7 @@
 """billing-grade ledger: adjustment events, ingested usage's idempotency keys, run budgets
 
-Revision ID: 0010
-Revises: 0009
+Revision ID: 0012
+Revises: 0011
 """
 
 from collections.abc import Sequence
@@ -11,8 +11,8 @@ from alembic import op
 
 import metering.db
 
-revision: str = "0010"
-down_revision: str | None = "0009"
+revision: str = "0012"
+down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

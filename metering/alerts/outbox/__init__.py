@@ -1,0 +1,1 @@
+"""The outbox: alert events fanned out to webhooks and delivered by every replica."""
