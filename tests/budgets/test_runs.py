@@ -36,6 +36,11 @@ def call(client, headers: dict, **fields):
     return raw.http_response.status_code, raw.http_response.headers
 
 
+def refusals(api, token_id: str, **params) -> list[dict]:
+    found = api.ok("GET", "/v1/refusals", params={"token_id": token_id, **params})
+    return found["data"]
+
+
 def run_row(api, team_id: str, run_id: str):
     rows = query(
         api.settings.database_url,
@@ -77,6 +82,17 @@ def test_a_run_of_20_concurrent_requests_never_passes_its_budget(api):
     assert 0 < spent <= pico(budget)
     row = run_row(api, team["id"], run_id)
     assert (row.credit_limit, row.spent, row.reserved) == (pico(budget), spent, 0)
+    # Each 402 is a refusal of the run's budget, kept with the run's id; none is a budget alert.
+    refused = refusals(api, token["id"])
+    assert len(refused) == statuses.count(402)
+    assert {(r["reason"], r["scope"], r["subject_id"]) for r in refused} == {
+        ("budget", "run", run_id)
+    }
+    assert not [
+        e
+        for e in api.ok("GET", "/v1/alerts", params={"limit": 1000})["data"]
+        if e["data"].get("subject_id") == run_id
+    ]
     # The run goes on: its budget is the first request's, whatever a later one sends.
     status, headers = call(client, run_headers(run_id, "5"), max_tokens=100)
     if status == 402:
@@ -104,6 +120,11 @@ def test_max_cost_clamps_max_tokens_or_refuses(api):
     status, headers = call(client, {"x-metering-max-cost": "1"}, max_tokens=50)
     assert status == 200 and "x-max-tokens-clamped" not in headers
     assert len(api.events(token_id=token["id"])) == 2
+    refused = refusals(api, token["id"])
+    assert [(r["reason"], r["scope"], r["http_status"]) for r in refused] == [
+        ("budget", "request", 402)
+    ] * 2
+    assert refusals(api, token["id"], scope="request") == refused
 
 
 def test_bad_ceiling_headers_are_400(api):
