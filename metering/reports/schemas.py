@@ -181,7 +181,9 @@ class RefusalOut(BaseModel):
         description="budget (402 budget_exceeded), rpm or tpm (429 rate_limit_exceeded), "
         "parallel (429, max_parallel_requests), model (403 model_not_allowed)"
     )
-    scope: Literal["token", "user", "team"] = Field(description="Whose limit refused it")
+    scope: Literal["token", "user", "team", "request", "run"] = Field(
+        description="Whose limit refused it (request: x-metering-max-cost; run: its budget)"
+    )
     subject_id: str = Field(description="That token's, user's or team's id")
     http_status: int
     code: str
