@@ -23,6 +23,7 @@ from metering.auth.invalidation import Credentials
 from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
+from metering.billing.endpoints import router as billing_router
 from metering.budgets.endpoints import router as budgets_router
 from metering.budgets.leases import LeaseBook
 from metering.budgets.refusals import RefusalLog
@@ -186,7 +187,9 @@ def create_app(
                 services.catalog = store.current
 
         scheduler = (
-            jobs.start_scheduler(db, settings.hold_ttl_s, settings.retention_days)
+            jobs.start_scheduler(
+                db, settings.hold_ttl_s, settings.retention_days, settings.run_idle_s
+            )
             if run_jobs
             else None
         )
@@ -251,6 +254,7 @@ def create_app(
     app.include_router(identity_router)
     app.include_router(budgets_router)
     app.include_router(reports_router)
+    app.include_router(billing_router)
     app.include_router(alerts_router)
     app.include_router(metrics_router)
     app.include_router(auth_router)

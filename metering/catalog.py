@@ -32,19 +32,29 @@ def _same_price(row: Price, route: ModelRoute) -> bool:
 
 
 async def record_prices(db: Database, catalog: Catalog) -> int:
-    """Add a price row for every route whose price differs from its latest row."""
+    """Add a price row for every route whose price is not the one recorded: a route with
+    `effective_from` adds a row from then unless that very row is there (a back-dated
+    correction, see metering.ledger.prices); any other adds a row from now when its price
+    differs from the one in force now."""
     now, added = utcnow(), 0
     async with db.transaction() as session:
         for routes in catalog.models.values():
             for route in routes:
-                latest = await session.scalar(
-                    select(Price)
-                    .where(Price.model == route.name, Price.provider == route.provider)
-                    .order_by(Price.effective_from.desc(), Price.id.desc())
-                    .limit(1)
+                rows = select(Price).where(
+                    Price.model == route.name, Price.provider == route.provider
                 )
-                if latest is not None and _same_price(latest, route):
-                    continue
+                if route.effective_from is not None:
+                    same = await session.scalars(
+                        rows.where(Price.effective_from == route.effective_from)
+                    )
+                    if any(_same_price(row, route) for row in same):
+                        continue
+                else:
+                    latest = await session.scalar(
+                        rows.where(Price.effective_from <= now).order_by(Price.id.desc()).limit(1)
+                    )
+                    if latest is not None and _same_price(latest, route):
+                        continue
                 session.add(
                     Price(
                         model=route.name,
@@ -53,7 +63,7 @@ async def record_prices(db: Database, catalog: Catalog) -> int:
                         input_price=route.input_micro,
                         cached_price=route.cached_micro,
                         output_price=route.output_micro,
-                        effective_from=now,
+                        effective_from=route.effective_from or now,
                     )
                 )
                 added += 1

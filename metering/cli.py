@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
 from metering import migrate
-from metering.errors import InvalidRequest
+from metering.errors import InvalidRequest, MeteringError
 from metering.metrics import MULTIPROC_ENV
 from metering.server import server_config
 from metering.settings import Settings
@@ -125,6 +125,36 @@ def reconcile(args: argparse.Namespace) -> int:
     return 0
 
 
+def rerate(args: argparse.Namespace) -> int:
+    from metering.billing import rerate as rerating
+    from metering.db import Database, utcnow
+
+    async def run() -> dict:
+        start = rerating.parse_moment(args.start, "start")
+        end = rerating.parse_moment(args.end, "end") or utcnow()
+        db = Database(Settings().database_url)
+        try:
+            result = await rerating.rerate(
+                db,
+                provider=args.provider,
+                model=args.model,
+                start=start,
+                end=end,
+                reason=args.reason,
+            )
+        finally:
+            await db.dispose()
+        return result.out()
+
+    try:
+        result = asyncio.run(run())
+    except MeteringError as exc:
+        print(f"metering rerate: {exc.message}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
 def db_upgrade(_: argparse.Namespace) -> int:
     settings = load_settings()
     if settings is None:
@@ -172,6 +202,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--provider", required=True, help="the provider's name in the catalog")
     p.add_argument("--tolerance", default=None, help="relative tolerance (default 0.001)")
     p.set_defaults(func=reconcile)
+
+    p = commands.add_parser(
+        "rerate",
+        help="correct a model's events in a range to the price history (adjustment events)",
+    )
+    p.add_argument("--provider", required=True, help="the provider's name in the catalog")
+    p.add_argument("--model", required=True, help="the model's name in the catalog")
+    p.add_argument("--start", required=True, help="RFC 3339, inclusive")
+    p.add_argument("--end", default=None, help="RFC 3339, exclusive (default now)")
+    p.add_argument("--reason", required=True, help="why: kept on every adjustment")
+    p.set_defaults(func=rerate)
 
     args = parser.parse_args(argv)
     logging.basicConfig(

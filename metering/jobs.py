@@ -71,7 +71,10 @@ def sweep_interval_s(hold_ttl_s: int) -> float:
 
 
 def start_scheduler(
-    db: Database, hold_ttl_s: int, retention_days: int | None = None
+    db: Database,
+    hold_ttl_s: int,
+    retention_days: int | None = None,
+    run_idle_s: int | None = None,
 ) -> AsyncIOScheduler:
     scheduler = AsyncIOScheduler(timezone="UTC")
     every = sweep_interval_s(hold_ttl_s)
@@ -94,6 +97,16 @@ def start_scheduler(
         max_instances=1,
         coalesce=True,
     )
+    if run_idle_s is not None:
+        scheduler.add_job(
+            guard(budgets.expire_runs, db, run_idle_s),
+            "interval",
+            seconds=60,
+            next_run_time=first,
+            id="expire_runs",
+            max_instances=1,
+            coalesce=True,
+        )
     scheduler.add_job(
         guard(alerts.expiring_tokens, db),
         "interval",

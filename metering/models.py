@@ -159,6 +159,8 @@ class Hold(Base):
     rate_kinds: Mapped[str | None] = mapped_column(String(16))
     rate_window: Mapped[datetime | None] = mapped_column(UTCDateTime)
     rate_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    # The run (metering.budgets.runs) the request is held against as well, if any.
+    run_id: Mapped[str | None] = mapped_column(String(100))
 
 
 class RateCounter(Base):
@@ -185,6 +187,7 @@ class LedgerEvent(Base):
         Index("ix_ledger_events_token_created", "token_id", "created_at"),
         Index("ix_ledger_events_user_created", "user_id", "created_at"),
         Index("ix_ledger_events_team_created", "team_id", "created_at"),
+        Index("ix_ledger_events_corrects", "corrects_event_id"),
     )
 
 
@@ -287,6 +290,9 @@ class SpendHourly(Base):
     reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
     cost: Mapped[int] = mapped_column(Pico)
     uncharged: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
+    # The part of cost made by adjustment events (corrections, credits): spend without them
+    # is cost - adjustments.
+    adjustments: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
 
 
 # The coarser read models: the same sums as spend_hourly over fewer keys or whole UTC days
@@ -309,6 +315,7 @@ def _rollup_table(name: str, grain: str, keys: tuple[str, ...], indexed: tuple[s
         Column("reasoning_tokens", BigInteger, nullable=False),
         Column("cost", Pico, nullable=False),
         Column("uncharged", Pico, nullable=False, server_default="0"),
+        Column("adjustments", Pico, nullable=False, server_default="0"),
         *(Index(f"ix_{name}_{key}_{grain}", key, grain) for key in indexed),
     )
 
@@ -369,6 +376,35 @@ class Reconciliation(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     tolerance: Mapped[str] = mapped_column(String(32))
     result: Mapped[str] = mapped_column(Text)
+
+
+class IngestedKey(Base):
+    """An idempotency key of POST /v1/events, kept for good (a key seen once answers
+    `duplicate` forever): unique per team, with the event it made and a digest of what was
+    sent under it (the same key with other content is a `conflict`)."""
+
+    __tablename__ = "ingested_keys"
+
+    team_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    idempotency_key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    event_id: Mapped[str] = mapped_column(String(40))
+    digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
+class Run(Base):
+    """A run's own budget (x-metering-run, x-metering-run-budget): the fourth scope a request
+    is held against; forgotten after METERING_RUN_IDLE_S without a request."""
+
+    __tablename__ = "runs"
+
+    team_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    credit_limit: Mapped[int] = mapped_column(Pico)
+    spent: Mapped[int] = mapped_column(Pico, default=0)
+    reserved: Mapped[int] = mapped_column(Pico, default=0)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
 
 class AlertEvent(Base):

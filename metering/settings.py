@@ -3,6 +3,7 @@
 import os
 import tomllib
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import ClassVar
 
@@ -10,6 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from metering.money import MoneyError, parse_usd, price_to_micro
+from metering.timefmt import parse_rfc3339
 
 ADMIN_KEY_MIN_CHARS = 32
 DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
@@ -67,6 +69,10 @@ class Settings(BaseSettings):
     breaker_cooldown_s: float = Field(default=30.0, gt=0)
     # Events older than this many days move to ledger_events_archive; None keeps all hot.
     retention_days: int | None = Field(default=None, ge=1)
+    # The FOCUS export's BillingAccountId and BillingAccountName (GET /v1/exports/focus).
+    focus_billing_account: str = Field(default="metering", min_length=1, max_length=200)
+    # A run (x-metering-run) not used for this long is forgotten: its id may start a new run.
+    run_idle_s: int = Field(default=3600, ge=1, le=30 * 86400)
     # Alerts and webhooks (metering.alerts): http:// webhook URLs to loopback addresses allowed
     # (tests and the demo); how often each replica looks for events to deliver; one POST's
     # timeout; retries from backoff_base_s doubling up to backoff_max_s, for retry_for_s.
@@ -129,6 +135,9 @@ class ModelRoute:
     output_micro: int
     cached_micro: int
     max_output_tokens: int
+    # From when this price holds, if the entry says so (a correction back-dated: recorded in
+    # the price history from then; rerating the events since applies it).
+    effective_from: datetime | None = None
 
 
 @dataclass(slots=True)
@@ -201,7 +210,24 @@ def _route(i: int, entry: dict, providers: dict[str, Provider]) -> ModelRoute:
             _price(entry, "cached_input_usd_per_mtok", where) if cached is not None else input_micro
         ),
         max_output_tokens=max_output,
+        effective_from=_effective_from(entry.get("effective_from"), where),
     )
+
+
+def _effective_from(value, where: str) -> datetime | None:
+    """`effective_from`: RFC 3339 text (or a TOML datetime with its zone), or absent."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise CatalogError(f"{where}.effective_from needs a time zone")
+        return value.astimezone(UTC)
+    if not isinstance(value, str) or len(value) > 64:
+        raise CatalogError(f"{where}.effective_from must be an RFC 3339 timestamp")
+    try:
+        return parse_rfc3339(value)
+    except ValueError as exc:
+        raise CatalogError(f"{where}.effective_from: {exc}") from None
 
 
 def parse_catalog(data: dict, environ: dict | None = None) -> Catalog:

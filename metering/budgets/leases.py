@@ -285,6 +285,8 @@ class LeaseBook:
             return None
         wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
         amount = spec.amount(wanted)
+        if spec.max_cost is not None and amount > spec.max_cost:
+            return None  # to be clamped to (or refused by) its own ceiling: the database path
         subjects = spec.subjects
         claim = self._claim(subjects, amount)
         if claim is None:

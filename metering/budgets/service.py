@@ -51,7 +51,7 @@ from metering.errors import LedgerUnavailable
 from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
 from metering.ledger.outcome import Billing
-from metering.models import Budget, BudgetLease, BudgetWindow, Hold
+from metering.models import Budget, BudgetLease, BudgetWindow, Hold, Run
 from metering.timefmt import rfc3339
 
 if TYPE_CHECKING:
@@ -320,6 +320,7 @@ _HELD = (
     Hold.rate_kinds,
     Hold.rate_window,
     Hold.rate_tokens,
+    Hold.run_id,
 )
 _TAKE_HOLD = delete(Hold.__table__).where(Hold.id == bindparam("hold_id")).returning(*_HELD)
 _INSERT_HOLD = insert(Hold.__table__)
@@ -339,6 +340,17 @@ class BudgetShortfall(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class RunKey:
+    """A run named by a request: its team's, its id, the budget its first request gives
+    (x-metering-run-budget; later requests' is ignored), and how long it lives unused."""
+
+    team_id: str
+    run_id: str
+    budget: int | None
+    idle_s: int
+
+
+@dataclass(frozen=True, slots=True)
 class HoldSpec:
     """What reserve() needs: the request's billing (whose budgets; kept with the hold, so an
     expired hold can be charged) and what it may cost."""
@@ -350,6 +362,10 @@ class HoldSpec:
     model_max_output: int
     # The rate counters the request took (metering.budgets.rates), written on its hold.
     rates: "rates.RateClaim | None" = None
+    # x-metering-max-cost: the most this request may cost (picodollars), or None.
+    max_cost: int | None = None
+    # x-metering-run: the run whose own budget the request is also held against, or None.
+    run: "RunKey | None" = None
 
     @property
     def hold_id(self) -> str:
@@ -408,8 +424,22 @@ class Reservation:
         )
 
 
+def request_view(spec: HoldSpec, now: datetime) -> BudgetView | None:
+    """x-metering-max-cost as a budget of the request's own (scope `request`)."""
+    if spec.max_cost is None:
+        return None
+    return BudgetView("request", spec.hold_id, spec.max_cost, "never", now, None, 0, 0)
+
+
+def run_view(run, now: datetime) -> BudgetView:
+    return BudgetView(
+        "run", run.id, run.credit_limit, "never", run.created_at, None, run.spent, run.reserved
+    )
+
+
 def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
-    """The output allowance to hold for, and whether it was lowered to fit the credit left."""
+    """The output allowance to hold for, and whether it was lowered to fit the credit left
+    (`views`: the budgets', and the request's own and its run's when it has them)."""
     limited = [v for v in views if v.credit_limit is not None]
     wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
     tightest = min(limited, key=lambda v: v.remaining, default=None)
@@ -454,6 +484,7 @@ def hold_row(
         "rate_kinds": spec.rates.kinds if spec.rates is not None else None,
         "rate_window": spec.rates.window if spec.rates is not None else None,
         "rate_tokens": spec.rates.tokens if spec.rates is not None else None,
+        "run_id": spec.run.run_id if spec.run is not None else None,
     }
 
 
@@ -485,7 +516,11 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
     budgets = await load(session, spec.subjects, lock=True)
     ordered = [budgets[s] for s in spec.subjects if s in budgets]
     views = [view(b, now) for b in ordered]
-    output_tokens, clamped = _plan(spec, views)
+    run = await _lock_run(session, spec.run, now) if spec.run is not None else None
+    extra = [v for v in (request_view(spec, now),) if v is not None]
+    if run is not None:
+        extra.append(run_view(run, now))
+    output_tokens, clamped = _plan(spec, views + extra)
     amount = spec.amount(output_tokens)
     starts = {}
     for budget in ordered:
@@ -495,6 +530,10 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
     result = await session.execute(_RESERVE, {"ids": list(starts), "amount": amount})
     if result.rowcount != len(starts):
         return None
+    if run is not None:
+        held = await session.execute(_RESERVE_RUN, _run_params(spec.run, amount, now))
+        if held.rowcount != 1:
+            return None
     await session.execute(_INSERT_HOLD, hold_row(spec, amount, now, ttl_s))
     windows = {b.subject_id: (b.reset_interval, b.anchor_at, starts[b.subject_id]) for b in ordered}
     return Reservation(spec.hold_id, amount, output_tokens, clamped, windows)
@@ -522,6 +561,8 @@ _EXHAUSTED_SEEN_MAX = 10_000
 async def record_exhausted(db: Database, spec: HoldSpec, budget: BudgetView) -> None:
     """budget.exhausted: the first refusal of a window, per budget and credit_limit (a limit
     changed inside the window re-arms it). Never fails the refusal."""
+    if budget.scope in ("request", "run"):  # x-metering-max-cost and a run: no budget row
+        return
     key = f"{budget.subject_id}:{rfc3339(budget.window_start)}:{budget.credit_limit}"
     if key in _EXHAUSTED_SEEN:
         return
@@ -551,7 +592,8 @@ async def record_exhausted(db: Database, spec: HoldSpec, budget: BudgetView) -> 
 async def _reserve(
     db: Database, spec: HoldSpec, ttl_s: int, leases: "LeaseBook | None"
 ) -> Reservation:
-    if leases is not None:
+    if leases is not None and spec.run is None:
+        # A request of a run is held in the run's row too: always the database path.
         reservation = await leases.admit(spec)
         if reservation is not None:
             return reservation
@@ -567,7 +609,15 @@ async def _reserve(
     async with db.transaction() as session:
         budgets = await load(session, spec.subjects)
         slack = await lease_slack(session, spec.subjects)
-        views = [view(budgets[s], utcnow(), slack.get(s, 0)) for s in spec.subjects if s in budgets]
+        now = utcnow()
+        views = [view(budgets[s], now, slack.get(s, 0)) for s in spec.subjects if s in budgets]
+        if spec.run is not None:
+            run = await session.scalar(select(Run).where(*_run_is(spec.run)))
+            if run is not None:
+                views.append(run_view(run, now))
+        extra = request_view(spec, now)
+        if extra is not None:
+            views.append(extra)
     limited = [v for v in views if v.credit_limit is not None]
     if not limited:
         # Only unlimited budgets, yet every conditional write missed: the rows moved under us
@@ -627,6 +677,8 @@ async def settle_in(
         await alert_crossings(
             session, charged, {s: event.cost for s in subjects}, _people({}, hold), now
         )
+    if hold.run_id is not None:
+        await session.execute(_CHARGE_RUN, [_run_charge(hold, event.cost)])
     await writer.append(session, event)
     # Last: the counters' rows are locked until the commit that follows.
     await rates.give_back(session, rate_returns(hold, _used_tokens(event)))
@@ -774,6 +826,7 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     totals: dict[str, list[int]] = {}
     leases: dict[str, int] = {}
     returns: list[dict] = []
+    runs: list[dict] = []
     people: dict = {}
     now = max(event.created_at for event, _ in items)
     async with db.begin() as conn:
@@ -790,8 +843,14 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
             _add_charges(totals, leases, hold, event.cost)
             _people(people, hold)
             returns += rate_returns(hold, _used_tokens(event))
+            if hold.run_id is not None:
+                runs.append(_run_charge(hold, event.cost))
         if taken:
             await _charge(conn, totals, leases, people, now)
+            if runs:  # after the budgets: the order every writer takes them in
+                await conn.execute(
+                    _CHARGE_RUN, sorted(runs, key=lambda r: (r["r_team"], r["r_id"]))
+                )
             await writer.append_many(conn, taken)
             # Last: the counters' rows are locked until the commit that follows.
             await rates.give_back(conn, _summed(returns))
@@ -907,6 +966,9 @@ async def _settle_late(session: AsyncSession, event: Event) -> bool:
     correction = {"ids": replaced.subjects, "delta": replaced.delta, "at": replaced.charged_at}
     await session.execute(_CORRECT, correction)
     await session.execute(_CORRECT_CLOSED, correction)
+    if replaced.run_id is not None:  # its run was charged the whole hold too
+        run = {"r_team": replaced.team_id, "r_id": replaced.run_id, "cost": replaced.delta}
+        await session.execute(_CHARGE_RUN, [{**run, "amount": 0}])
     return True
 
 
@@ -931,6 +993,8 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
             if hold is not None and not hold.leased:
                 subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
                 await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})
+            if hold is not None and hold.run_id is not None:
+                await session.execute(_CHARGE_RUN, [_run_charge(hold, 0)])
             if hold is not None:
                 await rates.give_back(session, rate_returns(hold, None, released=True))
         released = hold is not None
@@ -938,3 +1002,163 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
         if claim is not None:
             # A hold not found was swept (charged whole): its lease lost the whole hold.
             claim.end(released=released)
+
+
+@dataclass(frozen=True, slots=True)
+class Dated:
+    """An amount charged to budgets at a moment that may be past: ingested usage, or an
+    adjustment (negative for a credit)."""
+
+    subjects: list[str]
+    at: datetime
+    amount: int
+    # Whose they are, for the alerts a charge to the current window may raise.
+    team_id: str | None = None
+    user_id: str | None = None
+
+
+def _closed_upsert(session: AsyncSession):
+    statement = _upsert_ignore(session)(BudgetWindow.__table__)
+    return statement.on_conflict_do_update(
+        index_elements=["subject_id", "window_start"],
+        set_={"spent": BudgetWindow.__table__.c.spent + statement.excluded.spent},
+    )
+
+
+async def charge_dated(session: AsyncSession, charges: list[Dated], now: datetime) -> None:
+    """Charge each amount to the window of each budget it falls in, in the caller's
+    transaction: the current window's `spent`, or a closed window's kept total (corrected,
+    never reopened for admission; a window that closed without a recorded total gets one). An
+    amount from before a budget existed is charged to the calendar window of its moment (hourly,
+    daily, weekly, monthly), or to the budget's first window (fixed windows, never). The budgets are locked
+    in subject_id order (the order every writer here uses) and rolled first."""
+    subjects = sorted({s for charge in charges for s in charge.subjects})
+    if not subjects:
+        return
+    budgets = await load(session, subjects, lock=True)
+    for budget in budgets.values():
+        await roll(session, budget, now)
+    current: dict[str, int] = {}
+    closed: dict[tuple[str, datetime], dict] = {}
+    people: dict = {}
+    for charge in charges:
+        for subject in charge.subjects:
+            budget = budgets.get(subject)
+            if budget is None:
+                continue
+            owner = None if subject == charge.team_id else charge.user_id
+            people.setdefault(subject, (charge.team_id, owner))
+            # Before the budget existed: its calendar window of then, or its first window.
+            start, end = current_window(budget, charge.at)
+            if start >= current_window(budget, now)[0]:
+                current[subject] = current.get(subject, 0) + charge.amount
+                continue
+            row = closed.setdefault(
+                (subject, start),
+                {
+                    "subject_id": subject,
+                    "window_start": start,
+                    "window_end": end,
+                    "scope": budget.scope,
+                    "credit_limit": budget.credit_limit,
+                    "spent": 0,
+                    "recorded_at": now,
+                },
+            )
+            row["spent"] += charge.amount
+    if current:  # the settle's path: a threshold a positive amount passes alerts as a settle's
+        await _charge(session, {s: [cost, 0] for s, cost in current.items()}, {}, people, now)
+    if closed:
+        await session.execute(_closed_upsert(session), [closed[key] for key in sorted(closed)])
+
+
+# Runs (x-metering-run): a budget of the run's own, the fourth scope a request is held against.
+# Its row is locked after the request's budgets (the order every writer here takes them in).
+_runs = Run.__table__
+
+
+def _run_is(key: RunKey) -> tuple:
+    return (_runs.c.team_id == key.team_id, _runs.c.id == key.run_id)
+
+
+def _run_params(key: RunKey, amount: int, now: datetime) -> dict:
+    return {"r_team": key.team_id, "r_id": key.run_id, "amount": amount, "now": now}
+
+
+_RESERVE_RUN = (
+    update(_runs)
+    .where(
+        _runs.c.team_id == bindparam("r_team"),
+        _runs.c.id == bindparam("r_id"),
+        _runs.c.spent + _runs.c.reserved + bindparam("amount") <= _runs.c.credit_limit,
+    )
+    .values(reserved=_runs.c.reserved + bindparam("amount"), last_used_at=bindparam("now"))
+)
+_CHARGE_RUN = (
+    update(_runs)
+    .where(_runs.c.team_id == bindparam("r_team"), _runs.c.id == bindparam("r_id"))
+    .values(
+        spent=_runs.c.spent + bindparam("cost"), reserved=_runs.c.reserved - bindparam("amount")
+    )
+)
+
+
+def _run_charge(hold, cost: int) -> dict:
+    return {"r_team": hold.team_id, "r_id": hold.run_id, "cost": cost, "amount": hold.amount}
+
+
+class UnknownRun(Exception):
+    """A run named without x-metering-run-budget that has no row (never started, or expired)."""
+
+
+async def _lock_run(session: AsyncSession, key: RunKey, now: datetime):
+    """The run's row, locked; made by its first request (with the budget it gives), and made
+    anew when the one there has been idle past its time with nothing held."""
+    if key.budget is not None:
+        fresh = {
+            "team_id": key.team_id,
+            "id": key.run_id,
+            "credit_limit": key.budget,
+            "spent": 0,
+            "reserved": 0,
+            "created_at": now,
+            "last_used_at": now,
+        }
+        await session.execute(_upsert_ignore(session)(_runs).values(fresh).on_conflict_do_nothing())
+    run = (await session.execute(select(_runs).where(*_run_is(key)).with_for_update())).first()
+    if run is None:
+        raise UnknownRun(key.run_id)
+    idle = now - run.last_used_at > timedelta(seconds=key.idle_s)
+    if idle and run.reserved == 0 and run.created_at != now:
+        if key.budget is None:
+            raise UnknownRun(key.run_id)
+        # Expired: the id starts a new run.
+        await session.execute(
+            update(_runs)
+            .where(*_run_is(key))
+            .values(credit_limit=key.budget, spent=0, created_at=now, last_used_at=now)
+        )
+        run = (await session.execute(select(_runs).where(*_run_is(key)))).first()
+    return run
+
+
+async def expire_runs(db: Database, idle_s: int, batch: int = 500) -> int:
+    """Forget runs unused for `idle_s` with nothing held."""
+    before = utcnow() - timedelta(seconds=idle_s)
+    async with db.begin() as conn:
+        stale = (
+            select(_runs.c.team_id, _runs.c.id)
+            .where(_runs.c.last_used_at < before, _runs.c.reserved == 0)
+            .limit(batch)
+        )
+        rows = (await conn.execute(stale)).all()
+        for row in rows:
+            await conn.execute(
+                delete(_runs).where(
+                    _runs.c.team_id == row.team_id,
+                    _runs.c.id == row.id,
+                    _runs.c.last_used_at < before,
+                    _runs.c.reserved == 0,
+                )
+            )
+    return len(rows)

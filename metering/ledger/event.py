@@ -27,6 +27,9 @@ COMPLETION_DETAILS = "completion_tokens_details"
 # small enough that sums over millions of events fit a signed 64-bit column.
 MAX_UNCHARGED = 10**15
 UNSETTLED = "unsettled"  # status and usage_source of a hold charged in full on expiry
+INGESTED = "ingested"  # usage_source of usage recorded through POST /v1/events
+USAGE = "usage"  # kind of an event that records usage
+ADJUSTMENT = "adjustment"  # kind of an event that corrects another's charge (or credits one)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +99,13 @@ class Event:
     ttft_ms: int | None = column(Integer())
     latency_ms: int | None = column(Integer())
     error: str | None = column(Text(), limit=2000)
+    # usage, or adjustment: a correction appended to the ledger (its cost is the difference it
+    # makes; the event it corrects, if any, and why). An original row is never rewritten.
+    kind: str = column(String(16), server_default=USAGE, default=USAGE)
+    corrects_event_id: str | None = column(String(40), default=None)
+    reason: str | None = column(Text(), limit=500, default=None)
+    # The run (x-metering-run) the request belonged to, within its team, or None.
+    run_id: str | None = column(String(100), default=None)
 
     def params(self) -> dict:
         """The event as the insert's parameters (replaced below by its written-out form)."""

@@ -26,6 +26,7 @@ class Billing:
     cached_price: int
     output_price: int  # per output token of every choice
     prompt_bound: int  # the most prompt tokens the request can count
+    run_id: str | None = None  # the run (x-metering-run) it is also held against
 
     @property
     def subjects(self) -> list[str]:
@@ -124,6 +125,7 @@ def event_for(
         ttft_ms=outcome.ttft_ms,
         latency_ms=latency_ms,
         error=bounded("error", outcome.error) or None,
+        run_id=billing.run_id,
     )
 
 
@@ -167,4 +169,5 @@ def unsettled_event(hold, now: datetime) -> Event:
         ttft_ms=None,
         latency_ms=None,
         error="the request never settled: its hold was charged in full",
+        run_id=hold.run_id,
     )

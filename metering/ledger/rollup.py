@@ -18,7 +18,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.db import dialect_name
-from metering.ledger.event import Event
+from metering.ledger.event import ADJUSTMENT, Event
 from metering.models import (
     SpendDaily,
     SpendDailyModel,
@@ -36,6 +36,7 @@ SUMS = (
     "reasoning_tokens",
     "cost",
     "uncharged",
+    "adjustments",
 )
 # Sums that saturate instead of overflowing: uncharged is what upstreams claimed beyond the holds.
 SATURATED = {"uncharged": 2**63 - 1}
@@ -94,7 +95,9 @@ def ceil_day(value: datetime) -> datetime:
 
 def row_for(event: Event, **override) -> dict:
     """The hourly rollup increment one ledger event makes (`override`: e.g. requests=0 and the
-    cost difference, when an event replaces a placeholder already counted)."""
+    cost difference, when an event replaces a placeholder already counted). An adjustment
+    counts no request: its cost is a correction, also summed in `adjustments`."""
+    adjusting = event.kind == ADJUSTMENT
     return {
         "hour": floor_hour(event.created_at),
         "team_id": event.team_id,
@@ -102,13 +105,14 @@ def row_for(event: Event, **override) -> dict:
         "token_id": event.token_id or "",
         "model": event.model,
         "provider": event.provider,
-        "requests": 1,
+        "requests": 0 if adjusting else 1,
         "prompt_tokens": event.prompt_tokens,
         "cached_tokens": event.cached_tokens,
         "completion_tokens": event.completion_tokens,
         "reasoning_tokens": event.reasoning_tokens or 0,
         "cost": event.cost,
         "uncharged": event.uncharged,
+        "adjustments": event.cost if adjusting else 0,
         **override,
     }
 
@@ -256,24 +260,33 @@ def hour_value(column, dialect: str):
     return func.strftime("%Y-%m-%d %H:00:00.000000", column)
 
 
-def rebuild_statement(source, dialect: str):
+def rebuild_statement(source, dialect: str, *, adjustments: bool = True):
     """INSERT INTO spend_hourly the sums of a ledger-shaped table (for tools that write events
-    in bulk, e.g. the benchmark's generator; appending keeps the rollup itself)."""
+    in bulk, e.g. the benchmark's generator; appending keeps the rollup itself). Without
+    `adjustments`: a table and rollup from before adjustment events (revision 0012)."""
     hour = hour_value(source.c.created_at, dialect)
     token = func.coalesce(source.c.token_id, "")
     keys = (hour, source.c.team_id, source.c.user_id, token, source.c.model, source.c.provider)
-    query = select(
-        *keys,
-        func.count(),
+    sums = [
         func.sum(source.c.prompt_tokens),
         func.sum(source.c.cached_tokens),
         func.sum(source.c.completion_tokens),
         func.sum(func.coalesce(source.c.reasoning_tokens, 0)),
         func.sum(source.c.cost),
         func.sum(source.c.uncharged),
-    ).group_by(*keys)
+    ]
+    names = [*KEY, "requests", *SUMS]
+    if adjustments:
+        adjusting = source.c.kind == ADJUSTMENT
+        requests = func.sum(case((adjusting, 0), else_=1))
+        sums.append(func.sum(case((adjusting, source.c.cost), else_=0)))
+    else:
+        requests = func.count()
+        names.remove("adjustments")
+    query = select(*keys, requests, *sums).group_by(*keys)
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
-    return insert(SpendHourly).from_select([*KEY, "requests", *SUMS], query)
+    table = SpendHourly.__table__
+    return insert(table).from_select(names, query, include_defaults=False)
 
 
 def day_value(column, dialect: str):

@@ -19,10 +19,17 @@ from metering.models import LedgerEvent
 _INSERT = insert(LedgerEvent.__table__)
 _table = LedgerEvent.__table__
 _PLACEHOLDER = select(
-    _table.c.created_at, _table.c.cost, _table.c.token_id, _table.c.user_id, _table.c.team_id
+    _table.c.created_at,
+    _table.c.cost,
+    _table.c.token_id,
+    _table.c.user_id,
+    _table.c.team_id,
+    _table.c.run_id,
 ).where(_table.c.id == bindparam("placeholder_id"), _table.c.status == UNSETTLED)
 # Columns a late event does not replace: the identity and the moment it was charged.
-_KEPT = frozenset(("id", "created_at", "token_id", "user_id", "team_id", "model", "provider"))
+_KEPT = frozenset(
+    ("id", "created_at", "token_id", "user_id", "team_id", "model", "provider", "run_id")
+)
 _REPLACED = tuple(name for name in NAMES if name not in _KEPT)
 _REPLACE = update(_table).where(
     _table.c.id == bindparam("placeholder_id"), _table.c.status == UNSETTLED
@@ -48,6 +55,8 @@ class Replaced:
     charged_at: datetime
     subjects: list[str]
     delta: int  # the event's cost minus the placeholder's
+    team_id: str = ""
+    run_id: str | None = None  # the run it was charged to as well
 
 
 async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) -> Replaced | None:
@@ -67,4 +76,4 @@ async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) 
     delta = event.cost - old.cost
     await rollup.add(conn, event, requests=0, cost=delta)
     subjects = [s for s in (old.token_id, old.user_id, old.team_id) if s]
-    return Replaced(old.created_at, subjects, delta)
+    return Replaced(old.created_at, subjects, delta, old.team_id, old.run_id)

@@ -1,6 +1,7 @@
 """POST /v1/chat/completions and GET /v1/models."""
 
 import json
+import re
 import time
 from dataclasses import replace
 
@@ -11,10 +12,10 @@ from metering import metrics
 from metering.auth.principal import RULE_ERRORS, Principal, any_principal, user_principal
 from metering.budgets.rates import release_claim
 from metering.budgets.refusals import Refused
-from metering.budgets.service import BudgetShortfall, HoldSpec, reserve
+from metering.budgets.service import BudgetShortfall, HoldSpec, RunKey, UnknownRun, reserve
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
-from metering.money import format_usd
+from metering.money import MoneyError, format_usd, parse_usd, usd_to_pico
 from metering.proxy import admission
 from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
@@ -49,11 +50,47 @@ def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
     if resets:
         headers["x-budget-resets-at"] = resets
     error = BudgetExceeded(message, headers=headers)
-    error.refused = Refused("budget", budget.scope, budget.subject_id)
+    # A run's id may be longer than the column keeps (its first 40 characters are kept).
+    error.refused = Refused("budget", budget.scope, budget.subject_id[:40])
     return error
 
 
 REFUSALS = (BudgetExceeded, admission.RateLimitExceeded, admission.ModelNotAllowed)
+
+
+MAX_COST = "x-metering-max-cost"
+RUN, RUN_BUDGET = "x-metering-run", "x-metering-run-budget"
+RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,100}")
+
+
+def _usd_header(request: Request, name: str) -> int | None:
+    """A positive USD amount from a header, in picodollars; None when absent."""
+    value = request.headers.get(name)
+    if value is None:
+        return None
+    try:
+        amount = usd_to_pico(parse_usd(value.strip(), field=name))
+    except MoneyError as exc:
+        raise InvalidRequest(str(exc), param=name) from None
+    if amount <= 0:
+        raise InvalidRequest(f"{name} must be more than 0", param=name)
+    return amount
+
+
+def ceilings(request: Request, principal, idle_s: int) -> tuple[int | None, RunKey | None]:
+    """x-metering-max-cost, and the run (x-metering-run, x-metering-run-budget), if sent."""
+    max_cost = _usd_header(request, MAX_COST)
+    run_id = request.headers.get(RUN)
+    budget = _usd_header(request, RUN_BUDGET)
+    if run_id is None:
+        if budget is not None:
+            raise InvalidRequest(f"{RUN_BUDGET} needs {RUN}", param=RUN_BUDGET)
+        return max_cost, None
+    if not RUN_ID.fullmatch(run_id):
+        raise InvalidRequest(
+            f"{RUN} must be 1 to 100 characters among letters, digits and . _ : -", param=RUN
+        )
+    return max_cost, RunKey(principal.team_id, run_id, budget, idle_s)
 
 
 def _encode(body: dict) -> bytes:
@@ -109,6 +146,7 @@ async def chat_completions(
 async def serve(request: Request, principal: Principal, services: Services, chat, t0) -> Response:
     """The request's routes tried in turn (the next one when an attempt fails before any byte
     reached the client)."""
+    max_cost, run = ceilings(request, principal, services.settings.run_idle_s)
     catalog = services.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)
     admission.check_model(principal, target.name)
@@ -122,7 +160,7 @@ async def serve(request: Request, principal: Principal, services: Services, chat
         attempt_id = request_id if n == 1 else f"{request_id}_{n}"
         try:
             response = await try_route(
-                services, principal, chat, catalog, route, target, attempt_id, t0
+                services, principal, chat, catalog, route, target, attempt_id, t0, max_cost, run
             )
         except FailedBeforeAnswer as failure:
             services.breakers.failed(route.provider)
@@ -166,7 +204,16 @@ def usable_routes(routes: list[ModelRoute], catalog, chat, target) -> list[Model
 
 
 async def try_route(
-    services: Services, principal, chat, catalog, route, target, attempt_id, t0
+    services: Services,
+    principal,
+    chat,
+    catalog,
+    route,
+    target,
+    attempt_id,
+    t0,
+    max_cost: int | None = None,
+    run: RunKey | None = None,
 ) -> Response:
     """One provider: reserve at its prices, forward, and end the attempt (settle or release).
     Raises FailedBeforeAnswer when the next provider may be tried."""
@@ -187,6 +234,7 @@ async def try_route(
         cached_price=route.cached_micro,
         output_price=route.output_micro,
         prompt_bound=prompt_tokens_upper_bound(chat.size, chat.body),
+        run_id=run.run_id if run is not None else None,
     )
     spec = HoldSpec(
         billing,
@@ -194,6 +242,8 @@ async def try_route(
         token_cost=billing.output_price * chat.choices,  # every choice may use max_tokens
         max_tokens=chat.max_tokens,
         model_max_output=dialect.output_ceiling(route),
+        max_cost=max_cost,
+        run=run,
     )
     spec = await admission.admit(services, principal, spec, billing.prompt_bound, chat.choices)
     try:
@@ -206,6 +256,12 @@ async def try_route(
             await release_claim(services.db, spec.rates, principal.limits)
         if isinstance(exc, BudgetShortfall):
             raise budget_exceeded(exc) from None
+        if isinstance(exc, UnknownRun):
+            raise InvalidRequest(
+                f"run {run.run_id!r} is not running (never started, or idle past its time): "
+                f"send {RUN_BUDGET} with its first request",
+                param=RUN_BUDGET,
+            ) from None
         raise
     metrics.reserved(reservation.claim is not None)
     async with Attempt(services, spec, reservation, chat, provider, dialect, t0) as attempt:

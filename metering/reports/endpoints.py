@@ -6,7 +6,7 @@ from starlette.datastructures import UploadFile
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
-from metering.reports import reconciliation, refusals, usage
+from metering.reports import focus, reconciliation, refusals, usage
 from metering.reports.schemas import (
     ReconciliationOut,
     RefusalsOut,
@@ -137,6 +137,12 @@ async def spend(
     format: str = Query("json", pattern="^(json|csv)$"),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
     page: int = Query(1, ge=1, le=MAX_PAGE),
+    adjustments: str = Query(
+        "include",
+        pattern="^(include|exclude)$",
+        description="`include` (default): cost with the adjustment events (price corrections, "
+        "credits); `exclude`: cost as the original events charged it.",
+    ),
     labels: bool = Query(False, description=LABELS_DOC),
 ) -> StreamingResponse:
     report = await spend_report(
@@ -150,6 +156,7 @@ async def spend(
         ),
         limit=limit,
         page=page,
+        adjusted=adjustments == "include",
         labels=labels,
     )
     if format == "csv":
@@ -164,8 +171,63 @@ async def spend(
     return StreamingResponse(report.json(), media_type="application/json", headers=report.paging())
 
 
+class CsvResponse(Response):
+    media_type = "text/csv"
+
+
+def _json_errors(*statuses: int) -> dict:
+    """error_responses() for a route whose own media type is not JSON: its errors still are."""
+    error = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+    return {
+        status: {"description": spec["description"], "content": {"application/json": error}}
+        for status, spec in error_responses(*statuses).items()
+    }
+
+
+@router.get(
+    "/exports/focus",
+    response_class=CsvResponse,
+    responses={
+        200: {
+            "description": "FOCUS 1.2 rows as CSV, or (format=parquet) as a Parquet file",
+            "content": {**CSV, "application/vnd.apache.parquet": {"schema": {"type": "string"}}},
+        },
+        **_json_errors(400, *RULE_ERRORS["admin"]),
+    },
+    description="Spend over [start, end) (whole UTC hours; default the last 30 days) as FinOps "
+    "FOCUS 1.2 rows: per hour, team, user, token, model and provider, one Usage row per token "
+    "kind (ConsumedQuantity in Tokens, ListUnitPrice from the price history) and an Adjustment "
+    "row for corrections and credits. BilledCost sums to /v1/spend's cost. Streamed.",
+)
+async def focus_export(
+    _: Principal = Depends(admin_only),
+    services: Services = Depends(get_services),
+    start: str | None = Query(None, max_length=64),
+    end: str | None = Query(None, max_length=64),
+    team_id: str | None = Query(None, max_length=40),
+    format: str = Query("csv", pattern="^(csv|parquet)$"),
+) -> StreamingResponse:
+    start_at, end_at = focus.parse_range(start, end)
+    filters = {}
+    if team_id is not None:
+        check_text(team_id, "team_id")
+        filters["team_id"] = team_id
+    account = services.settings.focus_billing_account
+    if format == "parquet":
+        return StreamingResponse(
+            focus.parquet_stream(services.db, start_at, end_at, filters, account),
+            media_type="application/vnd.apache.parquet",
+            headers={"content-disposition": 'attachment; filename="focus.parquet"'},
+        )
+    return StreamingResponse(
+        focus.csv_stream(services.db, start_at, end_at, filters, account),
+        media_type="text/csv",
+        headers={"content-disposition": 'attachment; filename="focus.csv"'},
+    )
+
+
 REASON = Query(None, pattern="^(budget|rpm|tpm|parallel|model)$")
-SCOPE = Query(None, pattern="^(token|user|team)$")
+SCOPE = Query(None, pattern="^(token|user|team|request|run)$")
 
 
 @router.get(

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from metering.alerts import record
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
+from metering.ledger.event import ADJUSTMENT
 from metering.ledger.rollup import day_text
 from metering.models import LedgerEvent, LedgerEventArchive, Reconciliation
 from metering.money import PICO, format_usd
@@ -197,8 +198,9 @@ def _add_row(export: Export, row: list, width: int, at: dict, provider: str, lin
 
 
 def _sums_columns(t) -> list:
+    # Adjustments (price corrections, credits) count in the cost, not as requests.
     return [
-        func.count().label("requests"),
+        func.sum(case((t.c.kind == ADJUSTMENT, 0), else_=1)).label("requests"),
         func.sum(t.c.prompt_tokens).label("prompt_tokens"),
         func.sum(t.c.completion_tokens).label("completion_tokens"),
         # What the upstream reported: the charged cost plus what the hold did not cover.
@@ -228,7 +230,12 @@ TABLES = (LedgerEvent.__table__, LedgerEventArchive.__table__)
 
 def _billed(t):
     """Attempts the upstream did not bill (no tokens, no cost) are in no provider's export."""
-    return (t.c.prompt_tokens > 0) | (t.c.completion_tokens > 0) | (t.c.cost > 0)
+    return (
+        (t.c.prompt_tokens > 0)
+        | (t.c.completion_tokens > 0)
+        | (t.c.cost > 0)
+        | (t.c.kind == ADJUSTMENT)
+    )
 
 
 async def ledger_rows(session: AsyncSession, provider: str, days: set[date]) -> dict:

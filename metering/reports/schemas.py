@@ -19,6 +19,9 @@ class SpendSums(BaseModel):
     reasoning_tokens: int
     cost: str
     uncharged: str
+    # The part of cost made by adjustment events (price corrections, credits); "0" when the
+    # report was asked for with adjustments=exclude, whose cost is the original charges only.
+    adjustments: str
 
 
 class SpendRow(SpendSums):
@@ -41,6 +44,7 @@ class SpendOut(BaseModel):
     start: str
     end: str
     group_by: list[str]
+    adjustments: Literal["included", "excluded"]
     total: SpendSums
     row_count: int
     page: int
@@ -177,7 +181,9 @@ class RefusalOut(BaseModel):
         description="budget (402 budget_exceeded), rpm or tpm (429 rate_limit_exceeded), "
         "parallel (429, max_parallel_requests), model (403 model_not_allowed)"
     )
-    scope: Literal["token", "user", "team"] = Field(description="Whose limit refused it")
+    scope: Literal["token", "user", "team", "request", "run"] = Field(
+        description="Whose limit refused it (request: x-metering-max-cost; run: its budget)"
+    )
     subject_id: str = Field(description="That token's, user's or team's id")
     http_status: int
     code: str

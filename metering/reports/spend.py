@@ -27,11 +27,12 @@ from datetime import datetime, timedelta
 from functools import partial
 
 import orjson
-from sqlalchemy import func, literal, select, union_all
+from sqlalchemy import case, func, literal, select, union_all
 
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
+from metering.ledger.event import ADJUSTMENT
 from metering.ledger.rollup import (
     ROLLUPS,
     Rollup,
@@ -83,7 +84,9 @@ METRICS = (
     "reasoning_tokens",
     "cost",
     "uncharged",
+    "adjustments",
 )
+MONEY = ("cost", "uncharged", "adjustments")
 
 
 def parse_group_by(value: str | None) -> list[str]:
@@ -147,13 +150,14 @@ def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime):
         columns.append(bucket.label("bucket"))
     return select(
         *columns,
-        literal(1).label("requests"),
+        case((t.c.kind == ADJUSTMENT, 0), else_=1).label("requests"),
         t.c.prompt_tokens.label("prompt_tokens"),
         t.c.cached_tokens.label("cached_tokens"),
         t.c.completion_tokens.label("completion_tokens"),
         func.coalesce(t.c.reasoning_tokens, 0).label("reasoning_tokens"),
         t.c.cost.label("cost"),
         t.c.uncharged.label("uncharged"),
+        case((t.c.kind == ADJUSTMENT, t.c.cost), else_=0).label("adjustments"),
     ).where(
         t.c.created_at >= start, t.c.created_at < end, *(t.c[k] == v for k, v in filters.items())
     )
@@ -214,7 +218,7 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
     grouped = (
         select(*group, *(func.sum(source.c[m]).label(m) for m in METRICS))
         .group_by(*group)
-        .having(func.sum(source.c.requests) > 0)
+        .having((func.sum(source.c.requests) > 0) | (func.sum(source.c.adjustments) != 0))
         .subquery("grouped")
     )
     out = []
@@ -297,15 +301,20 @@ async def check_size(db, keys: list[str], filters: dict, start: datetime, end: d
         )
 
 
-def _row_out(row, keys: list[str]) -> dict:
+def _row_out(row, keys: list[str], adjusted: bool = True) -> dict:
     out = {k: getattr(row, k) for k in keys}
     for metric in METRICS:
         out[metric] = int(getattr(row, metric) or 0)
-    return out
+    return _without_adjustments(out) if not adjusted else out
+
+
+def _without_adjustments(sums: dict) -> dict:
+    """The sums as the original events charged them: cost without the adjustments."""
+    return {**sums, "cost": sums["cost"] - sums["adjustments"], "adjustments": 0}
 
 
 def _money(row: dict) -> dict:
-    return {**row, "cost": format_usd(row["cost"]), "uncharged": format_usd(row["uncharged"])}
+    return {**row, **{m: format_usd(row[m]) for m in MONEY}}
 
 
 async def summary(db, query) -> tuple[int, dict]:
@@ -346,14 +355,14 @@ async def page_parts(db, query, keys: list[str], offset: int, limit: int):
             await asyncio.sleep(0)
 
 
-async def _rows_out(first, rest, keys: list[str], labelled=None):
+async def _rows_out(first, rest, keys: list[str], adjusted: bool = True, labelled=None):
     """The page's rows as dicts, a chunk at a time; `labelled(rows)` adds their labels."""
     if first:
-        rows = [_row_out(r, keys) for r in first]
+        rows = [_row_out(r, keys, adjusted) for r in first]
         yield await labelled(rows) if labelled else rows
     if rest is not None:
         async for part in rest:
-            rows = [_row_out(r, keys) for r in part]
+            rows = [_row_out(r, keys, adjusted) for r in part]
             yield await labelled(rows) if labelled else rows
 
 
@@ -422,6 +431,7 @@ async def spend_report(
     filters: dict[str, str | None],
     limit: int,
     page: int,
+    adjusted: bool = True,
     labels: bool = False,
 ) -> SpendReport:
     """The report a caller asked for: a user's credential sees its own user's spend only."""
@@ -451,10 +461,13 @@ async def spend_report(
         total = {m: int(getattr(first[0], f"total_{m}") or 0) for m in METRICS}
     else:  # an empty report, or a page after the last
         count, total = await summary(db, query)
+    if not adjusted:
+        total = _without_adjustments(total)
     head = {
         "start": rfc3339(start_at),
         "end": rfc3339(end_at),
         "group_by": names,
+        "adjustments": "included" if adjusted else "excluded",
         "total": _money(total),
         "row_count": count,
         "page": page,
@@ -462,4 +475,6 @@ async def spend_report(
         "next_page": page + 1 if offset + limit < count else None,
     }
     labelled = partial(label_rows, db, keys=keys) if labels else None
-    return SpendReport(head, keys, partial(_rows_out, first, parts, keys, labelled), labels)
+    return SpendReport(
+        head, keys, partial(_rows_out, first, parts, keys, adjusted, labelled), labels
+    )

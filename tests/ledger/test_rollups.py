@@ -156,13 +156,12 @@ def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(request, bac
         )
     engine = create_engine(sync_url(url), poolclass=pool.NullPool)
     dialect = engine.dialect.name
+    # The ledger as it was then: without the columns of revisions 0011 and 0012.
+    added = ("max_tokens_clamped", "kind", "corrects_event_id", "reason", "run_id")
+    old = [{k: v for k, v in e.params().items() if k not in added} for e in events[:50]]
     with engine.begin() as conn:
-        # The columns the ledger had at 0007 (0010 added max_tokens_clamped).
-        before = [
-            {k: v for k, v in e.params().items() if k != "max_tokens_clamped"} for e in events
-        ]
-        conn.execute(insert(LedgerEvent.__table__), before[:50])
-        conn.execute(rollup.rebuild_statement(LedgerEvent.__table__, dialect))
+        conn.execute(insert(LedgerEvent.__table__), old)
+        conn.execute(rollup.rebuild_statement(LedgerEvent.__table__, dialect, adjustments=False))
     engine.dispose()
     command.upgrade(migrate.alembic_config(url), "head")
 

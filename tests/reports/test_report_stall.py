@@ -43,6 +43,7 @@ def large_report(api):
     ]
     for row in rows:
         row["uncharged"] = 0
+        row["adjustments"] = 0
     engine = create_engine(sync_url(api.settings.database_url), poolclass=pool.NullPool)
     try:
         with engine.begin() as conn:

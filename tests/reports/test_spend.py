@@ -55,7 +55,10 @@ def event_key(event: dict, key: str):
 def expected(events: list[dict], keys: list[str]) -> dict:
     """The report /v1/spend must give, summed here from /v1/usage's events."""
     out: dict = defaultdict(
-        lambda: dict.fromkeys(METRICS, 0) | {"cost": Decimal(0), "uncharged": Decimal(0)}
+        lambda: (
+            dict.fromkeys(METRICS, 0)
+            | {"cost": Decimal(0), "uncharged": Decimal(0), "adjustments": Decimal(0)}
+        )
     )
     for e in events:
         sums = out[tuple(event_key(e, k) for k in keys)]
@@ -77,13 +80,19 @@ def reported(rows: list[dict], keys: list[str]) -> dict:
         out[key] = {m: int(row[m]) for m in METRICS} | {
             "cost": Decimal(row["cost"]),
             "uncharged": Decimal(row["uncharged"]),
+            "adjustments": Decimal(row["adjustments"]),
         }
     return out
 
 
 def csv_rows(text: str, keys: list[str]) -> list[dict]:
     reader = csv.DictReader(io.StringIO(text))
-    assert reader.fieldnames == [FIELD[k] for k in keys] + [*METRICS, "cost", "uncharged"]
+    assert reader.fieldnames == [FIELD[k] for k in keys] + [
+        *METRICS,
+        "cost",
+        "uncharged",
+        "adjustments",
+    ]
     return [{k: (v if v != "" else None) for k, v in row.items()} for row in reader]
 
 
@@ -345,7 +354,7 @@ def test_defaults_are_the_last_30_days_until_now(api):
     assert before <= end <= datetime.now(UTC)
     assert end - start == timedelta(days=30)
     assert body["group_by"] == []
-    assert set(body["total"]) == {*METRICS, "cost", "uncharged"}
+    assert set(body["total"]) == {*METRICS, "cost", "uncharged", "adjustments"}
 
 
 @pytest.mark.parametrize(
@@ -370,6 +379,7 @@ def test_an_empty_range_has_no_rows_and_zero_totals(api):
         **dict.fromkeys(METRICS, 0),
         "cost": "0",
         "uncharged": "0",
+        "adjustments": "0",
     }
 
 

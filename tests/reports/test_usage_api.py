@@ -43,6 +43,10 @@ EVENT_FIELDS = {
     "ttft_ms",
     "latency_ms",
     "error",
+    "kind",
+    "corrects_event_id",
+    "reason",
+    "run_id",
 }
 DETAIL_FIELDS = (
     "text_tokens",
@@ -84,6 +88,10 @@ CSV_HEADER = [
     "ttft_ms",
     "latency_ms",
     "error",
+    "kind",
+    "corrects_event_id",
+    "reason",
+    "run_id",
 ]
 RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
 

@@ -1,0 +1,133 @@
+"""Events made outside the proxy's request path: usage recorded through POST /v1/events
+(`usage_source` ingested), and adjustments (`kind` adjustment) that correct another event's
+charge or credit a team, appended to the ledger while the rows they correct never change."""
+
+import uuid
+from datetime import datetime
+
+from metering.ledger.charge import Usage
+from metering.ledger.event import ADJUSTMENT, INGESTED, Event, bounded
+from metering.money import cost_pico
+
+RERATED = "rerated"  # usage_source of an adjustment a rerate made
+MANUAL = "manual"  # usage_source of an adjustment made by hand (a credit, a correction)
+
+
+def new_event_id() -> str:
+    return f"evt_{uuid.uuid4().hex}"
+
+
+def ingested_event(
+    *,
+    token_id: str | None,
+    user_id: str,
+    team_id: str,
+    model: str,
+    provider: str,
+    upstream_model: str,
+    usage: Usage,
+    prices: tuple[int, int, int],
+    occurred_at: datetime,
+) -> Event:
+    """Usage reported from outside, priced at `prices` (those in force when it happened) and
+    charged in full: no hold bounds it."""
+    cost = cost_pico(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, *prices)
+    return Event(
+        id=new_event_id(),
+        created_at=occurred_at,
+        started_at=occurred_at,
+        token_id=token_id,
+        user_id=user_id,
+        team_id=team_id,
+        model=model,
+        provider=provider,
+        upstream_model=upstream_model,
+        upstream_id=None,
+        stream=False,
+        status="ok",
+        http_status=None,
+        finish_reason=None,
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        total_tokens=usage.prompt_tokens + usage.completion_tokens,
+        cached_tokens=usage.cached_tokens,
+        text_tokens=usage.text_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        audio_tokens=usage.audio_tokens,
+        image_tokens=usage.image_tokens,
+        video_tokens=usage.video_tokens,
+        accepted_prediction_tokens=usage.accepted_prediction_tokens,
+        rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        usage_source=INGESTED,
+        usage_anomaly=None,
+        input_price=prices[0],
+        cached_price=prices[1],
+        output_price=prices[2],
+        cost=cost,
+        uncharged=0,
+        ttft_ms=None,
+        latency_ms=None,
+        error=None,
+    )
+
+
+def adjustment_event(
+    *,
+    token_id: str | None,
+    user_id: str,
+    team_id: str,
+    model: str,
+    provider: str,
+    upstream_model: str,
+    prices: tuple[int, int, int],
+    difference: int,
+    reason: str,
+    at: datetime,
+    made_at: datetime,
+    corrects: str | None = None,
+    source: str = RERATED,
+) -> Event:
+    """An adjustment of `difference` picodollars (negative: a credit), charged in the hour of
+    `at` (the corrected event's, so every report over any range equals a recomputation at the
+    right prices); `made_at` (started_at) is when it was made. It counts no tokens and no
+    request. `source`: rerated (a rerate's: `prices` are those it applied) or manual."""
+    return Event(
+        id=new_event_id(),
+        created_at=at,
+        started_at=made_at,
+        token_id=token_id,
+        user_id=user_id,
+        team_id=team_id,
+        model=model,
+        provider=provider,
+        upstream_model=upstream_model,
+        upstream_id=None,
+        stream=False,
+        status="ok",
+        http_status=None,
+        finish_reason=None,
+        prompt_tokens=0,
+        completion_tokens=0,
+        total_tokens=0,
+        cached_tokens=0,
+        text_tokens=None,
+        reasoning_tokens=None,
+        audio_tokens=None,
+        image_tokens=None,
+        video_tokens=None,
+        accepted_prediction_tokens=None,
+        rejected_prediction_tokens=None,
+        usage_source=source,
+        usage_anomaly=None,
+        input_price=prices[0],
+        cached_price=prices[1],
+        output_price=prices[2],
+        cost=difference,
+        uncharged=0,
+        ttft_ms=None,
+        latency_ms=None,
+        error=None,
+        kind=ADJUSTMENT,
+        corrects_event_id=corrects,
+        reason=bounded("reason", reason),
+    )
