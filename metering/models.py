@@ -23,6 +23,17 @@ from metering.ledger.event import columns as ledger_columns
 
 class Team(Base):
     __tablename__ = "teams"
+    __table_args__ = (
+        # Names are unique among live teams, compared without case: racing creations and
+        # renames meet here (the service's check names the holder in its 409).
+        Index(
+            "uq_teams_name_live",
+            text("lower(name)"),
+            unique=True,
+            sqlite_where=text("deleted_at IS NULL"),
+            postgresql_where=text("deleted_at IS NULL"),
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))

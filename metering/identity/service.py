@@ -4,6 +4,7 @@ import json
 import uuid
 from datetime import datetime, timedelta
 
+from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -153,8 +154,21 @@ async def create_team(
     set_limits(team, limits or {})
     session.add(team)
     session.add(new_budget(team.id, "team", _pico(limit), interval, now))
-    await session.flush()
+    await _flush_unique(
+        session, TeamNameTaken(f"a team named {name!r} already exists", param="name")
+    )
     return team
+
+
+async def _flush_unique(session: AsyncSession, taken: MeteringError) -> None:
+    """Flush; a unique index refusing the row (a creation or rename racing this one past the
+    service's check) is the same 409 the check gives, never a 500."""
+    try:
+        await session.flush()
+    except sa_exc.IntegrityError as exc:
+        if "uq_" not in str(exc.orig) and "UNIQUE" not in str(exc.orig):
+            raise
+        raise taken from None
 
 
 async def _team_name_free(session: AsyncSession, name: str, except_id: str | None = None) -> None:
@@ -196,7 +210,7 @@ async def create_user(
     set_limits(user, limits)
     session.add(user)
     session.add(new_budget(user.id, "user", _pico(limit), interval, now))
-    await session.flush()
+    await _flush_unique(session, EmailTaken(f"a user with email {email} already exists"))
     return user
 
 
@@ -299,7 +313,9 @@ async def update_team(session: AsyncSession, team_id: str, fields: dict) -> Team
         # Every replica's cached credentials of the team carry its limits: dropped.
         await invalidation.record(session, invalidation.subject("team", team_id))
     await change_budget(session, team_id, fields)
-    await session.flush()
+    await _flush_unique(
+        session, TeamNameTaken(f"a team named {fields.get('name')!r} already exists", param="name")
+    )
     session.expire_all()
     return await get_team(session, team_id)
 
@@ -329,7 +345,7 @@ async def update_user(
         # Its credentials now charge another team, or its sessions have ended.
         await invalidation.record(session, invalidation.subject("user", user_id))
     await change_budget(session, user_id, fields)
-    await session.flush()
+    await _flush_unique(session, EmailTaken(f"a user with email {email} already exists"))
     session.expire_all()
     return await get_user(session, user_id)
 

@@ -5,8 +5,10 @@ format, and team names that are unique."""
 import csv
 import io
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
+import httpx
 import pytest
 
 from metering.ledger.event import NAMES
@@ -151,3 +153,29 @@ def test_team_names_are_unique_with_the_existing_id_in_the_409(api):
     api.ok("PATCH", f"/v1/teams/{first['id']}", json={"name": name})
     api.ok("DELETE", f"/v1/teams/{first['id']}", 204)
     api.ok("POST", "/v1/teams", 201, json={"name": name})
+
+
+def test_racing_creations_and_renames_to_one_team_name_give_one_team_and_409s(api):
+    """The service's check and the unique index together: whatever the interleaving, one team
+    holds the name and every other attempt is the same 409, never a 500."""
+    name = f"Race-{uuid.uuid4().hex[:6]}"
+    others = [api.team() for _ in range(4)]
+    admin = {"authorization": f"Bearer {api.settings.admin_key}"}
+
+    def attempt(i: int) -> int:
+        with httpx.Client(base_url=api.url, timeout=60, headers=admin) as client:
+            spelled = name.upper() if i % 2 else name
+            if i < len(others):
+                return client.patch(f"/v1/teams/{others[i]['id']}", json={"name": spelled})
+            return client.post("/v1/teams", json={"name": spelled})
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        answers = list(pool.map(attempt, range(16)))
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses.count(409) == 15 and set(statuses) <= {200, 201, 409}, statuses
+    for answer in answers:
+        if answer.status_code == 409:
+            assert answer.json()["error"]["code"] == "team_name_taken"
+    (winner,) = [a.json()["id"] for a in answers if a.status_code != 409]
+    again = api.request("POST", "/v1/teams", json={"name": name.lower()})
+    assert again.status_code == 409 and winner in again.json()["error"]["message"]
