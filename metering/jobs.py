@@ -77,73 +77,35 @@ def start_scheduler(
     run_idle_s: int | None = None,
 ) -> AsyncIOScheduler:
     scheduler = AsyncIOScheduler(timezone="UTC")
-    every = sweep_interval_s(hold_ttl_s)
     first = utcnow() + timedelta(seconds=1)
-    scheduler.add_job(
-        guard(expire_holds, db, 500, hold_ttl_s),
-        "interval",
-        seconds=every,
-        next_run_time=first,
-        id="expire_holds",
-        max_instances=1,
-        coalesce=True,
-    )
-    scheduler.add_job(
-        guard(close_windows, db),
-        "interval",
-        seconds=60,
-        next_run_time=first,
-        id="close_windows",
-        max_instances=1,
-        coalesce=True,
-    )
+
+    def every(seconds: float, job_id: str, job, *args) -> None:
+        """Run `job(*args)` every `seconds`, the first time a second from now; never two at once."""
+        scheduler.add_job(
+            guard(job, *args),
+            "interval",
+            seconds=seconds,
+            next_run_time=first,
+            id=job_id,
+            max_instances=1,
+            coalesce=True,
+        )
+
+    every(sweep_interval_s(hold_ttl_s), "expire_holds", expire_holds, db, 500, hold_ttl_s)
+    every(60, "close_windows", close_windows, db)
     if run_idle_s is not None:
-        scheduler.add_job(
-            guard(budgets.expire_runs, db, run_idle_s),
-            "interval",
-            seconds=60,
-            next_run_time=first,
-            id="expire_runs",
-            max_instances=1,
-            coalesce=True,
-        )
-    scheduler.add_job(
-        guard(alerts.expiring_tokens, db),
-        "interval",
-        seconds=EXPIRING_EVERY_S,
-        next_run_time=first,
-        id="expiring_tokens",
-        max_instances=1,
-        coalesce=True,
-    )
+        every(60, "expire_runs", budgets.expire_runs, db, run_idle_s)
+    every(EXPIRING_EVERY_S, "expiring_tokens", alerts.expiring_tokens, db)
     if retention_days is not None:
-        scheduler.add_job(
-            guard(retention.archive_old_events, db, retention_days),
-            "interval",
-            seconds=RETENTION_EVERY_S,
-            next_run_time=first,
-            id="archive_old_events",
-            max_instances=1,
-            coalesce=True,
+        every(
+            RETENTION_EVERY_S,
+            "archive_old_events",
+            retention.archive_old_events,
+            db,
+            retention_days,
         )
-        scheduler.add_job(
-            guard(refusals.forget_old, db, retention_days),
-            "interval",
-            seconds=RETENTION_EVERY_S,
-            next_run_time=first,
-            id="forget_old_refusals",
-            max_instances=1,
-            coalesce=True,
-        )
-        scheduler.add_job(
-            guard(alerts_retention.prune, db, retention_days),
-            "interval",
-            seconds=RETENTION_EVERY_S,
-            next_run_time=first,
-            id="prune_alerts",
-            max_instances=1,
-            coalesce=True,
-        )
+        every(RETENTION_EVERY_S, "forget_old_refusals", refusals.forget_old, db, retention_days)
+        every(RETENTION_EVERY_S, "prune_alerts", alerts_retention.prune, db, retention_days)
     scheduler.start()
     return scheduler
 

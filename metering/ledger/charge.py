@@ -73,6 +73,22 @@ class Usage:
     def usable(self) -> bool:
         return self.anomaly not in UNUSABLE
 
+    def columns(self) -> dict[str, int | None]:
+        """The event's token columns (metering.ledger.event.Event) these counts fill."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "cached_tokens": self.cached_tokens,
+            "text_tokens": self.text_tokens,
+            "reasoning_tokens": self.reasoning_tokens,
+            "audio_tokens": self.audio_tokens,
+            "image_tokens": self.image_tokens,
+            "video_tokens": self.video_tokens,
+            "accepted_prediction_tokens": self.accepted_prediction_tokens,
+            "rejected_prediction_tokens": self.rejected_prediction_tokens,
+        }
+
 
 class Held(Protocol):
     """What was reserved for a request (a budgets Reservation)."""

@@ -103,17 +103,7 @@ def event_for(
         status=outcome.status,
         http_status=outcome.http_status,
         finish_reason=bounded("finish_reason", outcome.finish_reason),
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=usage.total_tokens,
-        cached_tokens=usage.cached_tokens,
-        text_tokens=usage.text_tokens,
-        reasoning_tokens=usage.reasoning_tokens,
-        audio_tokens=usage.audio_tokens,
-        image_tokens=usage.image_tokens,
-        video_tokens=usage.video_tokens,
-        accepted_prediction_tokens=usage.accepted_prediction_tokens,
-        rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        **usage.columns(),
         usage_source=charge.source,
         usage_anomaly=charge.anomaly,
         max_tokens_clamped=None,
@@ -127,6 +117,9 @@ def event_for(
         error=bounded("error", outcome.error) or None,
         run_id=billing.run_id,
     )
+
+
+NO_USAGE = Usage()  # an event that counts no tokens
 
 
 def unsettled_event(hold, now: datetime) -> Event:
@@ -147,17 +140,7 @@ def unsettled_event(hold, now: datetime) -> Event:
         status=UNSETTLED,
         http_status=None,
         finish_reason=None,
-        prompt_tokens=0,
-        completion_tokens=0,
-        total_tokens=0,
-        cached_tokens=0,
-        text_tokens=None,
-        reasoning_tokens=None,
-        audio_tokens=None,
-        image_tokens=None,
-        video_tokens=None,
-        accepted_prediction_tokens=None,
-        rejected_prediction_tokens=None,
+        **NO_USAGE.columns(),
         usage_source=UNSETTLED,
         usage_anomaly=None,
         max_tokens_clamped=None,

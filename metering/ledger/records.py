@@ -3,10 +3,12 @@
 charge or credit a team, appended to the ledger while the rows they correct never change."""
 
 import uuid
+from dataclasses import replace
 from datetime import datetime
 
 from metering.ledger.charge import Usage
 from metering.ledger.event import ADJUSTMENT, INGESTED, Event, bounded
+from metering.ledger.outcome import NO_USAGE
 from metering.money import cost_pico
 
 RERATED = "rerated"  # usage_source of an adjustment a rerate made
@@ -47,17 +49,7 @@ def ingested_event(
         status="ok",
         http_status=None,
         finish_reason=None,
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        cached_tokens=usage.cached_tokens,
-        text_tokens=usage.text_tokens,
-        reasoning_tokens=usage.reasoning_tokens,
-        audio_tokens=usage.audio_tokens,
-        image_tokens=usage.image_tokens,
-        video_tokens=usage.video_tokens,
-        accepted_prediction_tokens=usage.accepted_prediction_tokens,
-        rejected_prediction_tokens=usage.rejected_prediction_tokens,
+        **replace(usage, total_tokens=usage.prompt_tokens + usage.completion_tokens).columns(),
         usage_source=INGESTED,
         usage_anomaly=None,
         input_price=prices[0],
@@ -106,17 +98,7 @@ def adjustment_event(
         status="ok",
         http_status=None,
         finish_reason=None,
-        prompt_tokens=0,
-        completion_tokens=0,
-        total_tokens=0,
-        cached_tokens=0,
-        text_tokens=None,
-        reasoning_tokens=None,
-        audio_tokens=None,
-        image_tokens=None,
-        video_tokens=None,
-        accepted_prediction_tokens=None,
-        rejected_prediction_tokens=None,
+        **NO_USAGE.columns(),
         usage_source=source,
         usage_anomaly=None,
         input_price=prices[0],
