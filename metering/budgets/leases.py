@@ -329,7 +329,8 @@ class LeaseBook:
             raise
         self.admitted += 1
         windows = {lease.subject_id: lease.window for lease in claim.leases}
-        return Reservation(spec.hold_id, amount, wanted, False, windows, claim)
+        plain = spec.rates is None and spec.run is None
+        return Reservation(spec.hold_id, amount, wanted, False, windows, claim, plain)
 
     async def _take(self, spec: HoldSpec, amount: int) -> bool:
         """Take or grow a lease on each of the request's limited budgets, in one transaction;

@@ -43,7 +43,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.alerts import record
-from metering.budgets import rates
+from metering.budgets import rates, settle_pg
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
@@ -416,6 +416,8 @@ class Reservation:
     windows: dict = field(default_factory=dict)
     # Set when the hold was admitted against this process's leases, not reserved in the rows.
     claim: Claim | None = None
+    # No rate claim and no run on its hold: its settle may take the one-statement path.
+    plain: bool = True
 
     def window_unchanged(self, now: datetime) -> bool:
         return bool(self.windows) and all(
@@ -536,7 +538,8 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
             return None
     await session.execute(_INSERT_HOLD, hold_row(spec, amount, now, ttl_s))
     windows = {b.subject_id: (b.reset_interval, b.anchor_at, starts[b.subject_id]) for b in ordered}
-    return Reservation(spec.hold_id, amount, output_tokens, clamped, windows)
+    plain = spec.rates is None and spec.run is None
+    return Reservation(spec.hold_id, amount, output_tokens, clamped, windows, plain=plain)
 
 
 async def reserve(
@@ -685,11 +688,11 @@ async def settle_in(
     return True
 
 
-def _add_charges(charges: dict[str, list[int]], leases: dict[str, int], hold, cost: int) -> None:
-    """Add one settled hold to per-budget [cost, reserved taken] and per-lease sums. A hold
-    reserved in the rows gives its whole amount back to `reserved`; one admitted against leases
-    turns `cost` of each lease into spent (the rest stays in the lease, for later requests),
-    and a budget without a limit had nothing reserved."""
+def hold_additions(hold, cost: int):
+    """What settling one hold adds to each of its budgets: (subject, cost to spent, amount taken
+    from reserved, lease id or None). A hold reserved in the rows gives its whole amount back to
+    `reserved`; one admitted against leases turns `cost` of each lease into spent (the rest stays
+    in the lease, for later requests), and a budget without a limit had nothing reserved."""
     scopes = (
         (hold.token_id, hold.token_lease),
         (hold.user_id, hold.user_lease),
@@ -698,13 +701,22 @@ def _add_charges(charges: dict[str, list[int]], leases: dict[str, int], hold, co
     for subject, lease in scopes:
         if not subject:
             continue
-        sums = charges.setdefault(subject, [0, 0])
-        sums[0] += cost
         if not hold.leased:
-            sums[1] += hold.amount
+            yield subject, cost, hold.amount, None
         elif lease is not None:
-            sums[1] += cost
-            leases[lease] = leases.get(lease, 0) + cost
+            yield subject, cost, cost, lease
+        else:
+            yield subject, cost, 0, None
+
+
+def _add_charges(charges: dict[str, list[int]], leases: dict[str, int], hold, cost: int) -> None:
+    """Add one settled hold to per-budget [cost, reserved taken] and per-lease sums."""
+    for subject, charged, taken, lease in hold_additions(hold, cost):
+        sums = charges.setdefault(subject, [0, 0])
+        sums[0] += charged
+        sums[1] += taken
+        if lease is not None:
+            leases[lease] = leases.get(lease, 0) + charged
 
 
 _CHARGE_LEASE = (
@@ -857,6 +869,62 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     return results
 
 
+class _NotAsWritten(Exception):
+    """A hold the one-statement settle took was not the one its reservation wrote."""
+
+
+def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
+    claim = reservation.claim
+    leases = {}
+    if claim is not None:
+        leases = {lease.scope: lease.id for lease in claim.leases if lease.id is not None}
+    return settle_pg.Expected(
+        event.id,
+        event.token_id,
+        event.user_id,
+        event.team_id,
+        reservation.amount,
+        claim is not None,
+        leases.get("token"),
+        leases.get("user"),
+        leases.get("team"),
+    )
+
+
+async def _settle_group_pg(
+    db: Database, items: list[tuple[Event, Reservation]]
+) -> list[bool | None]:
+    """_settle_group in one statement (metering.budgets.settle_pg), for settles whose holds
+    carry no rate claim and no run. Raises _NotAsWritten (rolled back) when a hold it took was
+    not the one expected."""
+    holds, adds = [], []
+    for event, reservation in items:
+        hold = expected_hold(event, reservation)
+        event.cap(hold.amount)
+        holds.append(hold)
+        adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]
+    events = [event for event, _ in items]
+    params = settle_pg.parameters(events, holds, adds)
+    now = max(event.created_at for event in events)
+    async with db.begin() as conn:
+        rows = (await conn.execute(settle_pg.STATEMENT, params)).all()
+        ok = set(rows[0].ok or ())
+        if set(rows[0].taken or ()) != ok:
+            raise _NotAsWritten(sorted(set(rows[0].taken) - ok))
+        if ok:
+            costs: dict[str, int] = {}
+            for hold_id, subject, cost, _, _ in adds:
+                if hold_id in ok:
+                    costs[subject] = costs.get(subject, 0) + cost
+            people: dict = {}
+            for hold in holds:
+                if hold.id in ok:
+                    _people(people, hold)
+            charged = [row for row in rows if row.subject_id is not None]
+            await alert_crossings(conn, charged, costs, people, now)
+    return [True if event.id in ok else None for event in events]
+
+
 def _summed(returns: list[dict]) -> list[dict]:
     """One give-back row per counter and window (several settles of one subject sum)."""
     sums: dict[tuple, dict] = {}
@@ -894,15 +962,38 @@ class SettleQueue:
         return await self.groups.submit((event, reservation))
 
     async def _write(self, batch: list[tuple[tuple[Event, Reservation], asyncio.Future]]) -> None:
-        results: list[bool | None] = [None] * len(batch)
-        if len(batch) > 1:
+        items = [item for item, _ in batch]
+        if self.db.dialect == "postgresql" and all(r.plain for _, r in items):
             try:
-                results = await _settle_group(self.db, [item for item, _ in batch])
+                results = await _settle_group_pg(self.db, items)
+            except _NotAsWritten:
+                log.error("a settled hold was not the one written; settling by the general path")
+                results = await self._general(items)
             except Exception:
                 self.retried += 1
                 results = [None] * len(batch)  # one at a time below: the good ones commit
             else:
+                if len(batch) > 1:
+                    self.grouped += sum(1 for result in results if result)
+        else:
+            results = await self._general(items)
+        await self._answer(batch, results)
+
+    async def _general(self, items: list[tuple[Event, Reservation]]) -> list[bool | None]:
+        results: list[bool | None] = [None] * len(items)
+        if len(items) > 1:
+            try:
+                results = await _settle_group(self.db, items)
+            except Exception:
+                self.retried += 1
+                results = [None] * len(items)  # one at a time below: the good ones commit
+            else:
                 self.grouped += sum(1 for result in results if result)
+        return results
+
+    async def _answer(self, batch, results: list[bool | None]) -> None:
+        """Answer the settles written; those not (a group that failed, a hold not found)
+        are written one at a time."""
         alone = []
         for (item, future), result in zip(batch, results, strict=True):
             if result is None:

@@ -174,42 +174,68 @@ _UPSERTS = {
 _MOST = {name: SATURATED.get(name) for name in ("requests", *SUMS)}
 
 
-def _statement_pg() -> str:
-    """On PostgreSQL, every rollup in one statement (one round trip): the rows, as arrays, are
-    summed per rollup in SQL, in key order (concurrent writers lock shared rows in one order),
-    and upserted by one data-modifying WITH query per rollup."""
+FIGURES = ("requests", *SUMS)
+
+
+def pg_arrays_cte(name: str = "e", gate: str = "") -> str:
+    """On PostgreSQL, the rollup increments passed as arrays (`pg_arrays`), as relation `name`
+    with the columns of KEY and FIGURES; `gate`: a condition on `{name}_in.id`, the event id
+    each row carries, for a caller that writes only some of the rows it passed."""
     keys = ", ".join(KEY[1:])
-    figures = ("requests", *SUMS)
     arrays = ", ".join(
-        ["CAST(:hour AS timestamptz[])"]
+        ["CAST(:r_id AS text[])", "CAST(:hour AS timestamptz[])"]
         + [f"CAST(:{k} AS text[])" for k in KEY[1:]]
-        + [f"CAST(:{f} AS bigint[])" for f in figures]
+        + [f"CAST(:{f} AS bigint[])" for f in FIGURES]
     )
-    parts = [f"e AS (SELECT * FROM unnest({arrays}) AS e(hour, {keys}, {', '.join(figures)}))"]
+    where = f" WHERE {gate}" if gate else ""
+    return (
+        f"{name} AS (SELECT hour, {keys}, {', '.join(FIGURES)} FROM unnest({arrays}) "
+        f"AS {name}_in(id, hour, {keys}, {', '.join(FIGURES)}){where})"
+    )
+
+
+def pg_arrays(events: list[Event]) -> dict:
+    """The parameters of pg_arrays_cte: each event's rollup increment, column by column."""
+    rows = [row_for(event) for event in events]
+    arrays = {name: [row[name] for row in rows] for name in (*KEY, *FIGURES)}
+    arrays["r_id"] = [event.id for event in events]
+    return arrays
+
+
+def pg_upserts(source: str = "e") -> list[str]:
+    """On PostgreSQL, every rollup's upsert as a data-modifying WITH query reading the rows of
+    relation `source` (pg_arrays_cte): summed per rollup in SQL, in key order (concurrent
+    writers lock shared rows in one order)."""
+    parts = []
     for i, rollup in enumerate(ROLLUPS):
         name = rollup.table.name
         at = "hour"
         if rollup.grain == "day":
             at = "date_trunc('day', hour AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
         sums = ", ".join(
-            f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in figures
+            f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in FIGURES
         )
         updates = ", ".join(
             f"{f} = CASE WHEN t.{f} > {_MOST[f]} - EXCLUDED.{f} THEN {_MOST[f]} "
             f"ELSE t.{f} + EXCLUDED.{f} END"
             if _MOST[f]
             else f"{f} = t.{f} + EXCLUDED.{f}"
-            for f in figures
+            for f in FIGURES
         )
         columns = ", ".join(rollup.key)
         positions = ", ".join(str(n) for n in range(1, len(rollup.key) + 1))
         parts.append(
-            f"r{i} AS (INSERT INTO {name} AS t ({columns}, {', '.join(figures)}) "
-            f"SELECT {at}, {', '.join(rollup.keys)}, {sums} FROM e "
+            f"r{i} AS (INSERT INTO {name} AS t ({columns}, {', '.join(FIGURES)}) "
+            f"SELECT {at}, {', '.join(rollup.keys)}, {sums} FROM {source} "
             f"GROUP BY {positions} ORDER BY {positions} "
             f"ON CONFLICT ({columns}) DO UPDATE SET {updates})"
         )
-    return "WITH " + ",\n".join(parts) + "\nSELECT 1"
+    return parts
+
+
+def _statement_pg() -> str:
+    """On PostgreSQL, every rollup in one statement (one round trip)."""
+    return "WITH " + ",\n".join([pg_arrays_cte(), *pg_upserts()]) + "\nSELECT 1"
 
 
 _ALL_PG = text(_statement_pg())
@@ -217,7 +243,8 @@ _ALL_PG = text(_statement_pg())
 
 async def _add_rows(session: AsyncSession, rows: list[dict]) -> None:
     if dialect_name(session) == "postgresql":
-        arrays = {name: [row[name] for row in rows] for name in (*KEY, "requests", *SUMS)}
+        arrays = {name: [row[name] for row in rows] for name in (*KEY, *FIGURES)}
+        arrays["r_id"] = [""] * len(rows)
         await session.execute(_ALL_PG, arrays)
         return
     for rollup, upsert in _UPSERTS["sqlite"]:

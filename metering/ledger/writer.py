@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.ledger import rollup
-from metering.ledger.event import NAMES, UNSETTLED, Event
+from metering.ledger.event import NAMES, SPECS, UNSETTLED, Event
 from metering.models import LedgerEvent
 
 # Built once, on the table (not the ORM class, whose statements take the ORM's bulk paths):
@@ -46,6 +47,29 @@ async def append_many(conn: AsyncConnection | AsyncSession, events: list[Event])
     """Insert several events (one statement) and add them to their rollup rows."""
     await conn.execute(_INSERT, [event.params() for event in events])
     await rollup.add_many(conn, events)
+
+
+def _pg_type(name: str) -> str:
+    return SPECS[name].sql.compile(dialect=postgresql.dialect())
+
+
+def pg_insert_cte(name: str = "ev", gate: str = "") -> str:
+    """On PostgreSQL, a data-modifying WITH query inserting the events passed as arrays
+    (pg_event_arrays), one array per column; `gate`: a condition on `{name}_in.id` for a caller
+    that inserts only some of them."""
+    arrays = ", ".join(f"CAST(:ev_{n} AS {_pg_type(n)}[])" for n in NAMES)
+    columns = ", ".join(NAMES)
+    where = f" WHERE {gate}" if gate else ""
+    return (
+        f"{name} AS (INSERT INTO {_table.name} ({columns}) "
+        f"SELECT {columns} FROM unnest({arrays}) AS {name}_in({columns}){where})"
+    )
+
+
+def pg_event_arrays(events: list[Event]) -> dict:
+    """The parameters of pg_insert_cte: the events column by column."""
+    rows = [event.params() for event in events]
+    return {f"ev_{n}": [row[n] for row in rows] for n in NAMES}
 
 
 @dataclass(frozen=True, slots=True)
