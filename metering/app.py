@@ -34,6 +34,7 @@ from metering.encoding import ContentEncoding
 from metering.errors import error_response, error_responses, install_error_handlers
 from metering.identity.endpoints import router as identity_router
 from metering.metrics import router as metrics_router
+from metering.proxy.direct import DirectChat
 from metering.proxy.endpoints import router as proxy_router
 from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers
@@ -275,4 +276,6 @@ def create_app(
     app.add_middleware(ContentEncoding, limit=settings.max_body_bytes, limits=LARGER_BODIES)
     app.add_middleware(RequestId)
     app.add_middleware(RefreshedTokenHeaders)
+    # Outermost: the proxy's own route, ahead of the layers above (it does their part itself).
+    app.add_middleware(DirectChat, application=app)
     return app

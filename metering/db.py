@@ -1,9 +1,14 @@
 """Engines, sessions and the declarative Base (one naming convention for every constraint)."""
 
+import asyncio
+import contextlib
+import re
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
+import asyncpg
 from sqlalchemy import DateTime, MetaData, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
@@ -120,6 +125,85 @@ def _sqlite_reader(url: str) -> AsyncEngine:
     return engine
 
 
+_NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+class Prepared:
+    """A statement written with :named parameters, for asyncpg: numbered ($1, $2...) in the
+    order the names first appear (a name used twice is one parameter)."""
+
+    __slots__ = ("sql", "names")
+
+    def __init__(self, sql: str) -> None:
+        names: list[str] = []
+
+        def number(match: re.Match) -> str:
+            name = match.group(1)
+            if name not in names:
+                names.append(name)
+            return f"${names.index(name) + 1}"
+
+        self.sql = _NAMED.sub(number, sql)
+        self.names = tuple(names)
+
+    def args(self, params: dict) -> list:
+        return [params[name] for name in self.names]
+
+
+class AttrRecord(asyncpg.Record):
+    """An asyncpg row whose columns are also attributes, as SQLAlchemy's rows."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class Direct:
+    """One pooled PostgreSQL connection kept by a writer that writes one group at a time (the
+    settle and hold group writers), used through asyncpg itself: no statement building and no
+    result wrapping per call, and no checkout per group. Any error drops it (invalidated, so
+    the pool opens a new one); the writer's general path, through SQLAlchemy, then answers."""
+
+    def __init__(self, db: "Database") -> None:
+        self.db = db
+        self.loop = asyncio.get_running_loop()
+        self._held = None  # the SQLAlchemy connection it came from
+        self._raw = None
+        db.directs.add(self)
+
+    @asynccontextmanager
+    async def connection(self, keep: tuple[type[BaseException], ...] = ()):
+        """The asyncpg connection; an error raised inside drops it, but for those in `keep`
+        (the caller's own, raised with the connection in a sound state)."""
+        if self._raw is None:
+            held = await self.db.engine.connect()
+            try:
+                self._raw = (await held.get_raw_connection()).driver_connection
+            except BaseException:
+                await held.close()
+                raise
+            self._held = held
+        try:
+            yield self._raw
+        except keep:
+            raise
+        except BaseException:
+            await self.drop()
+            raise
+
+    async def drop(self) -> None:
+        held, self._held, self._raw = self._held, None, None
+        if held is not None:
+            with contextlib.suppress(Exception):
+                await held.invalidate()
+            with contextlib.suppress(Exception):
+                await held.close()
+
+
 class Database:
     def __init__(self, url: str, pool_size: int = 20) -> None:
         self.url = url
@@ -132,6 +216,7 @@ class Database:
         self.read_engine = _sqlite_reader(url) if self.dialect == "sqlite" else self.engine
         self.reads = async_sessionmaker(self.read_engine, expire_on_commit=False)
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.directs: weakref.WeakSet[Direct] = weakref.WeakSet()
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
@@ -149,6 +234,10 @@ class Database:
         return self._autocommit.connect()
 
     async def dispose(self) -> None:
+        loop = asyncio.get_running_loop()
+        for direct in list(self.directs):
+            if direct.loop is loop:
+                await direct.drop()
         await self.engine.dispose()
         if self.read_engine is not self.engine:
             await self.read_engine.dispose()

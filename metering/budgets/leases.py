@@ -36,6 +36,7 @@ IDLE_S with nothing in flight is returned.
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -44,6 +45,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.dialects import postgresql
 
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.service import (
@@ -56,7 +58,7 @@ from metering.budgets.service import (
     roll,
     view,
 )
-from metering.db import Database, utcnow
+from metering.db import Database, Direct, utcnow
 from metering.models import Budget, BudgetLease, Hold
 
 log = logging.getLogger("metering.budgets")
@@ -187,13 +189,28 @@ async def expire_leases(db: Database, batch: int = 500) -> int:
 _INSERT_HOLDS = insert(Hold.__table__)
 
 
+@functools.cache
+def _insert_holds_pg(columns: tuple[str, ...]) -> str:
+    """On PostgreSQL, a multi-row INSERT of holds with these columns, passed as one array per
+    column (one statement, whatever the number of rows)."""
+    table = Hold.__table__
+    dialect = postgresql.dialect()
+    arrays = ", ".join(
+        f"CAST(${n} AS {table.c[c].type.compile(dialect=dialect)}[])"
+        for n, c in enumerate(columns, start=1)
+    )
+    return f"INSERT INTO {table.name} ({', '.join(columns)}) SELECT * FROM unnest({arrays})"
+
+
 class HoldWriter:
     """Holds of leased requests, inserted in groups (metering.budgets.groups): one multi-row
-    INSERT for the holds that arrive together. A group that fails is retried one at a time."""
+    INSERT for the holds that arrive together (on PostgreSQL through asyncpg itself, on a
+    connection the writer keeps). A group that fails is retried one at a time."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
         self.groups = GroupWriter(self._write, lambda: RuntimeError("hold not written"))
+        self.direct: Direct | None = None
 
     async def insert(self, row: dict) -> None:
         await self.groups.submit(row)
@@ -203,16 +220,26 @@ class HoldWriter:
         async with self.db.single() as conn:
             await conn.execute(_INSERT_HOLDS, rows)
 
+    async def _many(self, rows: list[dict]) -> None:
+        if self.db.dialect != "postgresql":
+            await self._one(rows)
+            return
+        if self.direct is None:
+            self.direct = Direct(self.db)
+        columns = tuple(rows[0])
+        arrays = [[row[c] for row in rows] for c in columns]
+        async with self.direct.connection() as conn:
+            await conn.execute(_insert_holds_pg(columns), *arrays)
+
     async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
-        if len(batch) > 1:
-            try:
-                await self._one([row for row, _ in batch])
-            except Exception:
-                pass  # one at a time below: the good ones commit
-            else:
-                for _, future in batch:
-                    answer(future)
-                return
+        try:
+            await self._many([row for row, _ in batch])
+        except Exception:
+            pass  # one at a time below: the good ones commit
+        else:
+            for _, future in batch:
+                answer(future)
+            return
         ends = await asyncio.gather(*(self._one([row]) for row, _ in batch), return_exceptions=True)
         for (_, future), end in zip(batch, ends, strict=True):
             answer(future, error=end if isinstance(end, BaseException) else None)

@@ -46,7 +46,7 @@ from metering.alerts import record
 from metering.budgets import rates, settle_pg
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.windows import parse_interval, window_for
-from metering.db import Database, UTCDateTime, dialect_name, utcnow
+from metering.db import AttrRecord, Database, Direct, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
 from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
@@ -740,10 +740,9 @@ def resets_at(row, at: datetime) -> datetime | None:
     return window_for(parse_interval(row.reset_interval), row.anchor_at, at)[1]
 
 
-async def alert_crossings(conn, charged, costs: dict[str, int], people, now: datetime) -> None:
-    """Record the thresholds and soft limits the charged budgets just passed (rows returned by
-    the charge: `spent` after it; before it, `spent - cost`). Nothing is written, and no round
-    trip made, when none was passed."""
+def crossings(charged, costs: dict[str, int], people, now: datetime) -> list[dict]:
+    """The thresholds and soft limits the charged budgets just passed (rows returned by the
+    charge: `spent` after it; before it, `spent - cost`), as alert events to record."""
     events: list[dict] = []
     for row in charged:
         cost = costs.get(row.subject_id, 0)
@@ -766,7 +765,13 @@ async def alert_crossings(conn, charged, costs: dict[str, int], people, now: dat
         events += record.crossings(
             figures, before, thresholds, row.soft_limit, row.window_start, now, user_id
         )
-    await record.write(conn, events)
+    return events
+
+
+async def alert_crossings(conn, charged, costs: dict[str, int], people, now: datetime) -> None:
+    """Record the crossings of the charged budgets; nothing is written, and no round trip
+    made, when none was passed."""
+    await record.write(conn, crossings(charged, costs, people, now))
 
 
 async def _charge(
@@ -873,6 +878,11 @@ class _NotAsWritten(Exception):
     """A hold the one-statement settle took was not the one its reservation wrote."""
 
 
+class _Crossed(Exception):
+    """The one-statement settle passed a threshold: the general path charges it and records
+    the alert in one transaction."""
+
+
 def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
     claim = reservation.claim
     leases = {}
@@ -891,12 +901,10 @@ def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
     )
 
 
-async def _settle_group_pg(
-    db: Database, items: list[tuple[Event, Reservation]]
-) -> list[bool | None]:
-    """_settle_group in one statement (metering.budgets.settle_pg), for settles whose holds
-    carry no rate claim and no run. Raises _NotAsWritten (rolled back) when a hold it took was
-    not the one expected."""
+async def _settle_group_pg(direct: Direct, items: list[tuple[Event, Reservation]]) -> list:
+    """_settle_group in one statement (metering.budgets.settle_pg) through asyncpg itself, for
+    settles whose holds carry no rate claim and no run. Rolled back, raises _NotAsWritten when
+    a hold it took was not the one expected, _Crossed when a budget passed a threshold."""
     holds, adds = [], []
     for event, reservation in items:
         hold = expected_hold(event, reservation)
@@ -904,14 +912,14 @@ async def _settle_group_pg(
         holds.append(hold)
         adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]
     events = [event for event, _ in items]
-    params = settle_pg.parameters(events, holds, adds)
-    now = max(event.created_at for event in events)
-    async with db.begin() as conn:
-        rows = (await conn.execute(settle_pg.STATEMENT, params)).all()
+    args = settle_pg.STATEMENT.args(settle_pg.parameters(events, holds, adds))
+    async with direct.connection(keep=(_NotAsWritten, _Crossed)) as conn, conn.transaction():
+        rows = await conn.fetch(settle_pg.STATEMENT.sql, *args, record_class=AttrRecord)
         ok = set(rows[0].ok or ())
         if set(rows[0].taken or ()) != ok:
             raise _NotAsWritten(sorted(set(rows[0].taken) - ok))
-        if ok:
+        charged = [row for row in rows if row.subject_id is not None]
+        if any(row.credit_limit is not None or row.soft_limit is not None for row in charged):
             costs: dict[str, int] = {}
             for hold_id, subject, cost, _, _ in adds:
                 if hold_id in ok:
@@ -920,8 +928,8 @@ async def _settle_group_pg(
             for hold in holds:
                 if hold.id in ok:
                     _people(people, hold)
-            charged = [row for row in rows if row.subject_id is not None]
-            await alert_crossings(conn, charged, costs, people, now)
+            if crossings(charged, costs, people, max(event.created_at for event in events)):
+                raise _Crossed()
     return [True if event.id in ok else None for event in events]
 
 
@@ -948,6 +956,8 @@ class SettleQueue:
         self.groups = GroupWriter(
             self._write, lambda: LedgerUnavailable("settle interrupted; retry")
         )
+        # On PostgreSQL, the connection of the one-statement settles.
+        self.direct = Direct(db) if db.dialect == "postgresql" else None
         self.grouped = 0  # settles committed in groups of two or more
         self.retried = 0  # groups that failed and were retried one settle at a time
 
@@ -963,9 +973,11 @@ class SettleQueue:
 
     async def _write(self, batch: list[tuple[tuple[Event, Reservation], asyncio.Future]]) -> None:
         items = [item for item, _ in batch]
-        if self.db.dialect == "postgresql" and all(r.plain for _, r in items):
+        if self.direct is not None and all(r.plain for _, r in items):
             try:
-                results = await _settle_group_pg(self.db, items)
+                results = await _settle_group_pg(self.direct, items)
+            except _Crossed:
+                results = await self._general(items)
             except _NotAsWritten:
                 log.error("a settled hold was not the one written; settling by the general path")
                 results = await self._general(items)

@@ -18,8 +18,7 @@ them; the rollup rows in key order.
 
 from dataclasses import dataclass
 
-from sqlalchemy import text
-
+from metering.db import Prepared
 from metering.ledger import rollup, writer
 from metering.ledger.event import Event
 
@@ -79,7 +78,7 @@ SELECT x.taken, x.ok, c.* FROM (
   SELECT (SELECT array_agg(id) FROM taken) AS taken, (SELECT array_agg(id) FROM ok) AS ok
 ) x LEFT JOIN charged c ON true"""
 
-STATEMENT = text(
+STATEMENT = Prepared(
     "WITH "
     + ",\n".join(
         [
