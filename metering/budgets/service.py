@@ -958,6 +958,7 @@ class SettleQueue:
         )
         # On PostgreSQL, the connection of the one-statement settles.
         self.direct = Direct(db) if db.dialect == "postgresql" else None
+        self.one_statement = 0  # settles committed by the one-statement path (PostgreSQL)
         self.grouped = 0  # settles committed in groups of two or more
         self.retried = 0  # groups that failed and were retried one settle at a time
 
@@ -985,8 +986,10 @@ class SettleQueue:
                 self.retried += 1
                 results = [None] * len(batch)  # one at a time below: the good ones commit
             else:
+                settled = sum(1 for result in results if result)
+                self.one_statement += settled
                 if len(batch) > 1:
-                    self.grouped += sum(1 for result in results if result)
+                    self.grouped += settled
         else:
             results = await self._general(items)
         await self._answer(batch, results)

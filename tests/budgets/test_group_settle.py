@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import httpx
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from metering.budgets.service import reserve, settle, settle_queue
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
-from metering.models import Hold, LedgerEvent, SpendHourly
+from metering.models import Budget, Hold, LedgerEvent, SpendHourly
 from tests.budgets.conftest import budget, chat_body, marker, usd
 from tests.budgets.test_crash_recovery import (
     _add_budgets,
@@ -57,7 +57,10 @@ def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
             assert total == REQUESTS * 10 * 150_000 + sum(
                 (1 + i % 40) * 600_000 for i in range(REQUESTS)
             )
-            assert settle_queue(db).grouped >= 2  # some settles shared a transaction
+            queue = settle_queue(db)
+            assert queue.grouped >= 2  # some settles shared a transaction
+            # On PostgreSQL every one of them took the one-statement path.
+            assert queue.one_statement == (REQUESTS if db.dialect == "postgresql" else 0)
             token = subjects["token"]
             assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == REQUESTS
             ids = {event_id for event_id, _ in done}
@@ -132,6 +135,48 @@ def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db):
             for row in (await _budgets(db, subjects)).values():
                 assert (row.spent, row.reserved) == (total, 0)
             assert await _rollup(db, token) == (3, total)
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fresh_db, caplog):
+    """The one-statement settle charges from what the reservation wrote; a hold found otherwise
+    (here its amount raised behind the process's back, with its budgets' `reserved`) is rolled
+    back and settled by the general path, which charges from the hold's row."""
+
+    async def scenario() -> None:
+        db = Database(fresh_db, 4)
+        try:
+            subjects = _subjects()
+            await _add_budgets(db, subjects, "1", "never", utcnow())
+            specs = [_spec(subjects) for _ in range(3)]
+            reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+            changed = specs[1].hold_id
+            async with db.transaction() as session:
+                await session.execute(
+                    update(Hold).where(Hold.id == changed).values(amount=Hold.amount + 7)
+                )
+                await session.execute(
+                    update(Budget)
+                    .where(Budget.subject_id.in_(list(subjects.values())))
+                    .values(reserved=Budget.reserved + 7)
+                )
+            events = [_event(spec, 5) for spec in specs]
+            results = await asyncio.gather(
+                *(settle(db, e, r) for e, r in zip(events, reservations, strict=True))
+            )
+            assert results == [True, True, True]
+            queue = settle_queue(db)
+            assert queue.one_statement == 0  # rolled back whole: nothing charged twice
+            if db.dialect == "postgresql":
+                assert "not the one written" in caplog.text
+            total = sum(e.cost for e in events)
+            for row in (await _budgets(db, subjects)).values():
+                assert (row.spent, row.reserved) == (total, 0)
+            assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 3
+            assert await _rollup(db, subjects["token"]) == (3, total)
         finally:
             await db.dispose()
 
