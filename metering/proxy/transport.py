@@ -49,16 +49,7 @@ def passed_headers(attempt: Attempt, upstream: httpx.Response) -> dict:
 async def open_upstream(attempt: Attempt) -> httpx.Response:
     """Send the request; on a failure before any answer, record it (if it went out) and raise."""
     services, provider = attempt.services, attempt.provider
-    timeout = httpx.Timeout(provider.timeout_s, connect=provider.connect_timeout_s)
-    headers = attempt.dialect.headers(provider)
-    headers["accept-encoding"] = "identity"
-    request = services.upstreams.client(provider.name).build_request(
-        "POST",
-        attempt.dialect.url(provider),
-        content=attempt.upstream_body,
-        headers=headers,
-        timeout=timeout,
-    )
+    request = services.upstreams.chat_request(provider, attempt.dialect, attempt.upstream_body)
     response = None
     try:
         with anyio.CancelScope(
@@ -67,7 +58,7 @@ async def open_upstream(attempt: Attempt) -> httpx.Response:
             attempt.sent = True
             response = await services.upstreams.send(provider.name, request)
             if response.status_code == 202 and attempt.dialect.polls:
-                response = await _poll(attempt, response, headers)
+                response = await _poll(attempt, response)
     except (httpx.HTTPError, OSError) as exc:
         raise _failed(attempt, exc) from exc
     if scope.cancelled_caught:
@@ -89,13 +80,14 @@ def limit_message(attempt: Attempt, limit: Limit) -> str:
     return limit.message(attempt.provider.name, limit.bound(attempt.services.settings))
 
 
-async def _poll(attempt: Attempt, pending: httpx.Response, headers: dict) -> httpx.Response:
+async def _poll(attempt: Attempt, pending: httpx.Response) -> httpx.Response:
     """NVCF answers 202 with NVCF-REQID while the result is being made: poll until it is there."""
     provider, upstreams = attempt.provider, attempt.services.upstreams
     deadline = time.monotonic() + provider.poll_timeout_s
     # The provider's own timeouts, not the client's 5 s default: a status poll may be held.
     timeout = httpx.Timeout(provider.timeout_s, connect=provider.connect_timeout_s)
-    headers = {k: v for k, v in headers.items() if k != "content-type"}
+    headers = {k: v for k, v in attempt.dialect.headers(provider).items() if k != "content-type"}
+    headers["accept-encoding"] = "identity"
     while pending.status_code == 202:
         request_id = pending.headers.get("nvcf-reqid")
         await pending.aclose()

@@ -73,6 +73,7 @@ class Upstreams:
         self.max_connections = max_connections
         self.clients: dict[str, httpx.AsyncClient] = {}
         self.fresh: dict[str, httpx.AsyncClient] = {}  # new connection per request: retries
+        self._made: dict[str, tuple] = {}  # per provider: what its chat requests share
         self.ensure(catalog)
 
     def ensure(self, catalog: Catalog) -> None:
@@ -83,6 +84,23 @@ class Upstreams:
 
     def client(self, provider: str) -> httpx.AsyncClient:
         return self.clients[provider]
+
+    def chat_request(self, provider, dialect, content: bytes) -> httpx.Request:
+        """A chat completion's request to `provider`, built as its client's build_request would
+        build it (the client's default headers, the dialect's, the provider's timeouts) from
+        parts made once per provider: only the body is the request's own."""
+        made = self._made.get(provider.name)
+        if made is None or made[0] is not provider:
+            headers = httpx.Headers(self.clients[provider.name].headers)
+            headers.update(dialect.headers(provider))
+            headers["accept-encoding"] = "identity"
+            timeout = httpx.Timeout(provider.timeout_s, connect=provider.connect_timeout_s)
+            url = httpx.URL(dialect.url(provider))
+            made = self._made[provider.name] = (provider, url, headers, timeout.as_dict())
+        _, url, headers, timeout = made
+        return httpx.Request(
+            "POST", url, content=content, headers=headers, extensions={"timeout": timeout}
+        )
 
     async def send(self, provider: str, request: httpx.Request) -> httpx.Response:
         """Send a request and return its response (headers read, body streamed)."""
