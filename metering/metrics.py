@@ -97,28 +97,68 @@ TTFT = Histogram(
 )
 
 
+class _Route:
+    """The labelled series of one (model, provider), looked up once: the label lookup costs more
+    than the increment."""
+
+    __slots__ = (
+        "requests",
+        "prompt",
+        "cached",
+        "completion",
+        "reasoning",
+        "cost",
+        "latency",
+        "ttft",
+    )
+
+    def __init__(self, model: str, provider: str) -> None:
+        self.requests: dict[str, object] = {}
+        self.prompt = TOKENS.labels(model, provider, "prompt")
+        self.cached = TOKENS.labels(model, provider, "cached")
+        self.completion = TOKENS.labels(model, provider, "completion")
+        self.reasoning = TOKENS.labels(model, provider, "reasoning")
+        self.cost = COST.labels(model, provider)
+        self.latency = LATENCY.labels(model, provider)
+        self.ttft = TTFT.labels(model, provider)
+
+
+_ROUTES: dict[tuple[str, str], _Route] = {}
+_ROUTES_KEPT = 10_000  # routes come from the catalog; the bound is for safety
+
+
+def _route(model: str, provider: str) -> _Route:
+    route = _ROUTES.get((model, provider))
+    if route is None:
+        if len(_ROUTES) >= _ROUTES_KEPT:
+            _ROUTES.clear()
+        route = _ROUTES[(model, provider)] = _Route(model, provider)
+    return route
+
+
 def observe_event(event: Event) -> None:
     """Count one settled ledger event. Never raises: metrics must not fail a request."""
     try:
-        route = (event.model, event.provider)
-        REQUESTS.labels(*route, event.status).inc()
-        kinds = {
-            "prompt": event.prompt_tokens,
-            "cached": event.cached_tokens,
-            "completion": event.completion_tokens,
-            "reasoning": event.reasoning_tokens or 0,
-        }
-        for kind, count in kinds.items():
-            TOKENS.labels(*route, kind).inc(count)
-        COST.labels(*route).inc(float(pico_to_usd(event.cost)))
+        route = _route(event.model, event.provider)
+        requests = route.requests.get(event.status)
+        if requests is None:
+            requests = route.requests[event.status] = REQUESTS.labels(
+                event.model, event.provider, event.status
+            )
+        requests.inc()
+        route.prompt.inc(event.prompt_tokens)
+        route.cached.inc(event.cached_tokens)
+        route.completion.inc(event.completion_tokens)
+        route.reasoning.inc(event.reasoning_tokens or 0)
+        route.cost.inc(float(pico_to_usd(event.cost)))
         if event.usage_anomaly:
-            USAGE_ANOMALIES.labels(*route, event.usage_anomaly).inc()
+            USAGE_ANOMALIES.labels(event.model, event.provider, event.usage_anomaly).inc()
         if event.uncharged:
-            UNCHARGED.labels(*route).inc(float(pico_to_usd(event.uncharged)))
+            UNCHARGED.labels(event.model, event.provider).inc(float(pico_to_usd(event.uncharged)))
         if event.latency_ms is not None:
-            LATENCY.labels(*route).observe(event.latency_ms / 1000)
+            route.latency.observe(event.latency_ms / 1000)
         if event.ttft_ms is not None:
-            TTFT.labels(*route).observe(event.ttft_ms / 1000)
+            route.ttft.observe(event.ttft_ms / 1000)
     except Exception:
         log.exception("could not record metrics for event %s", getattr(event, "id", None))
 

@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
+import orjson
 from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.dialects import postgresql
@@ -191,15 +192,16 @@ _INSERT_HOLDS = insert(Hold.__table__)
 
 @functools.cache
 def _insert_holds_pg(columns: tuple[str, ...]) -> str:
-    """On PostgreSQL, a multi-row INSERT of holds with these columns, passed as one array per
-    column (one statement, whatever the number of rows)."""
+    """On PostgreSQL, a multi-row INSERT of holds with these columns, passed as one JSON array
+    of objects (one statement and one parameter, whatever the number of rows)."""
     table = Hold.__table__
     dialect = postgresql.dialect()
-    arrays = ", ".join(
-        f"CAST(${n} AS {table.c[c].type.compile(dialect=dialect)}[])"
-        for n, c in enumerate(columns, start=1)
+    record = ", ".join(f"{c} {table.c[c].type.compile(dialect=dialect)}" for c in columns)
+    names = ", ".join(columns)
+    return (
+        f"INSERT INTO {table.name} ({names}) "
+        f"SELECT {names} FROM jsonb_to_recordset(CAST($1 AS jsonb)) AS h({record})"
     )
-    return f"INSERT INTO {table.name} ({', '.join(columns)}) SELECT * FROM unnest({arrays})"
 
 
 class HoldWriter:
@@ -226,10 +228,9 @@ class HoldWriter:
             return
         if self.direct is None:
             self.direct = Direct(self.db)
-        columns = tuple(rows[0])
-        arrays = [[row[c] for row in rows] for c in columns]
+        statement = _insert_holds_pg(tuple(rows[0]))
         async with self.direct.connection() as conn:
-            await conn.execute(_insert_holds_pg(columns), *arrays)
+            await conn.execute(statement, orjson.dumps(rows).decode())
 
     async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
         try:

@@ -18,20 +18,21 @@ them; the rollup rows in key order.
 
 from dataclasses import dataclass
 
+import orjson
+
 from metering.db import Prepared
 from metering.ledger import rollup, writer
 from metering.ledger.event import Event
 
 # The holds taken, and those whose row is as the reservation says.
 _TAKE = """
-taken AS (
-  DELETE FROM holds WHERE id = ANY(CAST(:ids AS text[]))
-  RETURNING id, amount, leased, token_lease, user_lease, team_lease, rate_kinds, run_id
-),
 want AS (
-  SELECT * FROM unnest(CAST(:ids AS text[]), CAST(:amounts AS bigint[]),
-    CAST(:leased AS boolean[]), CAST(:token_leases AS text[]), CAST(:user_leases AS text[]),
-    CAST(:team_leases AS text[])) AS w(id, amount, leased, token_lease, user_lease, team_lease)
+  SELECT * FROM jsonb_to_recordset(CAST(:holds AS jsonb)) AS w(id text, amount bigint,
+    leased boolean, token_lease text, user_lease text, team_lease text)
+),
+taken AS (
+  DELETE FROM holds WHERE id IN (SELECT id FROM want)
+  RETURNING id, amount, leased, token_lease, user_lease, team_lease, rate_kinds, run_id
 ),
 ok AS (
   SELECT t.id FROM taken t JOIN want w ON w.id = t.id
@@ -46,9 +47,8 @@ ok AS (
 _CHARGE = """
 adds AS (
   SELECT a.subject_id, a.cost, a.amount, a.lease_id
-  FROM unnest(CAST(:a_hold AS text[]), CAST(:a_subject AS text[]), CAST(:a_cost AS bigint[]),
-    CAST(:a_amount AS bigint[]), CAST(:a_lease AS text[]))
-    AS a(hold_id, subject_id, cost, amount, lease_id)
+  FROM jsonb_to_recordset(CAST(:adds AS jsonb))
+    AS a(hold_id text, subject_id text, cost bigint, amount bigint, lease_id text)
   WHERE a.hold_id IN (SELECT id FROM ok)
 ),
 sums AS (
@@ -85,7 +85,7 @@ STATEMENT = Prepared(
             _TAKE.strip(),
             _CHARGE.strip(),
             writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)"),
-            rollup.pg_arrays_cte("e", "e_in.id IN (SELECT id FROM ok)"),
+            rollup.pg_json_cte("e", "e_in.id IN (SELECT id FROM ok)"),
             *rollup.pg_upserts("e"),
         ]
     )
@@ -111,27 +111,32 @@ class Expected:
 
 
 def parameters(events: list[Event], holds: list[Expected], adds: list[tuple]) -> dict:
-    """The statement's parameters: the holds expected, each hold's additions (hold id, subject,
-    cost, amount, lease id), and the events with their rollup increments."""
-    hold_ids, subjects, costs, amounts, lease_ids = ([] for _ in range(5))
-    for hold_id, subject, cost, amount, lease_id in adds:
-        hold_ids.append(hold_id)
-        subjects.append(subject)
-        costs.append(cost)
-        amounts.append(amount)
-        lease_ids.append(lease_id)
+    """The statement's parameters, each one JSON text: the holds expected, each hold's additions
+    (hold id, subject, cost, amount, lease id), the events and their rollup increments."""
     return {
-        "ids": [h.id for h in holds],
-        "amounts": [h.amount for h in holds],
-        "leased": [h.leased for h in holds],
-        "token_leases": [h.token_lease for h in holds],
-        "user_leases": [h.user_lease for h in holds],
-        "team_leases": [h.team_lease for h in holds],
-        "a_hold": hold_ids,
-        "a_subject": subjects,
-        "a_cost": costs,
-        "a_amount": amounts,
-        "a_lease": lease_ids,
-        **writer.pg_event_arrays(events),
-        **rollup.pg_arrays(events),
+        "holds": _json(
+            [
+                {
+                    "id": h.id,
+                    "amount": h.amount,
+                    "leased": h.leased,
+                    "token_lease": h.token_lease,
+                    "user_lease": h.user_lease,
+                    "team_lease": h.team_lease,
+                }
+                for h in holds
+            ]
+        ),
+        "adds": _json(
+            [
+                {"hold_id": h, "subject_id": s, "cost": c, "amount": a, "lease_id": lease}
+                for h, s, c, a, lease in adds
+            ]
+        ),
+        "events": _json(writer.pg_events(events)),
+        "rollup_rows": _json(rollup.pg_rows(events)),
     }
+
+
+def _json(value) -> str:
+    return orjson.dumps(value).decode()

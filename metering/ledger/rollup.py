@@ -179,27 +179,44 @@ FIGURES = ("requests", *SUMS)
 
 def pg_arrays_cte(name: str = "e", gate: str = "") -> str:
     """On PostgreSQL, the rollup increments passed as arrays (`pg_arrays`), as relation `name`
-    with the columns of KEY and FIGURES; `gate`: a condition on `{name}_in.id`, the event id
-    each row carries, for a caller that writes only some of the rows it passed."""
+    with the columns of KEY and FIGURES."""
     keys = ", ".join(KEY[1:])
     arrays = ", ".join(
-        ["CAST(:r_id AS text[])", "CAST(:hour AS timestamptz[])"]
+        ["CAST(:hour AS timestamptz[])"]
         + [f"CAST(:{k} AS text[])" for k in KEY[1:]]
         + [f"CAST(:{f} AS bigint[])" for f in FIGURES]
     )
     where = f" WHERE {gate}" if gate else ""
     return (
         f"{name} AS (SELECT hour, {keys}, {', '.join(FIGURES)} FROM unnest({arrays}) "
-        f"AS {name}_in(id, hour, {keys}, {', '.join(FIGURES)}){where})"
+        f"AS {name}_in(hour, {keys}, {', '.join(FIGURES)}){where})"
     )
 
 
-def pg_arrays(events: list[Event]) -> dict:
-    """The parameters of pg_arrays_cte: each event's rollup increment, column by column."""
-    rows = [row_for(event) for event in events]
-    arrays = {name: [row[name] for row in rows] for name in (*KEY, *FIGURES)}
-    arrays["r_id"] = [event.id for event in events]
-    return arrays
+def pg_json_cte(name: str = "e", gate: str = "") -> str:
+    """On PostgreSQL, the rollup increments passed as one JSON array (:rollup_rows,
+    `pg_rows`), as relation `name` with the columns of KEY and FIGURES; `gate`: a condition on
+    `{name}_in.id`, the event id each row carries, for a caller that writes only some of them."""
+    record = ", ".join(
+        ["id text", "hour timestamptz"]
+        + [f"{k} text" for k in KEY[1:]]
+        + [f"{f} bigint" for f in FIGURES]
+    )
+    where = f" WHERE {gate}" if gate else ""
+    return (
+        f"{name} AS (SELECT {', '.join((*KEY, *FIGURES))} "
+        f"FROM jsonb_to_recordset(CAST(:rollup_rows AS jsonb)) AS {name}_in({record}){where})"
+    )
+
+
+def pg_rows(events: list[Event]) -> list[dict]:
+    """The parameter of pg_json_cte: each event's rollup increment, with the event's id."""
+    rows = []
+    for event in events:
+        row = row_for(event)
+        row["id"] = event.id
+        rows.append(row)
+    return rows
 
 
 def pg_upserts(source: str = "e") -> list[str]:
@@ -244,7 +261,6 @@ _ALL_PG = text(_statement_pg())
 async def _add_rows(session: AsyncSession, rows: list[dict]) -> None:
     if dialect_name(session) == "postgresql":
         arrays = {name: [row[name] for row in rows] for name in (*KEY, *FIGURES)}
-        arrays["r_id"] = [""] * len(rows)
         await session.execute(_ALL_PG, arrays)
         return
     for rollup, upsert in _UPSERTS["sqlite"]:

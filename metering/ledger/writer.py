@@ -53,23 +53,26 @@ def _pg_type(name: str) -> str:
     return SPECS[name].sql.compile(dialect=postgresql.dialect())
 
 
+# The events as PostgreSQL reads them from a JSON array of objects (pg_events).
+PG_RECORD = ", ".join(f"{name} {_pg_type(name)}" for name in NAMES)
+
+
 def pg_insert_cte(name: str = "ev", gate: str = "") -> str:
-    """On PostgreSQL, a data-modifying WITH query inserting the events passed as arrays
-    (pg_event_arrays), one array per column; `gate`: a condition on `{name}_in.id` for a caller
-    that inserts only some of them."""
-    arrays = ", ".join(f"CAST(:ev_{n} AS {_pg_type(n)}[])" for n in NAMES)
+    """On PostgreSQL, a data-modifying WITH query inserting the events passed as one JSON
+    array (:events, pg_events); `gate`: a condition on `{name}_in.id` for a caller that inserts
+    only some of them."""
     columns = ", ".join(NAMES)
     where = f" WHERE {gate}" if gate else ""
     return (
         f"{name} AS (INSERT INTO {_table.name} ({columns}) "
-        f"SELECT {columns} FROM unnest({arrays}) AS {name}_in({columns}){where})"
+        f"SELECT {columns} FROM jsonb_to_recordset(CAST(:events AS jsonb)) "
+        f"AS {name}_in({PG_RECORD}){where})"
     )
 
 
-def pg_event_arrays(events: list[Event]) -> dict:
-    """The parameters of pg_insert_cte: the events column by column."""
-    rows = [event.params() for event in events]
-    return {f"ev_{n}": [row[n] for row in rows] for n in NAMES}
+def pg_events(events: list[Event]) -> list[dict]:
+    """The events as pg_insert_cte reads them (to be sent as JSON)."""
+    return [event.params() for event in events]
 
 
 @dataclass(frozen=True, slots=True)
