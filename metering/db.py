@@ -182,7 +182,11 @@ class Direct:
         if self._raw is None:
             held = await self.db.engine.connect()
             try:
-                self._raw = (await held.get_raw_connection()).driver_connection
+                raw = (await held.get_raw_connection()).driver_connection
+                # Its statements are the same few, run again and again with new values: planned
+                # once each (a custom plan per run would cost the server more than the run).
+                await raw.execute("SET plan_cache_mode = force_generic_plan")
+                self._raw = raw
             except BaseException:
                 await held.close()
                 raise
