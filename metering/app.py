@@ -34,7 +34,7 @@ from metering.encoding import ContentEncoding
 from metering.errors import error_response, error_responses, install_error_handlers
 from metering.identity.endpoints import router as identity_router
 from metering.metrics import router as metrics_router
-from metering.proxy.direct import DirectChat
+from metering.proxy.endpoints import DirectChat
 from metering.proxy.endpoints import router as proxy_router
 from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions is dispatched ahead of the application's middleware and router
-(metering.proxy.direct): what those layers did for it is done there, and it answers as the
+(metering.proxy.endpoints.DirectChat): what those layers did for it is done there, and it answers as the
 general stack answers. A compressed body, another method or another path takes the general
 stack."""
 
