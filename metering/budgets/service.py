@@ -20,6 +20,7 @@ stay reserved across the roll, and a request is charged to the window it settles
 """
 
 import asyncio
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -420,10 +421,21 @@ class Reservation:
     plain: bool = True
 
     def window_unchanged(self, now: datetime) -> bool:
-        return bool(self.windows) and all(
-            window_for(parse_interval(interval), anchor, now)[0] <= start
-            for interval, anchor, start in self.windows.values()
-        )
+        """Every window the request was reserved in is still the current one."""
+        if not self.windows:
+            return False
+        for window in self.windows.values():
+            end = _window_end(*window)
+            if end is not None and now >= end:
+                return False
+        return True
+
+
+@functools.lru_cache(maxsize=4096)
+def _window_end(interval: str, anchor: datetime | None, start: datetime) -> datetime | None:
+    """When the window that starts at `start` ends (None: never); the same few windows are asked
+    about by every settle."""
+    return window_for(parse_interval(interval), anchor, start)[1]
 
 
 def request_view(spec: HoldSpec, now: datetime) -> BudgetView | None:

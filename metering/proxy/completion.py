@@ -6,7 +6,7 @@ from starlette.responses import Response
 
 from metering.ledger.outcome import Outcome
 from metering.proxy.attempt import Attempt
-from metering.proxy.reported import parse_json_object, summarize_completion
+from metering.proxy.reported import parse_json_object, summarize_object
 from metering.proxy.transport import (
     UpstreamFailed,
     error_answer,
@@ -20,7 +20,10 @@ async def relay_completion(attempt: Attempt, upstream: httpx.Response) -> Respon
     raw = await read_all(attempt, upstream)
     if upstream.status_code >= 400:
         return error_answer(attempt, upstream, raw)
-    usage, finish, upstream_id, tokens = summarize_completion(raw)
+    parsed = parse_json_object(raw)  # None: not a JSON object (bad bytes read as U+FFFD)
+    usage, finish, upstream_id, _ = summarize_object(parsed, count=False)
+    # The delivered text's tokens are an estimate's, needed only when the usage is not usable.
+    tokens = None if usage is not None and usage.usable else summarize_object(parsed)[3]
     outcome = attempt.outcome = Outcome(
         http_status=upstream.status_code,
         usage=usage,
@@ -29,7 +32,7 @@ async def relay_completion(attempt: Attempt, upstream: httpx.Response) -> Respon
         delivered_tokens=tokens,
         ttft_ms=attempt.elapsed_ms(),
     )
-    if not attempt.chat.stream and parse_json_object(raw.decode("utf-8", "replace")) is None:
+    if not attempt.chat.stream and parsed is None:
         outcome.status, outcome.error = "malformed", raw[:2000].decode("utf-8", "replace")
         raise UpstreamFailed(f"provider {attempt.provider.name} sent a malformed answer")
     return Response(raw, upstream.status_code, headers=passed_headers(attempt, upstream))

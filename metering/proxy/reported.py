@@ -276,7 +276,15 @@ def summarize_completion(body: bytes) -> tuple[Usage | None, str | None, str | N
     finish_reason is choice 0's, or else the last non-null one. Garbage gives
     ``(None, None, None, 0)``.
     """
-    obj = parse_json_object(body)
+    return summarize_object(parse_json_object(body))
+
+
+def summarize_object(
+    obj: dict | None, *, count: bool = True
+) -> tuple[Usage | None, str | None, str | None, int]:
+    """summarize_completion of a body already parsed (parse_json_object); without `count`, the
+    generated text's tokens are not estimated (0): only an answer whose usage cannot be used
+    needs them."""
     if obj is None:
         return None, None, None, 0
     upstream_id = obj.get("id")
@@ -284,7 +292,7 @@ def summarize_completion(body: bytes) -> tuple[Usage | None, str | None, str | N
         upstream_id = None
     choices = _choices(obj)
     tokens = TextTokens()
-    for choice in choices:
+    for choice in choices if count else ():
         message = choice.get("message")
         if isinstance(message, dict):
             for part in _output_text(message):
