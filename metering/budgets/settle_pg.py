@@ -31,7 +31,7 @@ want AS (
     leased boolean, token_lease text, user_lease text, team_lease text)
 ),
 taken AS (
-  DELETE FROM holds WHERE id IN (SELECT id FROM want)
+  DELETE FROM holds WHERE id = ANY(ARRAY(SELECT id FROM want))
   RETURNING id, amount, leased, token_lease, user_lease, team_lease, rate_kinds, run_id
 ),
 ok AS (
