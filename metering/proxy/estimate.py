@@ -125,6 +125,9 @@ def _text_cost(text: str) -> float:
     return _cost(*_counts(_stand_ins(text)))
 
 
+_HELD_CHARS = 16_384  # text a TextTokens holds before counting it
+
+
 class TextTokens:
     """estimate_text_tokens of a text given in parts (a stream's deltas), in bounded memory.
 
@@ -134,7 +137,7 @@ class TextTokens:
     by length at the rate the exact part had.
     """
 
-    __slots__ = ("_counts", "_carry", "_left", "_exact_chars", "_extra_chars")
+    __slots__ = ("_counts", "_carry", "_left", "_exact_chars", "_extra_chars", "_pending", "_held")
 
     def __init__(self, exact_chars: int = EXACT_TEXT_CHARS) -> None:
         self._counts = [0, 0, 0, 0, 0]
@@ -142,10 +145,25 @@ class TextTokens:
         self._left = exact_chars
         self._exact_chars = 0
         self._extra_chars = 0
+        # Parts not counted yet: counted when the estimate is asked for (most answers report a
+        # usage that is used, and their text is never counted) or once they hold _HELD_CHARS.
+        self._pending: list[str] = []
+        self._held = 0
 
     def add(self, text: str) -> None:
         if not text:
             return
+        self._pending.append(text)
+        self._held += len(text)
+        if self._held > _HELD_CHARS:
+            self._count_pending()
+
+    def _count_pending(self) -> None:
+        pending, self._pending, self._held = self._pending, [], 0
+        for text in pending:
+            self._count(text)
+
+    def _count(self, text: str) -> None:
         if len(text) > self._left:
             self._extra_chars += len(text) - self._left
             text = text[: self._left]
@@ -166,6 +184,7 @@ class TextTokens:
                 self._counts[i] += n
 
     def cost(self) -> float:
+        self._count_pending()
         counts = self._counts
         if self._carry:
             counts = [a + b for a, b in zip(counts, _counts(self._carry), strict=True)]

@@ -117,12 +117,16 @@ class StreamRelay:
     def outcome(self, client_gone: bool = False) -> Outcome:
         """How the stream ended, what it reported and delivered."""
         observer = self.observer
+        usage = observer.usage
         outcome = Outcome(
             http_status=self.upstream.status_code,
-            usage=observer.usage,
+            usage=usage,
             finish_reason=observer.finish_reason,
             upstream_id=observer.upstream_id,
-            delivered_tokens=observer.delivered_tokens(),
+            # An estimate's, needed only when the usage cannot be used: not counted otherwise.
+            delivered_tokens=None
+            if usage is not None and usage.usable
+            else observer.delivered_tokens(),
             ttft_ms=self.ttft_ms,
         )
         if self.limit is not None:
