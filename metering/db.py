@@ -1,9 +1,7 @@
 """Engines, sessions and the declarative Base (one naming convention for every constraint)."""
 
-import asyncio
 import contextlib
 import re
-import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -163,49 +161,32 @@ class AttrRecord(asyncpg.Record):
 
 
 class Direct:
-    """One pooled PostgreSQL connection kept by a writer that writes one group at a time (the
-    settle and hold group writers), used through asyncpg itself: no statement building and no
-    result wrapping per call, and no checkout per group. Any error drops it (invalidated, so
-    the pool opens a new one); the writer's general path, through SQLAlchemy, then answers."""
+    """A pooled PostgreSQL connection used through asyncpg itself, for a writer's statement
+    that runs for every request (the settle and hold group writers): no statement building and
+    no result wrapping per call. Taken from the pool for one group and given back, so the pool's
+    bound still holds every connection. A failure the server did not report (a connection lost,
+    a cancellation mid-statement) invalidates it; the writer's general path, through
+    SQLAlchemy, then answers."""
 
     def __init__(self, db: "Database") -> None:
         self.db = db
-        self.loop = asyncio.get_running_loop()
-        self._held = None  # the SQLAlchemy connection it came from
-        self._raw = None
-        db.directs.add(self)
 
     @asynccontextmanager
     async def connection(self, keep: tuple[type[BaseException], ...] = ()):
-        """The asyncpg connection; an error raised inside drops it, but for those in `keep`
-        (the caller's own, raised with the connection in a sound state)."""
-        if self._raw is None:
-            held = await self.db.engine.connect()
+        """The asyncpg connection; errors raised inside propagate (`keep`: the caller's own,
+        raised with the connection in a sound state)."""
+        async with self.db.engine.connect() as held:
+            raw = (await held.get_raw_connection()).driver_connection
             try:
-                raw = (await held.get_raw_connection()).driver_connection
-                # Its statements are the same few, run again and again with new values: planned
-                # once each (a custom plan per run would cost the server more than the run).
-                await raw.execute("SET plan_cache_mode = force_generic_plan")
-                self._raw = raw
-            except BaseException:
-                await held.close()
+                yield raw
+            except keep:
                 raise
-            self._held = held
-        try:
-            yield self._raw
-        except keep:
-            raise
-        except BaseException:
-            await self.drop()
-            raise
-
-    async def drop(self) -> None:
-        held, self._held, self._raw = self._held, None, None
-        if held is not None:
-            with contextlib.suppress(Exception):
-                await held.invalidate()
-            with contextlib.suppress(Exception):
-                await held.close()
+            except asyncpg.PostgresError:
+                raise  # the server refused a statement: the connection is sound
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await held.invalidate()
+                raise
 
 
 class Database:
@@ -220,7 +201,6 @@ class Database:
         self.read_engine = _sqlite_reader(url) if self.dialect == "sqlite" else self.engine
         self.reads = async_sessionmaker(self.read_engine, expire_on_commit=False)
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-        self.directs: weakref.WeakSet[Direct] = weakref.WeakSet()
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
@@ -238,10 +218,6 @@ class Database:
         return self._autocommit.connect()
 
     async def dispose(self) -> None:
-        loop = asyncio.get_running_loop()
-        for direct in list(self.directs):
-            if direct.loop is loop:
-                await direct.drop()
         await self.engine.dispose()
         if self.read_engine is not self.engine:
             await self.read_engine.dispose()
