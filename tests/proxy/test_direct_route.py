@@ -79,3 +79,20 @@ def test_the_route_is_still_in_the_openapi_document(api):
     document = api.ok("GET", "/openapi.json")
     assert "post" in document["paths"][PATH]
     assert json.dumps(document["paths"][PATH]["post"]["responses"]).count("402") >= 1
+
+
+def test_a_bug_answers_an_openai_shaped_500_with_one_request_id(api, monkeypatch, caplog):
+    """What the application's last-resort handler answers: the error's shape holds, the request
+    id is given once, and the failure is logged."""
+    from metering.proxy import endpoints
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(endpoints, "serve", broken)
+    _, _, token = api.principal()
+    response = _post(api, chat_body(f"bug {marker()}"), token["token"])
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["code"] == "internal_error"
+    _one_request_id(response)
+    assert "a bug" in caplog.text
