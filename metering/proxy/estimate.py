@@ -58,6 +58,7 @@ parts, so a stream's text is never held in memory.
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -147,7 +148,7 @@ class TextTokens:
         self._extra_chars = 0
         # Parts not counted yet: counted when the estimate is asked for (most answers report a
         # usage that is used, and their text is never counted) or once they hold _HELD_CHARS.
-        self._pending: list[str] = []
+        self._pending: list = []  # text, or (source, parts) to take text from
         self._held = 0
 
     def add(self, text: str) -> None:
@@ -158,10 +159,24 @@ class TextTokens:
         if self._held > _HELD_CHARS:
             self._count_pending()
 
+    def add_later(self, source: str, parts: Callable[[str], list[str]]) -> None:
+        """Text still to be taken out of `source` by `parts(source)`, in its turn, if the count
+        is ever asked for."""
+        self._pending.append((source, parts))
+        self._held += len(source)
+        if self._held > _HELD_CHARS:
+            self._count_pending()
+
     def _count_pending(self) -> None:
         pending, self._pending, self._held = self._pending, [], 0
-        for text in pending:
-            self._count(text)
+        for item in pending:
+            if isinstance(item, str):
+                self._count(item)
+            else:
+                source, parts = item
+                for text in parts(source):
+                    if text:
+                        self._count(text)
 
     def _count(self, text: str) -> None:
         if len(text) > self._left:

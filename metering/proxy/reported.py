@@ -214,28 +214,60 @@ def _error(obj: dict) -> dict | None:
     return None
 
 
+# What makes a stream event matter beyond its text: a non-null finish_reason, a usage object,
+# an error; or an escape (\\u), which could spell any key. An event with none of these is read
+# only if its text is ever needed (the usage cannot be used), and then in its turn.
+_MATTERS = re.compile(r'\\u|"(?:finish_reason"\s*:\s*"|usage"\s*:\s*\{|error")')
+
+
+def _event_text(data: str) -> list[str]:
+    """The generated text of one stream event's data (see StreamObserver)."""
+    obj = parse_json_object(data)
+    return _delta_text(obj) if obj is not None else []
+
+
+def _delta_text(obj: dict) -> list[str]:
+    parts: list[str] = []
+    for choice in _choices(obj):
+        delta = choice.get("delta")
+        # Legacy /v1/completions streams put the text on the choice itself.
+        if isinstance(delta, dict):
+            parts += _output_text(delta)
+        if isinstance(text := choice.get("text"), str) and text:
+            parts.append(text)
+    return parts
+
+
 class StreamObserver:
-    """Reads the JSON of each SSE data payload of a chat completion stream.
+    """Reads the JSON of a chat completion stream's SSE data payloads.
 
     The delivered text is not kept: each part is counted as it comes (see TextTokens), so memory
-    stays flat however long the stream runs.
+    stays flat however long the stream runs. With `lazy`, an event that can only add text (the
+    stream's id is known and it has no finish_reason, usage or error: most of a stream) is not
+    parsed when it comes but handed to the count as it is, and parsed only if the count is asked
+    for (bounded as the text is).
     """
 
-    __slots__ = ("usage", "finish_reason", "upstream_id", "error", "_tokens")
+    __slots__ = ("usage", "finish_reason", "upstream_id", "error", "lazy", "_tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, lazy: bool = False) -> None:
         self.usage: Usage | None = None  # the last non-null usage seen
         self.finish_reason: str | None = None  # the last non-null finish_reason seen
         self.upstream_id: str | None = None  # the first non-empty id seen
         self.error: dict | None = None  # the error object, if an error event came
+        self.lazy = lazy
         self._tokens = TextTokens()
 
     def observe(self, data: str | None) -> dict | None:
-        """Take one event's data; returns the parsed object so callers parse it once.
+        """Take one event's data; returns the parsed object so callers parse it once (None for
+        an event read lazily).
 
         None and the ``[DONE]`` sentinel are ignored (and return None).
         """
         if data is None or data == "[DONE]":
+            return None
+        if self.lazy and self.upstream_id is not None and _MATTERS.search(data) is None:
+            self._tokens.add_later(data, _event_text)
             return None
         obj = parse_json_object(data)
         if obj is None:
@@ -254,13 +286,8 @@ class StreamObserver:
             reason = choice.get("finish_reason")
             if isinstance(reason, str) and reason:
                 self.finish_reason = reason
-            delta = choice.get("delta")
-            # Legacy /v1/completions streams put the text on the choice itself.
-            parts = _output_text(delta) if isinstance(delta, dict) else []
-            if isinstance(text := choice.get("text"), str) and text:
-                parts.append(text)
-            for part in parts:
-                self._tokens.add(part)
+        for part in _delta_text(obj):
+            self._tokens.add(part)
         return obj
 
     def delivered_tokens(self) -> int:

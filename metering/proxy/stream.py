@@ -55,7 +55,8 @@ class StreamRelay:
         on_chunk: Callable[[dict], None] | None = None,
     ) -> None:
         self.attempt, self.upstream = attempt, upstream
-        self.observer = StreamObserver()
+        # Every event is read when it comes only for a caller that is handed each one.
+        self.observer = StreamObserver(lazy=on_chunk is None)
         self.withhold_usage = withhold_usage
         self.on_chunk = on_chunk
         self.done: bytes | None = None  # the raw [DONE] event, once it came

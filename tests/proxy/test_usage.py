@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -240,3 +241,69 @@ def test_summarize_completion_garbage():
     for body in (b"", b"garbage", b"[]", b"\xff\xfe", b'{"choices": 5, "id": 3}', b"null"):
         assert summarize_completion(body)[1:] == (None, None, 0)
         assert summarize_completion(body)[0] is None
+
+
+def _read(observer: StreamObserver, events: list[str]) -> tuple:
+    for data in events:
+        observer.observe(data)
+    return (
+        observer.upstream_id,
+        observer.finish_reason,
+        observer.usage,
+        observer.error,
+        observer.delivered_tokens(),
+    )
+
+
+LAZY_STREAMS = {
+    "plain": [
+        chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}}]),
+        *(
+            chunk(choices=[{"delta": {"content": f"word{i} "}, "finish_reason": None}])
+            for i in range(30)
+        ),
+        chunk(choices=[{"delta": {"content": "end."}, "finish_reason": "stop"}]),
+        chunk(choices=[], usage={"prompt_tokens": 9, "completion_tokens": 31}),
+        "[DONE]",
+    ],
+    # No usage: the estimate needs every event's text, in order, runs cut across events.
+    "no usage": [
+        chunk(choices=[{"delta": {"content": "Hel"}}]),
+        chunk(choices=[{"delta": {"content": "lo wor"}}]),
+        chunk(choices=[{"delta": {"reasoning_content": "ld 12"}}]),
+        chunk(choices=[{"delta": {"content": "34"}, "finish_reason": "length"}]),
+        chunk(choices=[{"text": " legacy"}]),
+    ],
+    # Keys spelled with escapes, spaces around the colon, an error in the middle.
+    "escapes": [
+        chunk(choices=[{"delta": {"content": "a"}}]),
+        '{"id": "x", "choices": [{"delta": {"content": "b"}, "finish_reason" :  "stop"}]}',
+        '{"id": "x", "\\u0075sage": {"prompt_tokens": 3, "completion_tokens": 2}}',
+        '{"id": "x", "error": {"message": "overloaded"}}',
+        chunk(choices=[{"delta": {"content": "c"}}], usage=None),
+        "not json",
+    ],
+    # More text than the count holds unread: read in its turn, in bounded memory.
+    "long": [chunk(choices=[{"delta": {"content": "x" * 3000 + f" {i} "}}]) for i in range(40)],
+    # No id until the third event: events are read until it comes.
+    "late id": [
+        json.dumps({"choices": [{"delta": {"content": "one "}}]}),
+        json.dumps({"id": "", "choices": [{"delta": {"content": "two "}}]}),
+        json.dumps({"id": "late", "choices": [{"delta": {"content": "three"}}]}),
+        json.dumps({"id": "other", "choices": [{"delta": {"content": " four"}}]}),
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAZY_STREAMS))
+def test_a_lazy_observer_reads_a_stream_as_an_eager_one(name):
+    events = LAZY_STREAMS[name]
+    eager = _read(StreamObserver(), events)
+    lazy_observer = StreamObserver(lazy=True)
+    assert _read(lazy_observer, events) == eager
+    # The events that only add text were left unparsed (for all but the unusual streams).
+    if name == "plain":
+        observer = StreamObserver(lazy=True)
+        returned = [observer.observe(data) for data in events]
+        assert sum(obj is not None for obj in returned) == 3  # the first, the finish, the usage
+    assert eager[4] > 0
