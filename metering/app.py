@@ -2,7 +2,6 @@
 
 import asyncio
 import logging
-import uuid
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -12,7 +11,6 @@ from pydantic import BaseModel
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering import jobs, metrics
 from metering.alerts.endpoints import router as alerts_router
@@ -41,6 +39,7 @@ from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
 from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reports_router
+from metering.requestid import RequestId
 from metering.services import Services, get_services
 from metering.settings import Catalog, Settings, load_catalog
 
@@ -56,29 +55,6 @@ class Health(BaseModel):
 
 class Ready(BaseModel):
     status: Literal["ready"]
-
-
-class RequestId:
-    """Gives every request an id (the ledger event's id for the proxy) and every response x-request-id."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        state = scope.setdefault("state", {})
-        state["request_id"] = f"req_{uuid.uuid4().hex}"
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                # Read when the answer starts: after a failover it names the final attempt.
-                header = (b"x-request-id", state["request_id"].encode())
-                message["headers"] = [*message.get("headers", []), header]
-            await send(message)
-
-        await self.app(scope, receive, send_with_id)
 
 
 def _ledger_unavailable(request: Request, exc: Exception) -> JSONResponse:

@@ -160,35 +160,6 @@ class AttrRecord(asyncpg.Record):
             raise AttributeError(name) from None
 
 
-class Direct:
-    """A pooled PostgreSQL connection used through asyncpg itself, for a writer's statement
-    that runs for every request (the settle and hold group writers): no statement building and
-    no result wrapping per call. Taken from the pool for one group and given back, so the pool's
-    bound still holds every connection. A failure the server did not report (a connection lost,
-    a cancellation mid-statement) invalidates it; the writer's general path, through
-    SQLAlchemy, then answers."""
-
-    def __init__(self, db: "Database") -> None:
-        self.db = db
-
-    @asynccontextmanager
-    async def connection(self, keep: tuple[type[BaseException], ...] = ()):
-        """The asyncpg connection; errors raised inside propagate (`keep`: the caller's own,
-        raised with the connection in a sound state)."""
-        async with self.db.engine.connect() as held:
-            raw = (await held.get_raw_connection()).driver_connection
-            try:
-                yield raw
-            except keep:
-                raise
-            except asyncpg.PostgresError:
-                raise  # the server refused a statement: the connection is sound
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await held.invalidate()
-                raise
-
-
 class Database:
     def __init__(self, url: str, pool_size: int = 20) -> None:
         self.url = url
@@ -211,6 +182,27 @@ class Database:
     def begin(self):
         """A Core connection in a transaction, for the proxy's hot path: lighter than a Session."""
         return self.engine.begin()
+
+    @asynccontextmanager
+    async def raw(self, keep: tuple[type[BaseException], ...] = ()):
+        """A pooled PostgreSQL connection used through asyncpg itself, for a writer's statement
+        that runs for every request (the settle and hold group writers): no statement building
+        and no result wrapping per call. Taken from the pool for one group and given back, so
+        the pool's bound holds every connection. A failure the server did not report (a
+        connection lost, a cancellation mid-statement) invalidates it; `keep`: the caller's own
+        errors, raised with the connection in a sound state."""
+        async with self.engine.connect() as held:
+            raw = (await held.get_raw_connection()).driver_connection
+            try:
+                yield raw
+            except keep:
+                raise
+            except asyncpg.PostgresError:
+                raise  # the server refused a statement: the connection is sound
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await held.invalidate()
+                raise
 
     def single(self):
         """A Core connection in autocommit: each statement is its own transaction, with no

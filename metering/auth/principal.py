@@ -98,6 +98,17 @@ async def open_access() -> None:
     """Declares a route that anyone may call, with no credential."""
 
 
+def refreshed_headers(state: dict) -> list[tuple[bytes, bytes]]:
+    """The headers of the pair a `refresh-token` header made for this request, if any."""
+    pair = state.get("refreshed_pair")
+    if pair is None:
+        return []
+    return [
+        (b"x-access-token", pair.access_token.encode()),
+        (b"x-refresh-token", pair.refresh_token.encode()),
+    ]
+
+
 class RefreshedTokenHeaders:
     """Puts the pair made by a `refresh-token` header on the response, whatever its status and
     also when it streams: the old refresh token is spent, so the client must get the new one."""
@@ -111,13 +122,10 @@ class RefreshedTokenHeaders:
             return
 
         async def send_with_pair(message: Message) -> None:
-            pair = scope.get("state", {}).get("refreshed_pair")
-            if message["type"] == "http.response.start" and pair is not None:
-                message["headers"] = [
-                    *message.get("headers", []),
-                    (b"x-access-token", pair.access_token.encode()),
-                    (b"x-refresh-token", pair.refresh_token.encode()),
-                ]
+            if message["type"] == "http.response.start":
+                pair = refreshed_headers(scope.get("state", {}))
+                if pair:
+                    message["headers"] = [*message.get("headers", []), *pair]
             await send(message)
 
         await self.app(scope, receive, send_with_pair)

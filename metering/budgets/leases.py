@@ -59,7 +59,7 @@ from metering.budgets.service import (
     roll,
     view,
 )
-from metering.db import Database, Direct, utcnow
+from metering.db import Database, utcnow
 from metering.models import Budget, BudgetLease, Hold
 
 log = logging.getLogger("metering.budgets")
@@ -206,13 +206,12 @@ def _insert_holds_pg(columns: tuple[str, ...]) -> str:
 
 class HoldWriter:
     """Holds of leased requests, inserted in groups (metering.budgets.groups): one multi-row
-    INSERT for the holds that arrive together (on PostgreSQL through asyncpg itself, on a
-    connection the writer keeps). A group that fails is retried one at a time."""
+    INSERT for the holds that arrive together (on PostgreSQL through asyncpg itself). A group
+    that fails is retried one at a time."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
         self.groups = GroupWriter(self._write, lambda: RuntimeError("hold not written"))
-        self.direct: Direct | None = None
 
     async def insert(self, row: dict) -> None:
         await self.groups.submit(row)
@@ -226,10 +225,8 @@ class HoldWriter:
         if self.db.dialect != "postgresql":
             await self._one(rows)
             return
-        if self.direct is None:
-            self.direct = Direct(self.db)
         statement = _insert_holds_pg(tuple(rows[0]))
-        async with self.direct.connection() as conn:
+        async with self.db.raw() as conn:
             await conn.execute(statement, orjson.dumps(rows).decode())
 
     async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:

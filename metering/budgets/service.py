@@ -47,7 +47,7 @@ from metering.alerts import record
 from metering.budgets import rates, settle_pg
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.windows import parse_interval, window_for
-from metering.db import AttrRecord, Database, Direct, UTCDateTime, dialect_name, utcnow
+from metering.db import AttrRecord, Database, UTCDateTime, dialect_name, utcnow
 from metering.errors import LedgerUnavailable
 from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
@@ -913,7 +913,7 @@ def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
     )
 
 
-async def _settle_group_pg(direct: Direct, items: list[tuple[Event, Reservation]]) -> list:
+async def _settle_group_pg(db: Database, items: list[tuple[Event, Reservation]]) -> list:
     """_settle_group in one statement (metering.budgets.settle_pg) through asyncpg itself, for
     settles whose holds carry no rate claim and no run. Rolled back, raises _NotAsWritten when
     a hold it took was not the one expected, _Crossed when a budget passed a threshold."""
@@ -925,7 +925,7 @@ async def _settle_group_pg(direct: Direct, items: list[tuple[Event, Reservation]
         adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]
     events = [event for event, _ in items]
     args = settle_pg.STATEMENT.args(settle_pg.parameters(events, holds, adds))
-    async with direct.connection(keep=(_NotAsWritten, _Crossed)) as conn, conn.transaction():
+    async with db.raw(keep=(_NotAsWritten, _Crossed)) as conn, conn.transaction():
         rows = await conn.fetch(settle_pg.STATEMENT.sql, *args, record_class=AttrRecord)
         ok = set(rows[0].ok or ())
         if set(rows[0].taken or ()) != ok:
@@ -968,8 +968,6 @@ class SettleQueue:
         self.groups = GroupWriter(
             self._write, lambda: LedgerUnavailable("settle interrupted; retry")
         )
-        # On PostgreSQL, the connection of the one-statement settles.
-        self.direct = Direct(db) if db.dialect == "postgresql" else None
         self.one_statement = 0  # settles committed by the one-statement path (PostgreSQL)
         self.grouped = 0  # settles committed in groups of two or more
         self.retried = 0  # groups that failed and were retried one settle at a time
@@ -986,9 +984,9 @@ class SettleQueue:
 
     async def _write(self, batch: list[tuple[tuple[Event, Reservation], asyncio.Future]]) -> None:
         items = [item for item, _ in batch]
-        if self.direct is not None and all(r.plain for _, r in items):
+        if self.db.dialect == "postgresql" and all(r.plain for _, r in items):
             try:
-                results = await _settle_group_pg(self.direct, items)
+                results = await _settle_group_pg(self.db, items)
             except _Crossed:
                 results = await self._general(items)
             except _NotAsWritten:

@@ -5,7 +5,6 @@ import json
 import logging
 import re
 import time
-import uuid
 from dataclasses import replace
 
 from fastapi import APIRouter, Depends, Request
@@ -18,6 +17,7 @@ from metering.auth.principal import (
     Principal,
     any_principal,
     authenticate,
+    refreshed_headers,
     user_principal,
 )
 from metering.budgets.rates import release_claim
@@ -34,6 +34,7 @@ from metering.proxy.forward import forward
 from metering.proxy.request import parse_json, read_body, validate
 from metering.proxy.routing import candidates, parse_model
 from metering.proxy.transport import FailedBeforeAnswer
+from metering.requestid import new_request_id, request_id_header
 from metering.services import Services, get_services
 from metering.settings import ModelRoute
 from metering.timefmt import rfc3339
@@ -339,25 +340,18 @@ class DirectChat:
             return
         scope["app"] = self.application
         state = scope.setdefault("state", {})
-        state["request_id"] = f"req_{uuid.uuid4().hex}"
+        new_request_id(state)
         started = False
 
         async def send_with_headers(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                # Read when the answer starts: after a failover it names the final attempt.
-                headers = [
+                message["headers"] = [
                     *message.get("headers", ()),
-                    (b"x-request-id", state["request_id"].encode()),
+                    request_id_header(state),
+                    *refreshed_headers(state),
                 ]
-                pair = state.get("refreshed_pair")
-                if pair is not None:
-                    headers += [
-                        (b"x-access-token", pair.access_token.encode()),
-                        (b"x-refresh-token", pair.refresh_token.encode()),
-                    ]
-                message["headers"] = headers
             await send(message)
 
         request = Request(scope, receive, send_with_headers)
