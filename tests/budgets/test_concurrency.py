@@ -7,12 +7,21 @@ on each backend a smaller run goes through the in-process test server.
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
+from pathlib import Path
 
 import openai
 import pytest
 
-from tests.budgets.conftest import budget, chat, marker, new_pg_database, replicas, usd
-from tests.conftest import Api
+from tests.budgets.conftest import (
+    budget,
+    chat,
+    marker,
+    new_pg_database,
+    replicas,
+    to_toml,
+    usd,
+)
+from tests.conftest import Api, catalog_for
 
 MAX_TOKENS = 64
 # gpt-sim: a request of about 20 prompt tokens and 64 completion tokens costs about 0.0000414.
@@ -96,12 +105,25 @@ def _team_burst(admin: Api, urls: list[str], limit: Decimal, requests: int, thre
 
 
 @pytest.fixture(scope="module")
-def two_replicas(catalog_file, tmp_path_factory):
+def patient_catalog(sim, tmp_path_factory) -> Path:
+    """The test catalog with a patient upstream timeout: these bursts test budgets, and 50
+    client threads share this process with the simulated upstream, which a loaded machine can
+    slow past the catalog's 2 s."""
+    catalog = catalog_for(sim)
+    for provider in catalog["providers"].values():
+        provider["timeout_s"] = 60
+    path = tmp_path_factory.mktemp("patient") / "metering.toml"
+    path.write_text(to_toml(catalog))
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_replicas(patient_catalog, tmp_path_factory):
     """Two `metering serve` processes on one new PostgreSQL database, started at once (both
     race to apply the migrations; an advisory lock serializes them)."""
     with (
         new_pg_database() as url,
-        replicas(catalog_file, tmp_path_factory.mktemp("replicas")) as start,
+        replicas(patient_catalog, tmp_path_factory.mktemp("replicas")) as start,
         ThreadPoolExecutor(2) as pool,
     ):
         yield list(pool.map(lambda _: start(url), range(2)))
