@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
+import asyncpg
 from sqlalchemy import (
     BigInteger,
     Row,
@@ -886,13 +887,9 @@ async def _settle_group(db: Database, items: list[tuple[Event, Reservation]]) ->
     return results
 
 
-class _NotAsWritten(Exception):
-    """A hold the one-statement settle took was not the one its reservation wrote."""
-
-
 class _Crossed(Exception):
-    """The one-statement settle passed a threshold: the general path charges it and records
-    the alert in one transaction."""
+    """The one-statement settle passed a threshold and was aborted: the general path charges
+    it and records the alert in one transaction."""
 
 
 def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
@@ -915,8 +912,9 @@ def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
 
 async def _settle_group_pg(db: Database, items: list[tuple[Event, Reservation]]) -> list:
     """_settle_group in one statement (metering.budgets.settle_pg) through asyncpg itself, for
-    settles whose holds carry no rate claim and no run. Rolled back, raises _NotAsWritten when
-    a hold it took was not the one expected, _Crossed when a budget passed a threshold."""
+    settles whose holds carry no rate claim and no run: True for each settle it committed,
+    None for each it left to be settled alone (hold swept, or not as its reservation wrote it).
+    Raises _Crossed, with nothing written, when a budget would pass a threshold."""
     holds, adds = [], []
     for event, reservation in items:
         hold = expected_hold(event, reservation)
@@ -925,23 +923,19 @@ async def _settle_group_pg(db: Database, items: list[tuple[Event, Reservation]])
         adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]
     events = [event for event, _ in items]
     args = settle_pg.STATEMENT.args(settle_pg.parameters(events, holds, adds))
-    async with db.raw(keep=(_NotAsWritten, _Crossed)) as conn, conn.transaction():
-        rows = await conn.fetch(settle_pg.STATEMENT.sql, *args, record_class=AttrRecord)
-        ok = set(rows[0].ok or ())
-        if set(rows[0].taken or ()) != ok:
-            raise _NotAsWritten(sorted(set(rows[0].taken) - ok))
-        charged = [row for row in rows if row.subject_id is not None]
-        if any(row.credit_limit is not None or row.soft_limit is not None for row in charged):
-            costs: dict[str, int] = {}
-            for hold_id, subject, cost, _, _ in adds:
-                if hold_id in ok:
-                    costs[subject] = costs.get(subject, 0) + cost
-            people: dict = {}
-            for hold in holds:
-                if hold.id in ok:
-                    _people(people, hold)
-            if crossings(charged, costs, people, max(event.created_at for event in events)):
-                raise _Crossed()
+    try:
+        async with db.raw() as conn:
+            row = await conn.fetchrow(settle_pg.STATEMENT.sql, *args, record_class=AttrRecord)
+    except asyncpg.PostgresError as exc:
+        if exc.sqlstate == settle_pg.ABORTED:
+            raise _Crossed() from None
+        raise
+    ok = set(row.ok or ())
+    if not_as_written := set(row.seen or ()) - ok:
+        log.error(
+            "settled holds were not the ones written (%s); settling them by the general path",
+            ", ".join(sorted(not_as_written)),
+        )
     return [True if event.id in ok else None for event in events]
 
 
@@ -988,9 +982,6 @@ class SettleQueue:
             try:
                 results = await _settle_group_pg(self.db, items)
             except _Crossed:
-                results = await self._general(items)
-            except _NotAsWritten:
-                log.error("a settled hold was not the one written; settling by the general path")
                 results = await self._general(items)
             except Exception:
                 self.retried += 1

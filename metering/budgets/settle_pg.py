@@ -1,16 +1,19 @@
 """On PostgreSQL, a group of settles in one statement: the holds taken, the budgets and leases
-charged, the events inserted and every rollup kept, by one data-modifying WITH query inside
-the group's transaction (one round trip instead of one per step).
+charged, the events inserted and every rollup kept, by one data-modifying WITH query run on its
+own, with no BEGIN and COMMIT (one round trip for the whole group, and a statement is atomic).
 
 It serves the settles whose holds this process wrote and knows whole: its amount and leases
 are the reservation's, and it carries no rate claim and no run (those take the general path,
 metering.budgets.service._settle_group). What each hold adds to each budget and lease is
-worked out here from the reservation, as the general path works it out from the hold's row,
-and the statement applies a hold's additions only if its row, taken by the same statement, is
-the one expected (`ok`). A hold found but not as expected (never seen: it would be a bug) makes
-the caller roll the whole group back and take the general path; a hold not found (swept while
-its request ran) is charged by nothing here and settles alone afterwards, as in the general
-path.
+worked out here from the reservation, as the general path works it out from the hold's row;
+the statement deletes a hold only if its row is the one expected, and charges only the holds
+it deleted (`ok`). A hold seen but not as expected (never seen: it would be a bug) or not
+found (swept while its request ran) is left to the caller, which settles it alone by the
+general path, from its row or as a settle after the sweep.
+
+A charge that passes an alert threshold or a soft limit aborts the whole statement
+(`metering_abort`, SQLSTATE MT001): the alert must be recorded in the charge's transaction,
+which the general path does.
 
 Budgets are locked in subject_id order before they are charged, as every writer here locks
 them; the rollup rows in key order.
@@ -20,27 +23,36 @@ from dataclasses import dataclass
 
 import orjson
 
+from metering.alerts.record import DEFAULT_THRESHOLDS
 from metering.db import Prepared
 from metering.ledger import rollup, writer
 from metering.ledger.event import Event
 
-# The holds taken, and those whose row is as the reservation says.
+# The SQLSTATE metering_abort raises (migration 0014), and the message this statement gives it.
+ABORTED = "MT001"
+CROSSED_MESSAGE = "metering: the settle passed an alert threshold; the general path writes it"
+_DEFAULT_THRESHOLDS = orjson.dumps(list(DEFAULT_THRESHOLDS)).decode()
+
+# The holds expected, those seen (the statement's snapshot) and those taken: a hold is deleted
+# only if its row is the one the reservation wrote.
 _TAKE = """
 want AS (
   SELECT * FROM jsonb_to_recordset(CAST(:holds AS jsonb)) AS w(id text, amount bigint,
     leased boolean, token_lease text, user_lease text, team_lease text)
 ),
-taken AS (
-  DELETE FROM holds WHERE id = ANY(ARRAY(SELECT id FROM want))
-  RETURNING id, amount, leased, token_lease, user_lease, team_lease, rate_kinds, run_id
+seen AS (
+  SELECT id FROM holds WHERE id = ANY(ARRAY(SELECT id FROM want))
 ),
 ok AS (
-  SELECT t.id FROM taken t JOIN want w ON w.id = t.id
-  WHERE t.amount = w.amount AND t.leased = w.leased
-    AND t.token_lease IS NOT DISTINCT FROM w.token_lease
-    AND t.user_lease IS NOT DISTINCT FROM w.user_lease
-    AND t.team_lease IS NOT DISTINCT FROM w.team_lease
+  DELETE FROM holds t WHERE t.id = ANY(ARRAY(SELECT id FROM want))
     AND t.rate_kinds IS NULL AND t.run_id IS NULL
+    AND EXISTS (
+      SELECT 1 FROM want w WHERE w.id = t.id AND w.amount = t.amount AND w.leased = t.leased
+        AND w.token_lease IS NOT DISTINCT FROM t.token_lease
+        AND w.user_lease IS NOT DISTINCT FROM t.user_lease
+        AND w.team_lease IS NOT DISTINCT FROM t.team_lease
+    )
+  RETURNING t.id
 )"""
 
 # Each hold's additions to its budgets (cost to spent, what it takes from reserved) and leases.
@@ -62,8 +74,7 @@ charged AS (
   UPDATE budgets b SET spent = b.spent + s.cost, reserved = b.reserved - s.amount
   FROM sums s, locked l
   WHERE b.subject_id = s.subject_id AND l.subject_id = b.subject_id
-  RETURNING b.subject_id, b.scope, b.credit_limit, b.soft_limit, b.alert_thresholds, b.spent,
-    b.reserved, b.reset_interval, b.anchor_at, b.window_start
+  RETURNING b.subject_id, b.credit_limit, b.soft_limit, b.alert_thresholds, b.spent
 ),
 lease_sums AS (
   SELECT lease_id, SUM(cost) AS cost FROM adds WHERE lease_id IS NOT NULL GROUP BY lease_id
@@ -73,10 +84,29 @@ leases AS (
   WHERE l.id = s.lease_id
 )"""
 
-_RESULT = """
-SELECT x.taken, x.ok, c.* FROM (
-  SELECT (SELECT array_agg(id) FROM taken) AS taken, (SELECT array_agg(id) FROM ok) AS ok
-) x LEFT JOIN charged c ON true"""
+# What record.passed decides in Python, in exact numeric arithmetic: a charged budget went past
+# its soft limit or one of its thresholds (percentages of credit_limit). Any such charge aborts
+# the statement (metering_abort raises SQLSTATE MT001): nothing of it is kept.
+_CROSSED = f"""
+crossed AS (
+  SELECT 1 FROM charged c JOIN sums s ON s.subject_id = c.subject_id
+  WHERE s.cost > 0 AND (
+    (c.soft_limit IS NOT NULL AND c.spent - s.cost < c.soft_limit AND c.soft_limit <= c.spent)
+    OR (c.credit_limit > 0 AND EXISTS (
+      SELECT 1 FROM jsonb_array_elements_text(
+        CAST(COALESCE(c.alert_thresholds, '{_DEFAULT_THRESHOLDS}') AS jsonb)) AS p(percent)
+      WHERE CAST(c.spent - s.cost AS numeric) * 100
+          < CAST(c.credit_limit AS numeric) * CAST(p.percent AS numeric)
+        AND CAST(c.credit_limit AS numeric) * CAST(p.percent AS numeric)
+          <= CAST(c.spent AS numeric) * 100
+    ))
+  )
+)"""
+
+_RESULT = f"""
+SELECT (SELECT array_agg(id) FROM seen) AS seen, (SELECT array_agg(id) FROM ok) AS ok,
+  CASE WHEN EXISTS (SELECT 1 FROM crossed) THEN metering_abort('{CROSSED_MESSAGE}') END
+    AS aborted"""
 
 STATEMENT = Prepared(
     "WITH "
@@ -84,6 +114,7 @@ STATEMENT = Prepared(
         [
             _TAKE.strip(),
             _CHARGE.strip(),
+            _CROSSED.strip(),
             writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)"),
             rollup.pg_json_cte("e", "e_in.id IN (SELECT id FROM ok)"),
             *rollup.pg_upserts("e"),

@@ -12,7 +12,7 @@ from sqlalchemy import func, select, update
 from metering.budgets.service import reserve, settle, settle_queue
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
-from metering.models import Budget, Hold, LedgerEvent, SpendHourly
+from metering.models import AlertEvent, Budget, Hold, LedgerEvent, SpendHourly
 from tests.budgets.conftest import budget, chat_body, marker, usd
 from tests.budgets.test_crash_recovery import (
     _add_budgets,
@@ -143,8 +143,9 @@ def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db):
 
 def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fresh_db, caplog):
     """The one-statement settle charges from what the reservation wrote; a hold found otherwise
-    (here its amount raised behind the process's back, with its budgets' `reserved`) is rolled
-    back and settled by the general path, which charges from the hold's row."""
+    (here its amount raised behind the process's back, with its budgets' `reserved`) is left
+    untouched by it and settled alone by the general path, which charges from the hold's row;
+    the others of its group are committed by the statement."""
 
     async def scenario() -> None:
         db = Database(fresh_db, 4)
@@ -169,14 +170,58 @@ def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fresh_db,
             )
             assert results == [True, True, True]
             queue = settle_queue(db)
-            assert queue.one_statement == 0  # rolled back whole: nothing charged twice
+            # The changed hold never goes through the statement: nothing charged twice.
+            assert queue.one_statement == (2 if db.dialect == "postgresql" else 0)
             if db.dialect == "postgresql":
-                assert "not the one written" in caplog.text
+                assert "not the ones written" in caplog.text and changed in caplog.text
             total = sum(e.cost for e in events)
             for row in (await _budgets(db, subjects)).values():
                 assert (row.spent, row.reserved) == (total, 0)
             assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 3
             assert await _rollup(db, subjects["token"]) == (3, total)
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_a_settle_passing_a_threshold_is_written_with_its_alert(fresh_db):
+    """Settles that pass no threshold take the one statement; the one that passes 50% of the
+    limits aborts it (nothing of it kept) and is written by the general path with its alerts,
+    one per budget, in the charge's transaction."""
+
+    async def scenario() -> None:
+        db = Database(fresh_db, 4)
+        try:
+            subjects = _subjects()
+            # 0.0002 USD: four holds of 50 tokens fit; four events of 40 tokens pass 50%.
+            await _add_budgets(db, subjects, "0.0002", "never", utcnow())
+            specs = [_spec(subjects) for _ in range(4)]
+            reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+            events = [_event(spec, 40) for spec in specs]
+            limit = 200_000_000
+            assert sum(e.cost for e in events[:3]) * 2 < limit <= sum(e.cost for e in events) * 2
+            queue = settle_queue(db)
+            for i, (event, reservation) in enumerate(zip(events, reservations, strict=True)):
+                assert await settle(db, event, reservation) is True
+                if db.dialect == "postgresql":
+                    assert queue.one_statement == min(i + 1, 3)
+            total = sum(e.cost for e in events)
+            for row in (await _budgets(db, subjects)).values():
+                assert (row.spent, row.reserved) == (total, 0)
+            async with db.sessions() as session:
+                alerts = (
+                    await session.execute(
+                        select(AlertEvent.type, AlertEvent.subject_id).where(
+                            AlertEvent.subject_id.in_(list(subjects.values()))
+                        )
+                    )
+                ).all()
+            assert sorted(alerts) == sorted(
+                ("budget.threshold_crossed", subject) for subject in subjects.values()
+            )
+            assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 4
+            assert await _rollup(db, subjects["token"]) == (4, total)
         finally:
             await db.dispose()
 
