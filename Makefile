@@ -24,8 +24,13 @@ postgres:
 chromium:
 	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
 
+# Three processes share the suite (pytest-xdist): most tests wait on servers and sockets, not
+# on the two cores. Each process has its own servers and databases. TEST_WORKERS=0 runs it
+# in this one process.
+TEST_WORKERS ?= 3
+
 test: $(BIN)/metering postgres chromium
-	$(BIN)/pytest -q --junitxml=test-output/junit.xml
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --junitxml=test-output/junit.xml
 
 lint: $(BIN)/metering
 	$(BIN)/ruff check .
