@@ -24,13 +24,19 @@ postgres:
 chromium:
 	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
 
-# Three processes share the suite (pytest-xdist): most tests wait on servers and sockets, not
-# on the two cores. Each process has its own servers and databases. TEST_WORKERS=0 runs it
-# in this one process.
+# Most of the suite runs in three processes (pytest-xdist: most tests wait on servers and
+# sockets, not on the two cores; each process has its own servers and databases), then the
+# tests marked serial (tests/conftest.py SERIAL: load, replicas, kills, restarts) run alone.
+# TEST_WORKERS=0 runs the first part in this one process too.
 TEST_WORKERS ?= 3
 
 test: $(BIN)/metering postgres chromium
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --junitxml=test-output/junit.xml
+	rm -f test-output/junit-*.xml
+	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not serial" --junitxml=test-output/junit-parallel.xml; \
+		parallel=$$?; \
+		$(BIN)/pytest -q -m serial --junitxml=test-output/junit-serial.xml; \
+		serial=$$?; \
+		test $$parallel -eq 0 -a $$serial -eq 0
 
 lint: $(BIN)/metering
 	$(BIN)/ruff check .

@@ -115,6 +115,25 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
+class Application(FastAPI):
+    """The application, with `direct` (the proxy's chat route, metering.proxy.endpoints.
+    DirectChat) called ahead of everything FastAPI and Starlette put around the routes: their
+    server-error, telemetry and body-limit layers cost every request of every user a wrapped
+    `send` each, for work DirectChat does itself; it hands every other request to `stack`."""
+
+    direct: DirectChat | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.direct is not None:
+            await self.direct(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+    async def stack(self, scope, receive, send) -> None:
+        """The application as FastAPI builds it: middleware, router, handlers."""
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     settings: Settings | None = None, catalog: Catalog | None = None, *, run_jobs: bool = True
 ) -> FastAPI:
@@ -208,7 +227,7 @@ def create_app(
             await db.dispose()
 
     openapi = settings.openapi_enabled
-    app = FastAPI(
+    app = Application(
         title="metering",
         version="0.1.0",
         lifespan=lifespan,
@@ -252,6 +271,7 @@ def create_app(
     app.add_middleware(ContentEncoding, limit=settings.max_body_bytes, limits=LARGER_BODIES)
     app.add_middleware(RequestId)
     app.add_middleware(RefreshedTokenHeaders)
-    # Outermost: the proxy's own route, ahead of the layers above (it does their part itself).
-    app.add_middleware(DirectChat, application=app)
+    # Ahead of the whole stack, FastAPI's own layers included: the proxy's own route (it does
+    # the part of those layers it needs itself).
+    app.direct = DirectChat(app.stack, application=app)
     return app

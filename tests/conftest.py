@@ -21,6 +21,31 @@ ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
 BACKENDS = ("sqlite", "postgresql")
 
 
+# Run alone, after the rest of the suite has run in parallel (`make test`: pytest-xdist, then
+# `-m serial`): bursts against limits, several replicas, killed processes, PostgreSQL restarts
+# and deadlines measured against a loaded machine. Beside each other on two cores their
+# upstream and pool deadlines (2 s, 30 s) would be tested against the other tests' load.
+SERIAL = (
+    "tests/budgets/test_concurrency.py",
+    "tests/budgets/test_crash_recovery.py",
+    "tests/budgets/test_leases.py",
+    "tests/budgets/test_limits_replicas.py",
+    "tests/resilience/test_descriptors.py",
+    "tests/resilience/test_ledger_unavailable.py",
+    "tests/resilience/test_pool_exhausted.py",
+    "tests/resilience/test_postgres_restart.py",
+    "tests/resilience/test_settle_blip.py",
+    "tests/resilience/test_slow_clients.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    root = config.rootpath
+    for item in items:
+        if item.path.relative_to(root).as_posix().startswith(SERIAL):
+            item.add_marker(pytest.mark.serial)
+
+
 def catalog_for(sim: SimServer) -> dict:
     return {
         "providers": {

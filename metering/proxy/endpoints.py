@@ -313,8 +313,8 @@ CHAT_PATH = "/v1/chat/completions"
 class DirectChat:
     """POST /v1/chat/completions served ahead of the application's middleware and router.
 
-    Every request of every user takes this route, so it is dispatched by the outermost ASGI layer
-    straight to its endpoint (chat_completions), with what the general
+    Every request of every user takes this route, so it is dispatched ahead of the whole stack
+    (metering.app.Application calls this first) straight to its endpoint (chat_completions), with what the general
     stack would have done for it done here once: the request id, the credential (the same
     dependencies, called directly), the error handlers the application registered (looked up as
     Starlette looks them up) and the response headers those layers add (`x-request-id`, a refreshed
@@ -322,8 +322,8 @@ class DirectChat:
     (metering.encoding); so does every other path and method. The route stays declared in the
     application, for its OpenAPI document and for that general path.
 
-    ASGI middleware, the outermost layer; `application` is the whole application (its state
-    and its exception handlers are the ones used)."""
+    `app`: the application's general stack, for every other request; `application`: the
+    application itself (its state and its exception handlers are the ones used)."""
 
     def __init__(self, app: ASGIApp, application=None) -> None:
         self.app = app

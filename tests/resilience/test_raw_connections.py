@@ -1,0 +1,71 @@
+"""The group writers' asyncpg connections (Database.raw) come from the pool and go back to it:
+overflow connections are closed when the pool is full, a failed one is discarded, and a burst
+with cancellations leaves no connection open beyond the pool's bound."""
+
+import asyncio
+import logging
+import uuid
+
+import asyncpg
+import psycopg
+import pytest
+
+from metering.db import Database
+from tests.conftest import PG_ADMIN_DSN
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def own_pg():
+    """A database of this test's own: its connections are the only ones counted."""
+    name = f"metering_raw_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _backends(url: str) -> int:
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (name,)
+        ).fetchone()[0]
+
+
+def test_a_burst_of_raw_connections_goes_back_to_the_pool_postgres(own_pg, caplog):
+    caplog.set_level(logging.ERROR)
+
+    async def scenario() -> None:
+        db = Database(own_pg, 2)  # 2 pooled, 2 more in overflow
+        try:
+
+            async def one(i: int) -> int:
+                async with db.raw() as conn:
+                    if i % 7 == 0:
+                        # The server's own refusal: the connection stays sound.
+                        with pytest.raises(asyncpg.PostgresError):
+                            await conn.fetchval("SELECT 1 / 0")
+                    return await conn.fetchval("SELECT $1::int FROM pg_sleep(0.002)", i)
+
+            for _ in range(4):
+                tasks = [asyncio.ensure_future(one(i)) for i in range(60)]
+                await asyncio.sleep(0.005)
+                for task in tasks[1::5]:
+                    task.cancel()  # some mid-statement: those connections are discarded
+                done = await asyncio.gather(*tasks, return_exceptions=True)
+                answered = [d for d in done if isinstance(d, int)]
+                assert answered, done
+                assert all(d == i for i, d in enumerate(done) if isinstance(d, int))
+                pool = db.engine.sync_engine.pool
+                assert pool.checkedout() == 0
+                assert pool.checkedin() <= 2
+                assert _backends(own_pg) <= 2
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+    assert "Exception closing connection" not in caplog.text
+    assert _backends(own_pg) == 0
