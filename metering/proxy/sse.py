@@ -98,6 +98,8 @@ class SSEParser:
         if not chunk or self.too_large:
             return []
         buf = self._buf
+        if not buf and not self._lf_pending and type(chunk) is bytes and b"\r" not in chunk:
+            return self._feed_lf(chunk)
         if self._lf_pending:
             self._lf_pending = False
             if not buf and chunk[0] == _LF:
@@ -132,6 +134,35 @@ class SSEParser:
         if start:
             del buf[:start]
         self._scan_from = max(0, scan - start)
+        return events
+
+    def _feed_lf(self, chunk: bytes) -> list[SSEEvent]:
+        """feed() of a read that starts with nothing buffered and holds no CR, the shape of
+        nearly every read of a provider's stream: its lines end with LF alone, so an event
+        ends at the first LF LF (or is a lone LF), found with bytes.find and cut out of the read
+        itself (a read that is one whole event is that event's `raw`, not a copy). What is
+        left unterminated is buffered for the general path, as it would have been."""
+        events: list[SSEEvent] = []
+        size = len(chunk)
+        start = 0
+        limit = self._max
+        while start < size:
+            if chunk[start] == _LF:
+                end = start + 1  # the event opens with a blank line: empty, still forwarded
+            else:
+                found = chunk.find(b"\n\n", start)
+                if found < 0:
+                    break
+                end = found + 2
+            if limit is not None and end - start > limit:
+                return self._stop(events)
+            events.append(self._event(chunk[start:end], 0))
+            start = end
+        if start < size:
+            if limit is not None and size - start > limit:
+                return self._stop(events)
+            self._buf += chunk[start:]
+            self._scan_from = 0
         return events
 
     def _stop(self, events: list[SSEEvent]) -> list[SSEEvent]:

@@ -93,6 +93,22 @@ def test_bom_is_ignored_for_fields_but_kept_in_raw():
     assert events == [SSEEvent(raw, "a", None)]
 
 
+def test_one_event_per_read_is_taken_whole_and_exactly():
+    parser = SSEParser(max_event_bytes=64)
+    reads = [b'data: {"a": 1}\n\n', b"data: [DONE]\n\n", b"data: x\n\ndata: y\n\n", b"data: z\n\n"]
+    events = [event for read in reads for event in parser.feed(read)]
+    assert [e.data for e in events] == ['{"a": 1}', "[DONE]", "x", "y", "z"]
+    assert [e.raw for e in events[:2]] == reads[:2] and events[2].raw == b"data: x\n\n"
+    assert events[0].raw is reads[0]  # not copied
+    # Still bounded: a whole event over the limit stops the parser.
+    big = SSEParser(max_event_bytes=16)
+    assert big.feed(b"data: " + b"x" * 20 + b"\n\n") == [] and big.too_large
+    # A read that opens with the LF of a CRLF dispatched at the end of the last one.
+    crlf = SSEParser()
+    assert [e.raw for e in crlf.feed(b"data: a\r\n\r")] == [b"data: a\r\n\r"]
+    assert [e.raw for e in crlf.feed(b"\ndata: b\n\n")] == [b"\ndata: b\n\n"]
+
+
 def test_large_event_in_small_reads_is_linear():
     payload = b"data: " + b"x" * 2_000_000 + b"\n\n"
     chunks = split_every(payload, 512)
@@ -176,6 +192,13 @@ def test_roundtrip_property(events, terminated_last, data):
     whole = feed_all([stream])
     assert [e.raw for e in whole] == parts
     assert [(e.data, e.event) for e in whole] == expected
+
+    # One event per read (most reads of a provider's stream): each event is its read.
+    one_each = feed_all(parts)
+    assert b"".join(e.raw for e in one_each) == stream
+    if not any(p.endswith(b"\r") for p in parts):  # no CRLF left half-read between them
+        assert [e.raw for e in one_each] == parts
+        assert [(e.data, e.event) for e in one_each] == expected
 
     # Split at random points: same fields, and the bytes add up exactly.
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
