@@ -4,27 +4,16 @@ with cancellations leaves no connection open beyond the pool's bound."""
 
 import asyncio
 import logging
-import uuid
 
 import asyncpg
 import psycopg
 import pytest
 
 from metering.db import Database
+from tests.budgets.conftest import fresh_pg  # noqa: F401 - a database of its own
 from tests.conftest import PG_ADMIN_DSN
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-def own_pg():
-    """A database of this test's own: its connections are the only ones counted."""
-    name = f"metering_raw_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql://postgres@127.0.0.1:5432/{name}"
-    with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _backends(url: str) -> int:
@@ -35,11 +24,11 @@ def _backends(url: str) -> int:
         ).fetchone()[0]
 
 
-def test_a_burst_of_raw_connections_goes_back_to_the_pool_postgres(own_pg, caplog):
+def test_a_burst_of_raw_connections_goes_back_to_the_pool_postgres(fresh_pg, caplog):  # noqa: F811
     caplog.set_level(logging.ERROR)
 
     async def scenario() -> None:
-        db = Database(own_pg, 2)  # 2 pooled, 2 more in overflow
+        db = Database(fresh_pg, 2)  # 2 pooled, 2 more in overflow
         try:
 
             async def one(i: int) -> int:
@@ -62,10 +51,10 @@ def test_a_burst_of_raw_connections_goes_back_to_the_pool_postgres(own_pg, caplo
                 pool = db.engine.sync_engine.pool
                 assert pool.checkedout() == 0
                 assert pool.checkedin() <= 2
-                assert _backends(own_pg) <= 2
+                assert _backends(fresh_pg) <= 2
         finally:
             await db.dispose()
 
     asyncio.run(scenario())
     assert "Exception closing connection" not in caplog.text
-    assert _backends(own_pg) == 0
+    assert _backends(fresh_pg) == 0
