@@ -27,6 +27,10 @@ async def current_budget(db: Database, scope: str, subject_id: str) -> BudgetVie
         .where(Budget.subject_id == subject_id, Budget.scope == scope, live)
     )
     async with db.sessions() as session:
+        if db.dialect == "postgresql":
+            # The budget row, its leases and their holds from one snapshot: a lease given back
+            # between two reads would otherwise show its slice as reserved.
+            await session.connection(execution_options={"isolation_level": "REPEATABLE READ"})
         budget = await session.scalar(query)
         if budget is None:
             raise NotFound(f"{scope} {subject_id} not found")

@@ -330,14 +330,28 @@ def test_two_replicas_lease_one_limit_and_give_every_slice_back(two_replicas):
     # Both replicas admitted requests against leases.
     for server in servers:
         assert _reservations(server.url)["lease"] >= 1, server.url
+
+    def all_given_back() -> None:
+        wait_for(
+            lambda: not query(url, "SELECT id FROM budget_leases"),
+            timeout=10,
+            message="idle leases given back",
+        )
+
     # Every slice is given back once idle: nothing reserved, nothing leased.
-    wait_for(
-        lambda: not query(url, "SELECT id FROM budget_leases"),
-        timeout=10,
-        message="idle leases given back",
-    )
+    all_given_back()
+    # The burst's last refusals depend on what was in flight then (holds are estimates, above
+    # what their requests cost); the credit left is then still usable: one request at a time,
+    # to one replica, until the first refusal.
+    tail = Counter()
+    for i in range(160, 260, 2):  # even numbers: the first replica
+        tail[one(i)] += 1
+        if tail[402]:
+            break
+    assert set(tail) <= {200, 402} and tail[402] == 1, tail
+    all_given_back()
     events = admin.events(token_id=token["id"])
-    assert len(events) == statuses[200]
+    assert len(events) == statuses[200] + tail[200]
     total = sum(usd(e["cost"]) for e in events)
     limit = 50 * COST_ESTIMATE
     for scope, subject in (("token", token["id"]), ("user", user["id"]), ("team", team["id"])):

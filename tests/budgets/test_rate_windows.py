@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from metering.budgets import rates
-from metering.db import Database
+from metering.db import Database, utcnow
 from metering.limits import Limits, ScopeLimits, allows
 
 instants = st.datetimes(
@@ -100,6 +100,16 @@ def test_a_model_is_allowed_only_where_every_scope_allows_it(token, user, team, 
     assert (refused is None) == everywhere
 
 
+async def _clear_of_a_window_end(margin_s: float = 15.0) -> datetime:
+    """If the current rate window ends within margin_s, wait for the next one: a burst that
+    straddles two windows is counted in each. Returns the window's start."""
+    _, end = rates.window_of(utcnow())
+    left = (end - utcnow()).total_seconds()
+    if left < margin_s:
+        await asyncio.sleep(left + 0.01)
+    return rates.window_of(utcnow())[0]
+
+
 @pytest.mark.parametrize(
     "rpm, tpm, expected", [(100, None, 20), (7, None, 7), (100, 1000, 1000 // 150)]
 )
@@ -115,9 +125,11 @@ def test_requests_counted_in_groups_are_admitted_exactly_as_alone(fresh_db, rpm,
                 ScopeLimits("team", "team_g", parallel=50),
             )
             assert limits is not None
+            window = await _clear_of_a_window_end()
             results = await asyncio.gather(
                 *(rates.admit(db, limits, 150) for _ in range(20)), return_exceptions=True
             )
+            assert rates.window_of(utcnow())[0] == window  # the burst stayed in one window
             admitted = [r for r in results if isinstance(r, rates.RateClaim)]
             refused = [r for r in results if isinstance(r, rates.RateLimited)]
             assert len(admitted) + len(refused) == 20
