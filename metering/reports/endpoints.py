@@ -255,7 +255,13 @@ async def list_refusals(
     model: str | None = Query(None, max_length=200),
     reason: str | None = REASON,
     scope: str | None = SCOPE,
-    limit: int = Query(DEFAULT_USAGE_PAGE, ge=1, le=1000),
+    limit: int | None = Query(
+        None,
+        ge=1,
+        le=1000,
+        description="Refusals per page (default 100). With format=csv: at most this many rows "
+        "(and `x-next-cursor` when there are more); without it the CSV streams every row.",
+    ),
     cursor: str | None = Query(None, max_length=500),
     format: str = Query("json", pattern="^(json|csv)$"),
     labels: bool = Query(False, description=LABELS_DOC),
@@ -264,9 +270,17 @@ async def list_refusals(
         team_id=team_id, user_id=user_id, token_id=token_id, model=model, reason=reason, scope=scope
     )
     query = refusals.refusals_query(principal, start=start, end=end, filters=filters)
-    found = await refusals.page(services.db, query, limit=limit, cursor=cursor, labels=labels)
+    headers = {"content-disposition": 'attachment; filename="refusals.csv"'}
+    if format == "csv" and limit is None and cursor is None:
+        return StreamingResponse(
+            refusals.csv_stream(services.db, query, labels=labels),
+            media_type="text/csv",
+            headers=headers,
+        )
+    found = await refusals.page(
+        services.db, query, limit=limit or DEFAULT_USAGE_PAGE, cursor=cursor, labels=labels
+    )
     if format == "csv":
-        headers = {"content-disposition": 'attachment; filename="refusals.csv"'}
         if found["next_cursor"]:
             headers["x-next-cursor"] = found["next_cursor"]
         return Response(

@@ -3,10 +3,12 @@ requests refused before anything was reserved (402 budget, 429 rate or parallel,
 listed newest first (cursor-paged, JSON or CSV) or counted by the keys of `group_by`, as
 /v1/spend groups. A user's credential sees its own user's refusals only."""
 
+import asyncio
 import base64
 import csv
 import io
-from datetime import timedelta
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
 
 from sqlalchemy import Select, and_, func, or_, select
 
@@ -87,6 +89,12 @@ def _cursor(r: Refusal) -> str:
     return base64.urlsafe_b64encode(f"{rfc3339(r.created_at)}|{r.id}".encode()).decode()
 
 
+def _older(at: datetime, refusal_id: str):
+    """Refusals after (at, refusal_id) in newest-first order; the `created_at <=` conjunct lets
+    the index range-scan each page."""
+    return and_(Refusal.created_at <= at, or_(Refusal.created_at < at, Refusal.id < refusal_id))
+
+
 def _after(cursor: str):
     try:
         created, _, refusal_id = base64.urlsafe_b64decode(cursor.encode()).decode().partition("|")
@@ -94,7 +102,7 @@ def _after(cursor: str):
         at = parse_rfc3339(created)
     except (ValueError, UnicodeDecodeError, OverflowError):
         raise InvalidRequest("cursor is not valid", param="cursor") from None
-    return and_(Refusal.created_at <= at, or_(Refusal.created_at < at, Refusal.id < refusal_id))
+    return _older(at, refusal_id)
 
 
 async def page(
@@ -112,14 +120,49 @@ async def page(
     return {"object": "list", "data": data, "next_cursor": _cursor(found[-1]) if more else None}
 
 
-def as_csv(data: list[dict], labels: bool) -> bytes:
+def _columns(labels: bool) -> list[str]:
+    return [*COLUMNS, *(LABEL_KEYS if labels else ())]
+
+
+def _csv(data: list[dict], columns: list[str], header: bool) -> bytes:
     buffer = io.StringIO()
     writer = csv.writer(buffer)
-    columns = [*COLUMNS, *(LABEL_KEYS if labels else ())]
-    writer.writerow(columns)
+    if header:
+        writer.writerow(columns)
     for row in data:
         writer.writerow(csv_cells(row.get(c) for c in columns))
     return buffer.getvalue().encode()
+
+
+def as_csv(data: list[dict], labels: bool) -> bytes:
+    """One page as CSV, header first."""
+    return _csv(data, _columns(labels), header=True)
+
+
+CSV_BATCH = 2000
+
+
+async def csv_stream(
+    db: Database, query: Select, *, labels: bool, batch: int = CSV_BATCH
+) -> AsyncIterator[bytes]:
+    """Every matching refusal as CSV, read in pages of `batch` (newest first, each page after
+    the last row of the one before), so memory stays flat however many there are."""
+    columns = _columns(labels)
+    yield _csv([], columns, header=True)
+    last = None
+    while True:
+        page = query if last is None else query.where(_older(last.created_at, last.id))
+        async with db.reads() as session:
+            found = list(await session.scalars(page.limit(batch)))
+        if not found:
+            return
+        data = [refusal_out(r) for r in found]
+        if labels:
+            await label_rows(db, data, LABELS)
+        yield _csv(data, columns, header=False)
+        # A send that does not block does not yield: let the proxy's requests run.
+        await asyncio.sleep(0)
+        last = found[-1]
 
 
 def parse_group_by(value: str | None) -> list[str]:

@@ -114,7 +114,19 @@ def test_filters_paging_and_csv(api, scene):
         "GET", "/v1/refusals", params={"token_id": token["id"], "format": "csv"}
     ).text
     lines = list(csv.DictReader(io.StringIO(text)))
-    assert {line["reason"] for line in lines} == {"budget", "model", "parallel", "rpm"}
+    # Without a limit the CSV holds every row, newest first.
+    assert [line["id"] for line in lines] == [ids[k] for k in ("rpm", "parallel", "model", "budget")]
+    assert [line["reason"] for line in lines] == ["rpm", "parallel", "model", "budget"]
+    # With one, a page and the cursor to the next.
+    params = {"token_id": token["id"], "format": "csv", "limit": 3}
+    first_csv = api.request("GET", "/v1/refusals", params=params)
+    assert [r["id"] for r in csv.DictReader(io.StringIO(first_csv.text))] == [
+        ids[k] for k in ("rpm", "parallel", "model")
+    ]
+    cursor = first_csv.headers["x-next-cursor"]
+    rest_csv = api.request("GET", "/v1/refusals", params={**params, "cursor": cursor})
+    assert [r["id"] for r in csv.DictReader(io.StringIO(rest_csv.text))] == [ids["budget"]]
+    assert "x-next-cursor" not in rest_csv.headers
     bad = api.request("GET", "/v1/refusals", params={"reason": "other"})
     assert bad.status_code == 400
 
