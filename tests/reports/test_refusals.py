@@ -115,7 +115,9 @@ def test_filters_paging_and_csv(api, scene):
     ).text
     lines = list(csv.DictReader(io.StringIO(text)))
     # Without a limit the CSV holds every row, newest first.
-    assert [line["id"] for line in lines] == [ids[k] for k in ("rpm", "parallel", "model", "budget")]
+    assert [line["id"] for line in lines] == [
+        ids[k] for k in ("rpm", "parallel", "model", "budget")
+    ]
     assert [line["reason"] for line in lines] == ["rpm", "parallel", "model", "budget"]
     # With one, a page and the cursor to the next.
     params = {"token_id": token["id"], "format": "csv", "limit": 3}
