@@ -1,5 +1,7 @@
 """GET /v1/usage and /v1/spend (admin, or self) and /v1/reconciliations (admin)."""
 
+from collections.abc import AsyncIterator
+
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
@@ -35,6 +37,15 @@ LABELS_DOC = (
     "true: each row also carries the names of its ids: team_name, user_email, token_name "
     "(for the ids the row has)"
 )
+
+
+def _attachment(filename: str) -> dict[str, str]:
+    return {"content-disposition": f'attachment; filename="{filename}"'}
+
+
+def _csv_stream(rows: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
+    """Every matching row, streamed: without `limit` and `cursor`, a report's CSV is all of it."""
+    return StreamingResponse(rows, media_type="text/csv", headers=headers)
 
 
 @router.get(
@@ -74,13 +85,9 @@ async def list_usage(
             team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
         ),
     )
-    attachment = {"content-disposition": 'attachment; filename="usage.csv"'}
+    attachment = _attachment("usage.csv")
     if format == "csv" and limit is None and cursor is None:
-        return StreamingResponse(
-            usage.csv_stream(services.db, query, labels=labels),
-            media_type="text/csv",
-            headers=attachment,
-        )
+        return _csv_stream(usage.csv_stream(services.db, query, labels=labels), attachment)
     if format == "csv":
         events, next_cursor = await usage.page_events(
             services.db, query, limit=limit or DEFAULT_USAGE_PAGE, cursor=cursor
@@ -270,13 +277,9 @@ async def list_refusals(
         team_id=team_id, user_id=user_id, token_id=token_id, model=model, reason=reason, scope=scope
     )
     query = refusals.refusals_query(principal, start=start, end=end, filters=filters)
-    headers = {"content-disposition": 'attachment; filename="refusals.csv"'}
+    headers = _attachment("refusals.csv")
     if format == "csv" and limit is None and cursor is None:
-        return StreamingResponse(
-            refusals.csv_stream(services.db, query, labels=labels),
-            media_type="text/csv",
-            headers=headers,
-        )
+        return _csv_stream(refusals.csv_stream(services.db, query, labels=labels), headers)
     found = await refusals.page(
         services.db, query, limit=limit or DEFAULT_USAGE_PAGE, cursor=cursor, labels=labels
     )
