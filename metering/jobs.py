@@ -12,12 +12,13 @@ from metering.alerts import service as alerts
 from metering.budgets import leases, rates, refusals
 from metering.budgets import service as budgets
 from metering.db import Database, utcnow
-from metering.ledger import retention
+from metering.ledger import retention, rollup
 from metering.ledger.outcome import unsettled_event
 from metering.models import Budget, Hold
 
 log = logging.getLogger("metering.jobs")
 RETENTION_EVERY_S = 600
+FOLD_EVERY_S = 1.0  # pending rollup increments folded into the rollups (PostgreSQL)
 EXPIRING_EVERY_S = 600
 
 
@@ -93,6 +94,8 @@ def start_scheduler(
 
     every(sweep_interval_s(hold_ttl_s), "expire_holds", expire_holds, db, 500, hold_ttl_s)
     every(60, "close_windows", close_windows, db)
+    if db.dialect == "postgresql":
+        every(FOLD_EVERY_S, "fold_rollups", rollup.fold, db)
     if run_idle_s is not None:
         every(60, "expire_runs", budgets.expire_runs, db, run_idle_s)
     every(EXPIRING_EVERY_S, "expiring_tokens", alerts.expiring_tokens, db)

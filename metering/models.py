@@ -306,6 +306,33 @@ class SpendHourly(Base):
     adjustments: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
 
 
+class RollupPending(Base):
+    """Hourly rollup increments not yet added to the rollups: the one-statement settle on
+    PostgreSQL writes each event's increment here, in the statement that appends the event,
+    and a job folds them into every rollup (metering.ledger.rollup.fold). The rollups plus
+    these rows equal the ledger's sums at every instant; the spend report reads both."""
+
+    __tablename__ = "rollup_pending"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    hour: Mapped[datetime] = mapped_column(UTCDateTime)
+    team_id: Mapped[str] = mapped_column(String(40))
+    user_id: Mapped[str] = mapped_column(String(40))
+    token_id: Mapped[str] = mapped_column(String(40))
+    model: Mapped[str] = mapped_column(String(200))
+    provider: Mapped[str] = mapped_column(String(100))
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+    reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
+    cost: Mapped[int] = mapped_column(Pico)
+    uncharged: Mapped[int] = mapped_column(Pico)
+    adjustments: Mapped[int] = mapped_column(Pico)
+
+
 # The coarser read models: the same sums as spend_hourly over fewer keys or whole UTC days
 # (the day stored as its midnight). settle adds each event to every one of them in the
 # transaction that appends it (metering.ledger.rollup.ROLLUPS); a report reads the coarsest

@@ -16,7 +16,8 @@ ALTER ROLE :"reader" WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD :'r
 GRANT USAGE ON SCHEMA public TO :"reader";
 GRANT SELECT ON teams, budgets, budget_windows, spend_hourly, spend_hourly_token,
     spend_hourly_model, spend_daily, spend_daily_token, spend_daily_model, ledger_events,
-    ledger_events_archive TO :"reader";
+    ledger_events_archive, spend_hourly_model_live, spend_hourly_token_live
+    TO :"reader";
 GRANT SELECT (id, subject_id, amount) ON budget_leases TO :"reader";
 GRANT SELECT (amount, token_lease, user_lease, team_lease) ON holds TO :"reader";
 GRANT SELECT (id, email, name, team_id, created_at, deleted_at) ON users TO :"reader";

@@ -117,7 +117,7 @@ STATEMENT = Prepared(
             _CROSSED.strip(),
             writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)"),
             rollup.pg_json_cte("e", "e_in.id IN (SELECT id FROM ok)"),
-            *rollup.pg_upserts("e"),
+            rollup.pg_pending_insert("e"),
         ]
     )
     + _RESULT

@@ -7,6 +7,12 @@ so no rollup can ever disagree with the ledger: all are committed or none is. A 
 that replaces an `unsettled` placeholder adds the difference (no new request) to the same hour
 and day. Reports read whole days and whole hours from the coarsest rollup that has their keys
 and only the partial hours at a range's edges from the ledger.
+
+The one-statement settle on PostgreSQL (metering.budgets.settle_pg) writes instead each event's
+hourly increment to rollup_pending, in the statement that appends the event (one row, no
+rollup row locked by a request); `fold` moves them into every rollup in one statement each
+batch. The rollups plus rollup_pending equal the ledger's sums at every instant, and the spend
+report reads both (PENDING) in one statement.
 """
 
 from dataclasses import dataclass
@@ -17,9 +23,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from metering.db import dialect_name
+from metering.db import Database, dialect_name
 from metering.ledger.event import ADJUSTMENT, Event
 from metering.models import (
+    RollupPending,
     SpendDaily,
     SpendDailyModel,
     SpendDailyToken,
@@ -248,6 +255,54 @@ def pg_upserts(source: str = "e") -> list[str]:
             f"ON CONFLICT ({columns}) DO UPDATE SET {updates})"
         )
     return parts
+
+
+# The increments written with their events and not yet folded in: read as an hourly rollup
+# with every key (duplicates allowed; the report sums them with the rollups' rows).
+PENDING = Rollup(RollupPending.__table__, "hour", HOURLY.keys)
+
+
+def pg_pending_insert(source: str = "e") -> str:
+    """On PostgreSQL, the rows of relation `source` (KEY and FIGURES, pg_json_cte) written to
+    rollup_pending, as a data-modifying WITH query: one row per event, no rollup row locked."""
+    columns = ", ".join((*KEY, *FIGURES))
+    return f"pending AS (INSERT INTO rollup_pending ({columns}) SELECT {columns} FROM {source})"
+
+
+FOLD_BATCH = 5000
+
+
+def _fold_pg() -> str:
+    """Take up to :batch of the oldest pending increments and add them to every rollup, in one
+    statement: the rows leave rollup_pending in the statement that adds them, so a report
+    (one statement, one snapshot) sees each increment exactly once, in one place or the
+    other. Two replicas folding at once: the second's DELETE skips what the first took."""
+    columns = ", ".join((*KEY, *FIGURES))
+    moved = (
+        "moved AS (DELETE FROM rollup_pending WHERE id IN "
+        "(SELECT id FROM rollup_pending ORDER BY id LIMIT CAST(:batch AS integer)) "
+        f"RETURNING {columns})"
+    )
+    return "WITH " + ",\n".join([moved, *pg_upserts("moved")]) + "\nSELECT count(*) FROM moved"
+
+
+_FOLD_PG = text(_fold_pg())
+
+
+async def fold(db: Database, batch: int = FOLD_BATCH, rounds: int = 20) -> int:
+    """Fold pending increments into the rollups, `batch` at a time, until fewer than a batch
+    were left or `rounds` statements ran (the next run goes on). Returns how many were folded.
+    Only PostgreSQL's one-statement settle writes them; on SQLite the table stays empty."""
+    if db.dialect != "postgresql":
+        return 0
+    folded = 0
+    for _ in range(rounds):
+        async with db.single() as conn:
+            moved = int((await conn.execute(_FOLD_PG, {"batch": batch})).scalar() or 0)
+        folded += moved
+        if moved < batch:
+            break
+    return folded
 
 
 def _statement_pg() -> str:

@@ -34,6 +34,7 @@ from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
 from metering.ledger.event import ADJUSTMENT
 from metering.ledger.rollup import (
+    PENDING,
     ROLLUPS,
     Rollup,
     ceil_day,
@@ -207,6 +208,8 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
         else:
             rollup = read_model(source, needed)
             parts.append(_rollup_part(rollup, dialect, keys, filters, a, b))
+            # The increments not yet folded into the rollups (PostgreSQL's grouped settle).
+            parts.append(_rollup_part(PENDING, dialect, keys, filters, a, b))
     if not parts:
         return None
     source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("source")

@@ -9,6 +9,7 @@ from sqlalchemy import select
 from metering.budgets.service import reserve, settle
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
+from metering.ledger import rollup
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.outcome import Outcome, event_for
 from metering.models import Budget, BudgetWindow, LedgerEvent, SpendHourly
@@ -22,6 +23,7 @@ async def _events(db: Database, *ids: str) -> dict[str, LedgerEvent]:
 
 
 async def _rollup(db: Database, token_id: str) -> list:
+    await rollup.fold(db)  # the increments a grouped settle left pending (PostgreSQL)
     async with db.sessions() as session:
         return list(
             await session.scalars(select(SpendHourly).where(SpendHourly.token_id == token_id))

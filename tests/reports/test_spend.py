@@ -544,3 +544,41 @@ def own_pg_empty(pg_url):
     yield f"{pg_url.rsplit('/', 1)[0]}/{name}"
     with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_proxied_requests_are_in_the_report_before_and_after_their_increments_are_folded(api):
+    """Through the real server: on PostgreSQL a settle's rollup increments wait in
+    rollup_pending until the fold job (every second) moves them; the report is exact before
+    and after, and nothing stays pending."""
+    from tests.budgets.conftest import query, wait_for
+
+    _, _, token = api.principal()
+    client = api.openai(token["token"])
+    start = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    for i in range(5):
+        client.chat.completions.create(
+            model="gpt-sim",
+            max_tokens=8,
+            messages=[{"role": "user", "content": f"fold {i} sim:tokens={3 + i}"}],
+        )
+    window = {"start": rfc(start), "end": rfc(start + timedelta(hours=2))}
+
+    def report_matches_usage() -> None:
+        events = api.events(token_id=token["id"], **window)
+        assert len(events) == 5
+        for keys in (["hour"], ["day", "model"], []):
+            body = spend(api, group_by=keys, token_id=token["id"], **window)
+            assert reported(body["rows"], keys) == expected(events, keys), keys
+
+    report_matches_usage()
+    url = api.settings.database_url
+
+    def pending() -> int:
+        return query(url, "SELECT count(*) AS n FROM rollup_pending")[0].n
+
+    wait_for(lambda: pending() == 0, message="pending rollup increments folded")
+    report_matches_usage()
+    hourly = query(
+        url, "SELECT sum(requests) AS n FROM spend_hourly WHERE token_id = :t", t=token["id"]
+    )
+    assert hourly[0].n == 5  # in the rollup itself now, on either backend

@@ -1,0 +1,176 @@
+"""On PostgreSQL the grouped settle writes each event's rollup increment to rollup_pending, and
+`rollup.fold` moves them into every rollup: the rollups plus what is pending equal the ledger's
+sums at every instant, the spend report reads both, and replicas folding at once count each
+increment once."""
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import func, select, text
+
+from metering import migrate
+from metering.budgets.service import reserve, settle, settle_queue
+from metering.db import Database, utcnow
+from metering.ledger import rollup
+from metering.ledger.rollup import PENDING, ROLLUPS
+from metering.models import LedgerEvent, RollupPending
+from metering.reports import spend
+from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite, wait_for  # noqa: F401
+from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects
+
+pytestmark = pytest.mark.postgres
+
+FIGURES = ("requests", "prompt_tokens", "completion_tokens", "cost")
+
+
+async def _settle_many(db: Database, subjects: dict, n: int, first: int = 0) -> None:
+    async def one(i: int) -> None:
+        spec = _spec(subjects)
+        reservation = await reserve(db, spec, ttl_s=60)
+        assert await settle(db, _event(spec, 1 + i % 17), reservation) is True
+
+    await asyncio.gather(*(one(first + i) for i in range(n)))
+
+
+async def _ledger(db: Database, team: str) -> tuple:
+    async with db.sessions() as session:
+        row = (
+            await session.execute(
+                select(
+                    func.count(),
+                    func.sum(LedgerEvent.prompt_tokens),
+                    func.sum(LedgerEvent.completion_tokens),
+                    func.sum(LedgerEvent.cost),
+                ).where(LedgerEvent.team_id == team)
+            )
+        ).one()
+    return tuple(int(v or 0) for v in row)
+
+
+async def _sums(db: Database, table, team: str) -> tuple:
+    t = table if hasattr(table, "c") else table.__table__
+    async with db.sessions() as session:
+        row = (
+            await session.execute(
+                select(*(func.sum(t.c[f]) for f in FIGURES)).where(t.c.team_id == team)
+            )
+        ).one()
+    return tuple(int(v or 0) for v in row)
+
+
+def _plus(a: tuple, b: tuple) -> tuple:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
+async def _live(db: Database, team: str) -> dict[str, tuple]:
+    """The sums of the two views Grafana reads (rollup rows plus pending increments)."""
+    sums = ", ".join(f"COALESCE(SUM({f}), 0)" for f in FIGURES)
+    out = {}
+    async with db.sessions() as session:
+        for view in ("spend_hourly_model_live", "spend_hourly_token_live"):
+            row = (
+                await session.execute(
+                    text(f"SELECT {sums} FROM {view} WHERE team_id = :t"), {"t": team}
+                )
+            ).one()
+            out[view] = tuple(int(v) for v in row)
+    return out
+
+
+async def _report(db: Database, token: str, keys: list[str]) -> dict:
+    """The spend report's rows for the token over the last and next day, by `keys`."""
+    now = utcnow()
+    start = rollup.floor_day(now) - timedelta(days=1)
+    end = rollup.floor_day(now) + timedelta(days=2)
+    query = spend.spend_query(db.dialect, keys, {"token_id": token}, start, end)
+    async with db.sessions() as session:
+        rows = (await session.execute(query)).mappings().all()
+    return {tuple(r[k] for k in keys): tuple(int(r[f]) for f in FIGURES if f in r) for r in rows}
+
+
+def test_settles_write_pending_increments_the_report_reads_and_fold_moves(fresh_pg):  # noqa: F811
+    migrate.upgrade(fresh_pg)
+
+    async def scenario() -> None:
+        db = Database(fresh_pg, 8)
+        try:
+            subjects = _subjects()
+            token, team = subjects["token"], subjects["team"]
+            await _add_budgets(db, subjects, "1", "daily", utcnow())
+            await _settle_many(db, subjects, 40)
+            assert settle_queue(db).one_statement == 40
+            ledger = await _ledger(db, team)
+            assert ledger[0] == 40
+            # Every increment is pending; no rollup holds any of them yet.
+            assert await _sums(db, RollupPending, team) == (40, *ledger[1:])
+            for r in ROLLUPS:
+                assert await _sums(db, r.table, team) == (0, 0, 0, 0), r.table.name
+            # The report is exact already: the rollups plus what is pending.
+            by_day = await _report(db, token, ["day"])
+            by_hour = await _report(db, token, ["hour", "model"])
+            assert sum(v[0] for v in by_day.values()) == 40
+            assert tuple(map(sum, zip(*by_day.values(), strict=True))) == (40, *ledger[1:])
+            assert tuple(map(sum, zip(*by_hour.values(), strict=True))) == (40, *ledger[1:])
+            # So are Grafana's views.
+            live = await _live(db, team)
+            assert set(live.values()) == {(40, *ledger[1:])}
+
+            assert await rollup.fold(db, batch=7) == 40  # six statements, the last short
+            assert await _sums(db, RollupPending, team) == (0, 0, 0, 0)
+            for r in ROLLUPS:
+                assert await _sums(db, r.table, team) == (40, *ledger[1:]), r.table.name
+            # The same report, now from the rollups alone.
+            assert await _report(db, token, ["day"]) == by_day
+            assert await _report(db, token, ["hour", "model"]) == by_hour
+            assert await _live(db, team) == live
+            assert await rollup.fold(db) == 0
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_replicas_folding_while_settles_go_on_count_each_increment_once(fresh_pg):  # noqa: F811
+    migrate.upgrade(fresh_pg)
+
+    async def scenario() -> None:
+        replicas = [Database(fresh_pg, 8) for _ in range(3)]
+        db = replicas[0]
+        try:
+            subjects = _subjects()
+            team = subjects["team"]
+            await _add_budgets(db, subjects, "5", "daily", utcnow())
+            settling = True
+
+            async def folding(replica: Database) -> int:
+                folded = 0
+                while settling:
+                    folded += await rollup.fold(replica, batch=5, rounds=2)
+                    await asyncio.sleep(0)
+                return folded
+
+            folders = [asyncio.create_task(folding(r)) for r in replicas]
+            for round_ in range(6):
+                await _settle_many(replicas[round_ % 3], subjects, 25, first=round_ * 25)
+            settling = False
+            folded = sum(await asyncio.gather(*folders))
+            folded += await rollup.fold(db)
+            assert folded == 150  # each increment folded by exactly one replica
+            ledger = await _ledger(db, team)
+            assert ledger[0] == 150
+            assert await _sums(db, RollupPending, team) == (0, 0, 0, 0)
+            for r in ROLLUPS:
+                assert await _sums(db, r.table, team) == (150, *ledger[1:]), r.table.name
+        finally:
+            for replica in replicas:
+                await replica.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_the_pending_read_model_has_every_key_of_the_hourly_rollup():
+    assert PENDING.grain == "hour"
+    assert PENDING.keys == rollup.HOURLY.keys
+    columns = {c.name for c in RollupPending.__table__.columns}
+    assert columns == {"id", *rollup.KEY, *rollup.FIGURES}
