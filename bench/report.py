@@ -13,6 +13,7 @@ LABEL = {
     "direct": "direct to sim",
     "floor": "floor (bare passthrough)",
     "pg": "ours, PostgreSQL",
+    "pg-base": "ours at --baseline, PostgreSQL",
     "pg-off": "ours, PostgreSQL, budgets off",
     "pg-limits": "ours, PostgreSQL, rate limits on",
     "sqlite": "ours, SQLite",
@@ -21,6 +22,7 @@ LABEL = {
 SERVER_LABEL = {
     "floor": "floor",
     "pg": "ours on PostgreSQL",
+    "pg-base": "ours at --baseline on PostgreSQL",
     "sqlite": "ours on SQLite",
     "litellm": "LiteLLM",
 }

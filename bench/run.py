@@ -54,9 +54,10 @@ SIM_KEY_ENV = "BENCH_SIM_KEY"
 # Large enough never to be reached by a run (a counter holds at most 9,223,372 USD).
 BIG_LIMIT = "1000000"
 # The paths, in the order of the tables; the direct row comes first, the others compare with it.
-MODES = ("direct", "floor", "pg", "pg-limits", "pg-off", "sqlite", "litellm")
+MODES = ("direct", "floor", "pg", "pg-base", "pg-limits", "pg-off", "sqlite", "litellm")
 SERVER_OF = {
     "pg": "pg",
+    "pg-base": "pg-base",
     "pg-limits": "pg",
     "pg-off": "pg",
     "sqlite": "sqlite",
@@ -154,6 +155,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1,
         help="metering serve --workers N on PostgreSQL (CPU and RSS summed over its processes)",
     )
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of this repository (git worktree add PATH REV): its server runs "
+        "as a second ours on PostgreSQL (pg-base), taking turns with the others, to compare two "
+        "trees in one run",
+    )
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument(
@@ -176,12 +184,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         modes.add("pg-limits")
     if args.no_sqlite:
         modes.discard("sqlite")
+    if args.baseline is not None:
+        if not (args.baseline / "metering" / "cli.py").is_file():
+            p.error(f"--baseline: no checkout of metering at {args.baseline}")
+        modes.add("pg-base")
+    elif "pg-base" in modes:
+        p.error("the pg-base mode needs --baseline PATH")
     if modes - set(MODES) or kinds - {"json", "stream"}:
         p.error("unknown mode or kind")
     args.modes = [m for m in MODES if m in modes]
     args.kinds = [k for k in ("json", "stream") if k in kinds]
     args.hot = _pair(p, "--hot", args.hot)
     args.paced = _pair(p, "--paced", args.paced)
+    if args.write and args.baseline:
+        p.error("--baseline compares two trees: its figures are not for BENCHMARKS.md")
     if args.write and args.profile:
         p.error("--profile slows the server down: its figures are not for BENCHMARKS.md")
     return args
@@ -367,7 +383,11 @@ class Server:
         return self.process.pid
 
 
-def start_ours(args, backend: str, sim_port: int, tmp: Path, stack) -> Server:
+def start_ours(
+    args, backend: str, sim_port: int, tmp: Path, stack, source: Path | None = None
+) -> Server:
+    """Ours on `backend` ("pg" or "sqlite"); `source`: run another checkout's code (its
+    metering package first on the path) instead of the installed one."""
     admin_key = "bench-admin-" + uuid.uuid4().hex
     pg = None
     workers = 1
@@ -386,12 +406,16 @@ def start_ours(args, backend: str, sim_port: int, tmp: Path, stack) -> Server:
         "METERING_CONFIG": str(config),
         SIM_KEY_ENV: SIM_KEY,
     }
+    command = metering_command()
+    if source is not None:
+        env["PYTHONPATH"] = str(source.resolve())
+        command = [sys.executable, "-m", "metering.cli"]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     # cwd is the temp dir so no .env or metering.toml from the checkout is read.
     process = Process(
-        f"metering-{backend}",
-        [*metering_command(), "serve", "--port", str(port), "--log-level", "warning"]
+        f"metering-{backend}" + ("-base" if source is not None else ""),
+        [*command, "serve", "--port", str(port), "--log-level", "warning"]
         + ["--workers", str(workers)],
         env,
         tmp,
@@ -399,7 +423,8 @@ def start_ours(args, backend: str, sim_port: int, tmp: Path, stack) -> Server:
     )
     stack.callback(process.stop)
     process.wait_http(f"{base}/healthz", timeout=120)
-    server = Server(backend, process, base, pg=pg, admin=Admin(base, admin_key))
+    name = "pg-base" if source is not None else backend
+    server = Server(name, process, base, pg=pg, admin=Admin(base, admin_key))
     server.principals["on"] = server.admin.principal(BIG_LIMIT)
     if "pg-off" in args.modes and backend == "pg":
         server.principals["off"] = server.admin.principal(None)
@@ -792,6 +817,12 @@ def run(args, meta: dict) -> dict:
             pg_tmp = tmp / "pg"
             pg_tmp.mkdir()
             servers["pg"] = start_ours(args, "pg", sim_port, pg_tmp, stack)
+        if "pg-base" in args.modes:
+            base_tmp = tmp / "pg-base"
+            base_tmp.mkdir()
+            servers["pg-base"] = start_ours(
+                args, "pg", sim_port, base_tmp, stack, source=args.baseline
+            )
         if "sqlite" in args.modes:
             sqlite_tmp = tmp / "sqlite"
             sqlite_tmp.mkdir()
@@ -840,7 +871,7 @@ def run(args, meta: dict) -> dict:
             rows += measure(args, "hot", targets, servers, sim, c, n, False)
         if args.paced:
             c, n = args.paced
-            paced_modes = [m for m in args.modes if m not in ("pg-off", "pg-limits")]
+            paced_modes = [m for m in args.modes if m not in ("pg-off", "pg-limits", "pg-base")]
             targets = {
                 m: target_for(m, servers, sim_port, True, args, paced=True) for m in paced_modes
             }

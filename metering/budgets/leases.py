@@ -36,27 +36,27 @@ IDLE_S with nothing in flight is returned.
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-import orjson
 from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.dialects import postgresql
 
+from metering.budgets import settle_pg
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.service import (
     Claim,
     HoldSpec,
     Reservation,
     current_window,
+    hold_json,
     hold_row,
     load,
     roll,
+    settle_queue,
     view,
 )
 from metering.db import Database, utcnow
@@ -190,31 +190,22 @@ async def expire_leases(db: Database, batch: int = 500) -> int:
 _INSERT_HOLDS = insert(Hold.__table__)
 
 
-@functools.cache
-def _insert_holds_pg(columns: tuple[str, ...]) -> str:
-    """On PostgreSQL, a multi-row INSERT of holds with these columns, passed as one JSON array
-    of objects (one statement and one parameter, whatever the number of rows)."""
-    table = Hold.__table__
-    dialect = postgresql.dialect()
-    record = ", ".join(f"{c} {table.c[c].type.compile(dialect=dialect)}" for c in columns)
-    names = ", ".join(columns)
-    return (
-        f"INSERT INTO {table.name} ({names}) "
-        f"SELECT {names} FROM jsonb_to_recordset(CAST($1 AS jsonb)) AS h({record})"
-    )
-
-
 class HoldWriter:
     """Holds of leased requests, inserted in groups (metering.budgets.groups): one multi-row
-    INSERT for the holds that arrive together (on PostgreSQL through asyncpg itself). A group
-    that fails is retried one at a time."""
+    INSERT for the holds that arrive together. On PostgreSQL they join the process's settle
+    queue (metering.budgets.service.SettleQueue), whose one statement per group carries the
+    settles and the holds waiting together (one round trip for both); a group that fails is
+    written here, as a multi-row INSERT and then, if that fails, one hold at a time."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self.groups = GroupWriter(self._write, lambda: RuntimeError("hold not written"))
+        self.groups = GroupWriter(self.write, lambda: RuntimeError("hold not written"))
 
     async def insert(self, row: dict) -> None:
-        await self.groups.submit(row)
+        if self.db.dialect == "postgresql":
+            await settle_queue(self.db).hold(row, self.write)
+        else:
+            await self.groups.submit(row)
 
     async def _one(self, rows: list[dict]) -> None:
         # One statement (one multi-row INSERT): atomic on its own, so no BEGIN/COMMIT.
@@ -225,11 +216,12 @@ class HoldWriter:
         if self.db.dialect != "postgresql":
             await self._one(rows)
             return
-        statement = _insert_holds_pg(tuple(rows[0]))
+        statement = settle_pg.insert_holds(tuple(rows[0]))
         async with self.db.raw() as conn:
-            await conn.execute(statement, orjson.dumps(rows).decode())
+            await conn.execute(statement.sql, *statement.args({"new_holds": hold_json(rows)}))
 
-    async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+    async def write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+        """Write a group of holds on their own and answer each one's future."""
         try:
             await self._many([row for row, _ in batch])
         except Exception:

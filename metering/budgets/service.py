@@ -23,11 +23,13 @@ import asyncio
 import functools
 import logging
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 import asyncpg
+import orjson
 from sqlalchemy import (
     BigInteger,
     Row,
@@ -910,11 +912,19 @@ def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
     )
 
 
-async def _settle_group_pg(db: Database, items: list[tuple[Event, Reservation]]) -> list:
+def hold_json(rows: list[dict]) -> str:
+    """Hold rows (hold_row) as the one JSON parameter of settle_pg's hold INSERT."""
+    return orjson.dumps(rows).decode()
+
+
+async def _settle_group_pg(
+    db: Database, items: list[tuple[Event, Reservation]], new_holds: list[dict] | None = None
+) -> list:
     """_settle_group in one statement (metering.budgets.settle_pg) through asyncpg itself, for
     settles whose holds carry no rate claim and no run: True for each settle it committed,
     None for each it left to be settled alone (hold swept, or not as its reservation wrote it).
-    Raises _Crossed, with nothing written, when a budget would pass a threshold."""
+    Raises _Crossed, with nothing written, when a budget would pass a threshold. `new_holds`:
+    hold rows the same statement inserts (all of them, or none if it fails)."""
     holds, adds = [], []
     for event, reservation in items:
         hold = expected_hold(event, reservation)
@@ -922,10 +932,16 @@ async def _settle_group_pg(db: Database, items: list[tuple[Event, Reservation]])
         holds.append(hold)
         adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]
     events = [event for event, _ in items]
-    args = settle_pg.STATEMENT.args(settle_pg.parameters(events, holds, adds))
+    params = settle_pg.parameters(events, holds, adds)
+    statement = settle_pg.STATEMENT
+    if new_holds:
+        statement = settle_pg.with_holds(tuple(new_holds[0]))
+        params["new_holds"] = hold_json(new_holds)
     try:
         async with db.raw() as conn:
-            row = await conn.fetchrow(settle_pg.STATEMENT.sql, *args, record_class=AttrRecord)
+            row = await conn.fetchrow(
+                statement.sql, *statement.args(params), record_class=AttrRecord
+            )
     except asyncpg.PostgresError as exc:
         if exc.sqlstate == settle_pg.ABORTED:
             raise _Crossed() from None
@@ -951,10 +967,22 @@ def _summed(returns: list[dict]) -> list[dict]:
     return list(sums.values())
 
 
+_HOLD = object()  # marks a hold in the settle queue (PostgreSQL)
+
+HoldBatch = list[tuple[dict, asyncio.Future]]
+
+
 class SettleQueue:
     """A process's settles, written in groups (metering.budgets.groups): each caller returns
     when its own event is committed. A group that fails (say one bad row) is retried one
-    settle at a time, so one request's failure never costs the others their events."""
+    settle at a time, so one request's failure never costs the others their events.
+
+    On PostgreSQL the holds of leased requests join the same queue (`hold`): one statement per
+    group inserts the holds and settles the settles that waited together, so a busy process
+    sends one statement per group where it sent one per kind. A group with holds and no
+    settles is the holds' own INSERT; a combined statement that fails (a hold refused, a
+    threshold passed) keeps nothing, and its holds and settles are written apart, as they are
+    when some settle of the group must take the general path."""
 
     def __init__(self, db: Database, loop: asyncio.AbstractEventLoop) -> None:
         self.db = db
@@ -965,6 +993,8 @@ class SettleQueue:
         self.one_statement = 0  # settles committed by the one-statement path (PostgreSQL)
         self.grouped = 0  # settles committed in groups of two or more
         self.retried = 0  # groups that failed and were retried one settle at a time
+        self.carried = 0  # holds inserted by a settle group's statement (PostgreSQL)
+        self.split = 0  # statements of settles and holds that failed and were written apart
 
     async def settle(self, event: Event, reservation: Reservation | None) -> bool:
         if (
@@ -976,7 +1006,61 @@ class SettleQueue:
             return await settle_one(self.db, event, reservation)
         return await self.groups.submit((event, reservation))
 
-    async def _write(self, batch: list[tuple[tuple[Event, Reservation], asyncio.Future]]) -> None:
+    async def hold(self, row: dict, apart: Callable[[HoldBatch], Awaitable[None]]) -> None:
+        """Insert a hold (PostgreSQL) with the next group; `apart(batch)` writes holds on their
+        own (a group of holds alone, or after a combined statement failed) and answers them."""
+        await self.groups.submit((_HOLD, row, apart))
+
+    async def _write(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+        holds: HoldBatch = []
+        settles = []
+        apart = None
+        for item, future in batch:
+            if item[0] is _HOLD:
+                holds.append((item[1], future))
+                apart = item[2]  # every hold writer of this database writes holds alike
+            else:
+                settles.append((item, future))
+        if not holds:
+            await self._settles(settles)
+        elif not settles:
+            await apart(holds)
+        elif not all(r.plain for (_, r), _ in settles):
+            await asyncio.gather(self._settles(settles), apart(holds))
+        else:
+            await self._combined(settles, holds, apart)
+
+    async def _combined(self, settles, holds: HoldBatch, apart) -> None:
+        """The settles and the holds in one statement; if it fails, nothing of it is kept,
+        and both are written apart (the settles by the general path if they passed a
+        threshold)."""
+        items = [item for item, _ in settles]
+        try:
+            results = await _settle_group_pg(self.db, items, [row for row, _ in holds])
+        except _Crossed:
+            self.split += 1
+            await asyncio.gather(self._answer_general(settles), apart(holds))
+            return
+        except Exception:
+            self.split += 1
+            await asyncio.gather(self._settles(settles), apart(holds))
+            return
+        for _, future in holds:
+            answer(future)
+        self.carried += len(holds)
+        self._count(results, len(settles))
+        await self._answer(settles, results)
+
+    async def _answer_general(self, batch) -> None:
+        await self._answer(batch, await self._general([item for item, _ in batch]))
+
+    def _count(self, results: list, size: int) -> None:
+        settled = sum(1 for result in results if result)
+        self.one_statement += settled
+        if size > 1:
+            self.grouped += settled
+
+    async def _settles(self, batch) -> None:
         items = [item for item, _ in batch]
         if self.db.dialect == "postgresql" and all(r.plain for _, r in items):
             try:
@@ -987,10 +1071,7 @@ class SettleQueue:
                 self.retried += 1
                 results = [None] * len(batch)  # one at a time below: the good ones commit
             else:
-                settled = sum(1 for result in results if result)
-                self.one_statement += settled
-                if len(batch) > 1:
-                    self.grouped += settled
+                self._count(results, len(batch))
         else:
             results = await self._general(items)
         await self._answer(batch, results)

@@ -1,6 +1,8 @@
 """On PostgreSQL, a group of settles in one statement: the holds taken, the budgets and leases
 charged, the events inserted and every rollup kept, by one data-modifying WITH query run on its
 own, with no BEGIN and COMMIT (one round trip for the whole group, and a statement is atomic).
+The holds of leased requests admitted meanwhile ride along in the same statement
+(`with_holds`), or are inserted alone (`insert_holds`) when no settle is waiting.
 
 It serves the settles whose holds this process wrote and knows whole: its amount and leases
 are the reservation's, and it carries no rate claim and no run (those take the general path,
@@ -19,14 +21,17 @@ Budgets are locked in subject_id order before they are charged, as every writer 
 them; the rollup rows in key order.
 """
 
+import functools
 from dataclasses import dataclass
 
 import orjson
+from sqlalchemy.dialects import postgresql
 
 from metering.alerts.record import DEFAULT_THRESHOLDS
 from metering.db import Prepared
 from metering.ledger import rollup, writer
 from metering.ledger.event import Event
+from metering.models import Hold
 
 # The SQLSTATE metering_abort raises (migration 0014), and the message this statement gives it.
 ABORTED = "MT001"
@@ -108,20 +113,45 @@ SELECT (SELECT array_agg(id) FROM seen) AS seen, (SELECT array_agg(id) FROM ok) 
   CASE WHEN EXISTS (SELECT 1 FROM crossed) THEN metering_abort('{CROSSED_MESSAGE}') END
     AS aborted"""
 
-STATEMENT = Prepared(
-    "WITH "
-    + ",\n".join(
-        [
-            _TAKE.strip(),
-            _CHARGE.strip(),
-            _CROSSED.strip(),
-            writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)"),
-            rollup.pg_json_cte("e", "e_in.id IN (SELECT id FROM ok)"),
-            rollup.pg_pending_insert("e"),
-        ]
-    )
-    + _RESULT
+_BODY = ",\n".join(
+    [
+        _TAKE.strip(),
+        _CHARGE.strip(),
+        _CROSSED.strip(),
+        writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)"),
+        rollup.pg_json_cte("e", "e_in.id IN (SELECT id FROM ok)"),
+        rollup.pg_pending_insert("e"),
+    ]
 )
+STATEMENT = Prepared("WITH " + _BODY + _RESULT)
+
+
+def _hold_rows(columns: tuple[str, ...]) -> str:
+    """A multi-row INSERT of holds with these columns, passed as one JSON array of objects
+    (:new_holds): one parameter, whatever the number of rows."""
+    table = Hold.__table__
+    dialect = postgresql.dialect()
+    record = ", ".join(f"{c} {table.c[c].type.compile(dialect=dialect)}" for c in columns)
+    names = ", ".join(columns)
+    return (
+        f"INSERT INTO {table.name} ({names}) "
+        f"SELECT {names} FROM jsonb_to_recordset(CAST(:new_holds AS jsonb)) AS h({record})"
+    )
+
+
+@functools.cache
+def insert_holds(columns: tuple[str, ...]) -> Prepared:
+    """New holds on their own, in one statement."""
+    return Prepared(_hold_rows(columns))
+
+
+@functools.cache
+def with_holds(columns: tuple[str, ...]) -> Prepared:
+    """The settle statement carrying new holds too (the holds of requests admitted while the
+    writer was busy): one round trip for both. Atomic like the rest: a hold refused (its lease
+    returned) or a threshold passed keeps nothing of either, and the caller writes them
+    apart."""
+    return Prepared(f"WITH new_holds AS ({_hold_rows(columns)}),\n{_BODY}{_RESULT}")
 
 
 @dataclass(frozen=True, slots=True)
