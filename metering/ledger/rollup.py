@@ -276,11 +276,13 @@ def _fold_pg() -> str:
     """Take up to :batch of the oldest pending increments and add them to every rollup, in one
     statement: the rows leave rollup_pending in the statement that adds them, so a report
     (one statement, one snapshot) sees each increment exactly once, in one place or the
-    other. Two replicas folding at once: the second's DELETE skips what the first took."""
+    other. Two replicas folding at once take different rows: each skips the rows the other
+    has locked (SKIP LOCKED), so neither waits for the other and none is taken twice."""
     columns = ", ".join((*KEY, *FIGURES))
     moved = (
         "moved AS (DELETE FROM rollup_pending WHERE id IN "
-        "(SELECT id FROM rollup_pending ORDER BY id LIMIT CAST(:batch AS integer)) "
+        "(SELECT id FROM rollup_pending ORDER BY id LIMIT CAST(:batch AS integer) "
+        "FOR UPDATE SKIP LOCKED) "
         f"RETURNING {columns})"
     )
     return "WITH " + ",\n".join([moved, *pg_upserts("moved")]) + "\nSELECT count(*) FROM moved"
