@@ -42,7 +42,7 @@ _DEFAULT_THRESHOLDS = orjson.dumps(list(DEFAULT_THRESHOLDS)).decode()
 # only if its row is the one the reservation wrote.
 _TAKE = """
 want AS (
-  SELECT * FROM jsonb_to_recordset(CAST(:holds AS jsonb)) AS w(id text, amount bigint,
+  SELECT * FROM json_to_recordset(CAST(:holds AS json)) AS w(id text, amount bigint,
     leased boolean, token_lease text, user_lease text, team_lease text)
 ),
 seen AS (
@@ -64,7 +64,7 @@ ok AS (
 _CHARGE = """
 adds AS (
   SELECT a.subject_id, a.cost, a.amount, a.lease_id
-  FROM jsonb_to_recordset(CAST(:adds AS jsonb))
+  FROM json_to_recordset(CAST(:adds AS json))
     AS a(hold_id text, subject_id text, cost bigint, amount bigint, lease_id text)
   WHERE a.hold_id IN (SELECT id FROM ok)
 ),
@@ -135,7 +135,7 @@ def _hold_rows(columns: tuple[str, ...]) -> str:
     names = ", ".join(columns)
     return (
         f"INSERT INTO {table.name} ({names}) "
-        f"SELECT {names} FROM jsonb_to_recordset(CAST(:new_holds AS jsonb)) AS h({record})"
+        f"SELECT {names} FROM json_to_recordset(CAST(:new_holds AS json)) AS h({record})"
     )
 
 

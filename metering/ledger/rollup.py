@@ -212,7 +212,7 @@ def pg_json_cte(name: str = "e", gate: str = "") -> str:
     where = f" WHERE {gate}" if gate else ""
     return (
         f"{name} AS (SELECT {', '.join((*KEY, *FIGURES))} "
-        f"FROM jsonb_to_recordset(CAST(:rollup_rows AS jsonb)) AS {name}_in({record}){where})"
+        f"FROM json_to_recordset(CAST(:rollup_rows AS json)) AS {name}_in({record}){where})"
     )
 
 

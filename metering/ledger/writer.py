@@ -65,7 +65,7 @@ def pg_insert_cte(name: str = "ev", gate: str = "") -> str:
     where = f" WHERE {gate}" if gate else ""
     return (
         f"{name} AS (INSERT INTO {_table.name} ({columns}) "
-        f"SELECT {columns} FROM jsonb_to_recordset(CAST(:events AS jsonb)) "
+        f"SELECT {columns} FROM json_to_recordset(CAST(:events AS json)) "
         f"AS {name}_in({PG_RECORD}){where})"
     )
 
