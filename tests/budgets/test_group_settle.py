@@ -40,6 +40,17 @@ async def _rollup(db: Database, token_id: str) -> tuple[int, int]:
         return int(row[0] or 0), int(row[1] or 0)
 
 
+async def _alerts(db: Database, subjects: dict[str, str]) -> list[tuple[str, str]]:
+    """The (type, subject) of every alert recorded for these budgets, sorted."""
+    async with db.sessions() as session:
+        rows = await session.execute(
+            select(AlertEvent.type, AlertEvent.subject_id).where(
+                AlertEvent.subject_id.in_(list(subjects.values()))
+            )
+        )
+        return sorted(tuple(row) for row in rows.all())
+
+
 def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
     async def scenario() -> None:
         db = Database(fresh_db, 8)
@@ -211,15 +222,7 @@ def test_a_settle_passing_a_threshold_is_written_with_its_alert(fresh_db):
             total = sum(e.cost for e in events)
             for row in (await _budgets(db, subjects)).values():
                 assert (row.spent, row.reserved) == (total, 0)
-            async with db.sessions() as session:
-                alerts = (
-                    await session.execute(
-                        select(AlertEvent.type, AlertEvent.subject_id).where(
-                            AlertEvent.subject_id.in_(list(subjects.values()))
-                        )
-                    )
-                ).all()
-            assert sorted(alerts) == sorted(
+            assert await _alerts(db, subjects) == sorted(
                 ("budget.threshold_crossed", subject) for subject in subjects.values()
             )
             assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 4

@@ -5,13 +5,11 @@ holds and the settles are then written apart, each as it would be alone."""
 
 import asyncio
 
-from sqlalchemy import select
-
 from metering import migrate
 from metering.budgets.leases import LeaseBook, give_back
 from metering.budgets.service import reserve, settle, settle_queue
 from metering.db import Database, utcnow
-from metering.models import AlertEvent, Hold, LedgerEvent
+from metering.models import Hold, LedgerEvent
 from tests.budgets.conftest import fresh_pg  # noqa: F401
 from tests.budgets.test_crash_recovery import (
     _add_budgets,
@@ -21,7 +19,7 @@ from tests.budgets.test_crash_recovery import (
     _spec,
     _subjects,
 )
-from tests.budgets.test_group_settle import _rollup
+from tests.budgets.test_group_settle import _alerts, _rollup
 
 
 def _book(db: Database) -> LeaseBook:
@@ -165,15 +163,7 @@ def test_a_threshold_passed_in_a_combined_statement_keeps_the_holds_and_records_
             assert (queue.carried, queue.split) == (0, 1)
             total = sum(e.cost for e in events)
             assert await _spent(db, near) == {(total, 0)}
-            async with db.sessions() as session:
-                alerts = (
-                    await session.execute(
-                        select(AlertEvent.type, AlertEvent.subject_id).where(
-                            AlertEvent.subject_id.in_(list(near.values()))
-                        )
-                    )
-                ).all()
-            assert sorted(alerts) == sorted(
+            assert await _alerts(db, near) == sorted(
                 ("budget.threshold_crossed", subject) for subject in near.values()
             )
             far_events = [
