@@ -95,7 +95,22 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-def create_engine(url: str, pool_size: int = 20) -> AsyncEngine:
+# The writers' connections (Database.raw): every statement they send finds its rows by key, and
+# each is planned once per connection (asyncpg prepares it; PostgreSQL keeps a generic plan
+# after five runs). `holds` takes an insert and a delete from every request, so it is a few
+# pages when that plan is made and, between two vacuums, holds the dead rows of every request
+# since: a plan that chose a sequential scan of the small table then reads all of them twice
+# per group (a minute of 1,000 requests/s between autovacuum's runs leaves 60,000 dead rows,
+# 2,600 pages: 6 ms a scan, measured). With sequential scans off the plan is a key lookup
+# whatever the table's size when it was made. Reports, which do need whole-table plans, keep
+# the general pool.
+WRITER_SETTINGS = {"enable_seqscan": "off"}
+WRITER_POOL_SIZE = 4  # the settle queue and the hold writer take one each, for one group
+
+
+def create_engine(
+    url: str, pool_size: int = 20, server_settings: dict[str, str] | None = None
+) -> AsyncEngine:
     if is_sqlite(url):
         # SQLite has one writer: one pooled connection serializes this process's
         # transactions in order instead of letting them fail with "database is locked".
@@ -111,6 +126,7 @@ def create_engine(url: str, pool_size: int = 20) -> AsyncEngine:
         # The connection given back last is taken first: the few connections a load needs stay
         # in use, with their prepared statements planned, and the rest go idle.
         pool_use_lifo=True,
+        connect_args={"server_settings": server_settings} if server_settings else {},
     )
 
 
@@ -176,6 +192,12 @@ class Database:
         self.read_engine = _sqlite_reader(url) if self.dialect == "sqlite" else self.engine
         self.reads = async_sessionmaker(self.read_engine, expire_on_commit=False)
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        # The group writers' own small pool, planned for key lookups (WRITER_SETTINGS).
+        self.write_engine = (
+            self.engine
+            if self.dialect == "sqlite"
+            else create_engine(url, WRITER_POOL_SIZE, server_settings=WRITER_SETTINGS)
+        )
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
@@ -191,13 +213,14 @@ class Database:
     async def raw(self, keep: tuple[type[BaseException], ...] = ()):
         """A pooled PostgreSQL connection used through asyncpg itself, for a writer's statement
         that runs for every request (the settle and hold group writers): no statement building
-        and no result wrapping per call. Taken from the pool for one group and given back, so
-        the pool's bound holds every connection; taken as the pool's own connection (about a
-        quarter of the CPU of a Core connection's checkout and return), which is why nothing
-        here may start a transaction through SQLAlchemy. A failure the server did not report
+        and no result wrapping per call. Taken from the writers' own pool (`write_engine`,
+        whose connections never plan a sequential scan: WRITER_SETTINGS) for one group and
+        given back, so its bound holds every connection; taken as the pool's own connection
+        (about a quarter of the CPU of a Core connection's checkout and return), which is why
+        nothing here may start a transaction through SQLAlchemy. A failure the server did not report
         (a connection lost, a cancellation mid-statement) invalidates it; `keep`: the caller's
         own errors, raised with the connection in a sound state."""
-        pooled = await self.engine.raw_connection()
+        pooled = await self.write_engine.raw_connection()
         try:
             yield pooled.driver_connection
         except keep:
@@ -220,5 +243,7 @@ class Database:
 
     async def dispose(self) -> None:
         await self.engine.dispose()
+        if self.write_engine is not self.engine:
+            await self.write_engine.dispose()
         if self.read_engine is not self.engine:
             await self.read_engine.dispose()
