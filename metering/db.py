@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
-from sqlalchemy.orm import DeclarativeBase
+from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.types import TypeDecorator
 from sqlalchemy.util import greenlet_spawn
 
@@ -95,17 +95,28 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.close()
 
 
-# The writers' connections (Database.raw): every statement they send finds its rows by key, and
-# each is planned once per connection (asyncpg prepares it; PostgreSQL keeps a generic plan
-# after five runs). `holds` takes an insert and a delete from every request, so it is a few
-# pages when that plan is made and, between two vacuums, holds the dead rows of every request
-# since: a plan that chose a sequential scan of the small table then reads all of them twice
-# per group (a minute of 1,000 requests/s between autovacuum's runs leaves 60,000 dead rows,
-# 2,600 pages: 6 ms a scan, measured). With sequential scans off the plan is a key lookup
-# whatever the table's size when it was made. Reports, which do need whole-table plans, keep
-# the general pool.
-WRITER_SETTINGS = {"enable_seqscan": "off"}
-WRITER_POOL_SIZE = 4  # the settle queue and the hold writer take one each, for one group
+# The pool's connections never plan a sequential scan unless they read for a report: the
+# statements that serve requests, the API and the jobs find rows by key, and each is planned
+# once per connection (prepared by asyncpg; PostgreSQL keeps a generic plan after five runs)
+# while `holds`, which takes an insert and a delete from every request, may be a page or two
+# (just after a vacuum, the generic plan of `DELETE FROM holds WHERE id = $1` reads the table
+# whole). Between two vacuums the table keeps the dead rows of every request since, and such a
+# plan reads them all: a minute of 1,000 requests/s (autovacuum's default pause) leaves 60,000
+# dead rows in 2,600 pages, 6 ms a scan, measured. With sequential scans off the plan is a key
+# lookup whatever the table's size when it was made. A report's transaction (Database.reads)
+# turns them back on for itself (SET LOCAL), as its whole-range plans need.
+SERVING_SETTINGS = {"enable_seqscan": "off"}
+REPORT_SETTING = "SET LOCAL enable_seqscan = on"
+
+
+class ReportSession(Session):
+    """A session of Database.reads: its transactions plan with the planner's defaults."""
+
+
+@event.listens_for(ReportSession, "after_begin")
+def _plan_freely(session, transaction, connection) -> None:
+    if connection.dialect.name == "postgresql":
+        connection.exec_driver_sql(REPORT_SETTING)
 
 
 def create_engine(
@@ -183,21 +194,18 @@ class AttrRecord(asyncpg.Record):
 class Database:
     def __init__(self, url: str, pool_size: int = 20) -> None:
         self.url = url
-        self.engine = create_engine(url, pool_size)
+        self.engine = create_engine(url, pool_size, server_settings=SERVING_SETTINGS)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.dialect = "sqlite" if is_sqlite(url) else "postgresql"
         # Reports read apart from the request path: on SQLite the one pooled connection is the
         # writer's, and a long report on it would hold every request of the process behind it
-        # (WAL lets these readers run beside the writer); PostgreSQL shares its pool.
+        # (WAL lets these readers run beside the writer); PostgreSQL shares its pool, each
+        # report's transaction planned with the planner's defaults (ReportSession).
         self.read_engine = _sqlite_reader(url) if self.dialect == "sqlite" else self.engine
-        self.reads = async_sessionmaker(self.read_engine, expire_on_commit=False)
-        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-        # The group writers' own small pool, planned for key lookups (WRITER_SETTINGS).
-        self.write_engine = (
-            self.engine
-            if self.dialect == "sqlite"
-            else create_engine(url, WRITER_POOL_SIZE, server_settings=WRITER_SETTINGS)
+        self.reads = async_sessionmaker(
+            self.read_engine, expire_on_commit=False, sync_session_class=ReportSession
         )
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
@@ -213,14 +221,13 @@ class Database:
     async def raw(self, keep: tuple[type[BaseException], ...] = ()):
         """A pooled PostgreSQL connection used through asyncpg itself, for a writer's statement
         that runs for every request (the settle and hold group writers): no statement building
-        and no result wrapping per call. Taken from the writers' own pool (`write_engine`,
-        whose connections never plan a sequential scan: WRITER_SETTINGS) for one group and
-        given back, so its bound holds every connection; taken as the pool's own connection
-        (about a quarter of the CPU of a Core connection's checkout and return), which is why
-        nothing here may start a transaction through SQLAlchemy. A failure the server did not report
+        and no result wrapping per call. Taken from the pool for one group and given back, so
+        the pool's bound holds every connection; taken as the pool's own connection (about a
+        quarter of the CPU of a Core connection's checkout and return), which is why nothing
+        here may start a transaction through SQLAlchemy. A failure the server did not report
         (a connection lost, a cancellation mid-statement) invalidates it; `keep`: the caller's
         own errors, raised with the connection in a sound state."""
-        pooled = await self.write_engine.raw_connection()
+        pooled = await self.engine.raw_connection()
         try:
             yield pooled.driver_connection
         except keep:
@@ -243,7 +250,5 @@ class Database:
 
     async def dispose(self) -> None:
         await self.engine.dispose()
-        if self.write_engine is not self.engine:
-            await self.write_engine.dispose()
         if self.read_engine is not self.engine:
             await self.read_engine.dispose()
