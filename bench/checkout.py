@@ -1,6 +1,7 @@
 """What taking a pooled connection for one group costs in CPU: a Core connection's checkout and
-return (what the group writers did) against the pool's own connection (Database.raw), and a
-bare asyncpg round trip for scale.
+return (what the group writers did) against the pool's own connection (Database.raw with a
+pool too small to keep one) and a kept one (Database.raw with the default pool), and a bare
+asyncpg round trip for scale.
 
     python -m bench.checkout [--pg DSN] [--n 3000]
 """
@@ -26,6 +27,7 @@ async def _cpu_us(n: int, once) -> float:
 
 async def measure(dsn: str, n: int) -> dict[str, float]:
     db = Database(dsn, 4)
+    keeping = Database(dsn, 20)
     direct = await asyncpg.connect(dsn)
     try:
 
@@ -37,17 +39,23 @@ async def measure(dsn: str, n: int) -> dict[str, float]:
             async with db.raw():
                 pass
 
+        async def kept() -> None:
+            async with keeping.raw():
+                pass
+
         async def round_trip() -> None:
             await direct.fetchval("SELECT 1")
 
         return {
             "Core connection checkout and return": await _cpu_us(n, core),
-            "pool's own connection (Database.raw)": await _cpu_us(n, pooled),
+            "pool's own connection (Database.raw, pool of 4)": await _cpu_us(n, pooled),
+            "a kept connection (Database.raw, pool of 20)": await _cpu_us(n, kept),
             "asyncpg round trip (SELECT 1)": await _cpu_us(n, round_trip),
         }
     finally:
         await direct.close()
         await db.dispose()
+        await keeping.dispose()
 
 
 def main() -> None:

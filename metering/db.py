@@ -2,6 +2,7 @@
 
 import contextlib
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -179,6 +180,16 @@ class Prepared:
         return [params[name] for name in self.names]
 
 
+# Database.raw keeps up to this many of its connections checked out between groups, so a
+# writer's next statement skips the pool's checkout and return (77 µs of CPU together, more
+# than a round trip's 66, `python -m bench.checkout`): only with a pool of at least
+# KEPT_MIN_POOL, so they never take most of a small one. A kept connection is given back after
+# KEPT_FOR_S, as the pool's recycling would.
+KEPT_WRITERS = 2
+KEPT_MIN_POOL = 8
+KEPT_FOR_S = 1800.0
+
+
 class AttrRecord(asyncpg.Record):
     """An asyncpg row whose columns are also attributes, as SQLAlchemy's rows."""
 
@@ -206,6 +217,9 @@ class Database:
             self.read_engine, expire_on_commit=False, sync_session_class=ReportSession
         )
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        # raw()'s idle connections, kept out of the pool: (the pool's connection, kept since).
+        self._kept: list[tuple[object, float]] = []
+        self._keep = KEPT_WRITERS if pool_size >= KEPT_MIN_POOL and self.dialect != "sqlite" else 0
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
@@ -221,27 +235,43 @@ class Database:
     async def raw(self, keep: tuple[type[BaseException], ...] = ()):
         """A pooled PostgreSQL connection used through asyncpg itself, for a writer's statement
         that runs for every request (the settle and hold group writers): no statement building
-        and no result wrapping per call. Taken from the pool for one group and given back, so
-        the pool's bound holds every connection; taken as the pool's own connection (about a
-        quarter of the CPU of a Core connection's checkout and return), which is why nothing
-        here may start a transaction through SQLAlchemy. A failure the server did not report
-        (a connection lost, a cancellation mid-statement) invalidates it; `keep`: the caller's
-        own errors, raised with the connection in a sound state."""
-        pooled = await self.engine.raw_connection()
+        and no result wrapping per call. Taken as the pool's own connection (about a quarter of
+        the CPU of a Core connection's checkout and return), which is why nothing here may start
+        a transaction through SQLAlchemy; the pool's bound holds every connection. Up to
+        KEPT_WRITERS sound ones are kept out of the pool between groups (the last given back is
+        the next taken), the rest go back to it. A failure the server did not report (a
+        connection lost, a cancellation mid-statement) invalidates it; `keep`: the caller's own
+        errors, raised with the connection in a sound state."""
+        if self._kept:
+            pooled, since = self._kept.pop()
+        else:
+            pooled, since = await self.engine.raw_connection(), time.monotonic()
+        sound = False
         try:
             yield pooled.driver_connection
+            sound = True
         except keep:
+            sound = True
             raise
         except asyncpg.PostgresError:
-            raise  # the server refused a statement: the connection is sound
+            sound = True  # the server refused a statement: the connection is sound
+            raise
         except BaseException:
             with contextlib.suppress(Exception):
                 await greenlet_spawn(pooled.invalidate)
             raise
         finally:
-            # Back to the pool (its reset has nothing to roll back: no transaction was begun
-            # through it); a connection beyond the pool's size is closed there, which is I/O.
-            await greenlet_spawn(pooled.close)
+            if (
+                sound
+                and len(self._kept) < self._keep
+                and time.monotonic() - since < KEPT_FOR_S
+                and not pooled.driver_connection.is_closed()
+            ):
+                self._kept.append((pooled, since))
+            else:
+                # Back to the pool (its reset has nothing to roll back: no transaction was begun
+                # through it); a connection beyond the pool's size is closed there, which is I/O.
+                await greenlet_spawn(pooled.close)
 
     def single(self):
         """A Core connection in autocommit: each statement is its own transaction, with no
@@ -249,6 +279,11 @@ class Database:
         return self._autocommit.connect()
 
     async def dispose(self) -> None:
+        self._keep = 0  # a group still being written gives its connection back, not here
+        kept, self._kept = self._kept, []
+        for pooled, _ in kept:
+            with contextlib.suppress(Exception):
+                await greenlet_spawn(pooled.close)
         await self.engine.dispose()
         if self.read_engine is not self.engine:
             await self.read_engine.dispose()

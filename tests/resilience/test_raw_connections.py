@@ -81,3 +81,61 @@ def test_the_connection_given_back_last_is_taken_first_postgres(fresh_pg):  # no
             await db.dispose()
 
     asyncio.run(scenario())
+
+
+def test_sound_connections_are_kept_between_groups_and_given_back_postgres(fresh_pg, monkeypatch):  # noqa: F811
+    """With a pool of at least KEPT_MIN_POOL, up to KEPT_WRITERS sound connections stay out of
+    the pool between two groups (no checkout and return per statement); a failed one is
+    discarded, not kept; dispose gives the kept ones back and closes them."""
+    from metering import db as db_module
+
+    async def pid(conn) -> int:
+        return await conn.fetchval("SELECT pg_backend_pid()")
+
+    async def scenario() -> None:
+        db = Database(fresh_pg, db_module.KEPT_MIN_POOL)
+        pool = db.engine.sync_engine.pool
+        try:
+            async with db.raw() as conn:
+                first = await pid(conn)
+            assert pool.checkedout() == 1  # kept, not given back
+            for _ in range(3):
+                async with db.raw() as conn:
+                    assert await pid(conn) == first
+            async with db.raw() as conn:  # the server's refusal: still sound, still kept
+                with pytest.raises(asyncpg.PostgresError):
+                    await conn.fetchval("SELECT 1 / 0")
+            async with db.raw() as conn:
+                assert await pid(conn) == first
+            # A burst: at most KEPT_WRITERS stay out of the pool afterwards.
+            async with db.raw() as a, db.raw() as b, db.raw() as c, db.raw() as d:
+                assert len({await pid(x) for x in (a, b, c, d)}) == 4
+            assert pool.checkedout() == db_module.KEPT_WRITERS
+            # Cancelled mid-statement: discarded, never handed to the next group.
+            async with db.raw() as conn:
+                doomed = await pid(conn)
+            task = asyncio.ensure_future(_sleep_on(db, 1.0))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(3):
+                async with db.raw() as a, db.raw() as b:
+                    assert await pid(a) != doomed and await pid(b) != doomed
+                    assert await a.fetchval("SELECT 1") == 1
+            # Past KEPT_FOR_S a connection goes back to the pool instead of being kept.
+            monkeypatch.setattr(db_module, "KEPT_FOR_S", 0.0)
+            for _ in range(db_module.KEPT_WRITERS):
+                async with db.raw():
+                    pass
+            assert pool.checkedout() == 0
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+    assert _backends(fresh_pg) == 0
+
+
+async def _sleep_on(db: Database, seconds: float) -> None:
+    async with db.raw() as conn:
+        await conn.execute(f"SELECT pg_sleep({seconds})")
