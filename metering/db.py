@@ -188,6 +188,7 @@ class Prepared:
 KEPT_WRITERS = 2
 KEPT_MIN_POOL = 8
 KEPT_FOR_S = 1800.0
+_CONNECTION_GONE = ("08", "57P")
 
 
 class AttrRecord(asyncpg.Record):
@@ -253,20 +254,20 @@ class Database:
         except keep:
             sound = True
             raise
-        except asyncpg.PostgresError:
-            sound = True  # the server refused a statement: the connection is sound
-            raise
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await greenlet_spawn(pooled.invalidate)
+        except asyncpg.PostgresError as exc:
+            # The server refused a statement: the connection is sound, unless the error is the
+            # connection's own (class 08: asyncpg reports a lost connection so) or the server
+            # going away (57P01-57P03).
+            sound = not (exc.sqlstate or "").startswith(_CONNECTION_GONE)
             raise
         finally:
-            if (
-                sound
-                and len(self._kept) < self._keep
-                and time.monotonic() - since < KEPT_FOR_S
-                and not pooled.driver_connection.is_closed()
-            ):
+            if not sound or pooled.driver_connection.is_closed():
+                # A failure the server did not report (a connection lost, a cancellation
+                # mid-statement): never handed out again.
+                with contextlib.suppress(Exception):
+                    await greenlet_spawn(pooled.invalidate)
+                await greenlet_spawn(pooled.close)
+            elif len(self._kept) < self._keep and time.monotonic() - since < KEPT_FOR_S:
                 self._kept.append((pooled, since))
             else:
                 # Back to the pool (its reset has nothing to roll back: no transaction was begun

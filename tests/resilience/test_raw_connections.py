@@ -139,3 +139,36 @@ def test_sound_connections_are_kept_between_groups_and_given_back_postgres(fresh
 async def _sleep_on(db: Database, seconds: float) -> None:
     async with db.raw() as conn:
         await conn.execute(f"SELECT pg_sleep({seconds})")
+
+
+@pytest.mark.parametrize("pool_size", [2, 8])  # given back to the pool, or kept
+def test_a_connection_the_server_ended_is_never_handed_out_again_postgres(fresh_pg, pool_size):  # noqa: F811
+    """A backend terminated mid-statement: asyncpg reports it as a PostgresError (class 08),
+    which is not the server refusing a statement; the connection is discarded, and the next
+    group gets a live one."""
+
+    async def scenario() -> None:
+        db = Database(fresh_pg, pool_size)
+        try:
+            async with db.raw() as conn:
+                victim = await conn.fetchval("SELECT pg_backend_pid()")
+
+            async def terminate() -> None:
+                await asyncio.sleep(0.2)
+                with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+                    admin.execute("SELECT pg_terminate_backend(%s)", (victim,))
+
+            killer = asyncio.ensure_future(terminate())
+            with pytest.raises(asyncpg.PostgresError) as failed:
+                async with db.raw() as conn:
+                    assert await conn.fetchval("SELECT pg_backend_pid()") == victim
+                    await conn.execute("SELECT pg_sleep(5)")
+            await killer
+            assert (failed.value.sqlstate or "").startswith(("08", "57P")), failed.value
+            for _ in range(3):
+                async with db.raw() as conn:
+                    assert await conn.fetchval("SELECT pg_backend_pid()") != victim
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
