@@ -183,10 +183,12 @@ class Prepared:
 # Database.raw keeps up to this many of its connections checked out between groups, so a
 # writer's next statement skips the pool's checkout and return (77 µs of CPU together, more
 # than a round trip's 66, `python -m bench.checkout`): only with a pool of at least
-# KEPT_MIN_POOL, so they never take most of a small one. A kept connection is given back after
-# KEPT_FOR_S, as the pool's recycling would.
+# KEPT_MIN_POOL (the default METERING_DB_POOL_SIZE), so they never take much of a small one: a
+# kept connection is not there for the process's other transactions, which open another when
+# the pool has none idle. A kept connection is given back after KEPT_FOR_S, as the pool's
+# recycling would.
 KEPT_WRITERS = 2
-KEPT_MIN_POOL = 8
+KEPT_MIN_POOL = 20
 KEPT_FOR_S = 1800.0
 _CONNECTION_GONE = ("08", "57P")
 
