@@ -2,6 +2,8 @@
 imported) fails on an arrow that runs the wrong way or on a cycle between packages."""
 
 import ast
+import concurrent.futures
+import gc
 from pathlib import Path
 
 import pytest
@@ -33,13 +35,28 @@ def is_module(name: str) -> bool:
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
+def parse(path: Path) -> ast.Module:
+    """ast.parse in a thread of its own (a shallow stack) with the collector paused: CPython
+    3.11.7 can raise "SystemError: AST constructor recursion depth mismatch" while it builds the
+    tree, as it once did here under pytest-xdist (CPython gh-106905, fixed in later releases)."""
+    source = path.read_text()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(ast.parse, source, str(path)).result()
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def imported_modules(path: Path) -> set[str]:
     """Every metering module `path` imports, at any depth of its code (function bodies and
     TYPE_CHECKING blocks included)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parse(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -135,7 +135,8 @@ def test_replicas_folding_while_settles_go_on_count_each_increment_once(fresh_pg
     migrate.upgrade(fresh_pg)
 
     async def scenario() -> None:
-        replicas = [Database(fresh_pg, 8) for _ in range(3)]
+        # Small pools: three replicas beside the rest of the parallel suite on one server.
+        replicas = [Database(fresh_pg, 4) for _ in range(3)]
         db = replicas[0]
         try:
             subjects = _subjects()
