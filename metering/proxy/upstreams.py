@@ -21,7 +21,7 @@ _DROPPED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
 
 
 class _Send:
-    """What the connection pool did for one send: set by aiohttp's trace in the same task."""
+    """What the connection pool did for one send: set by `_Connector` in the same task."""
 
     __slots__ = ("reused",)
 
@@ -32,16 +32,22 @@ class _Send:
 _SEND: ContextVar[_Send | None] = ContextVar("metering_upstream_send", default=None)
 
 
-async def _on_reuse(session, context, params) -> None:
-    current = _SEND.get()
-    if current is not None:
-        current.reused = True
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's connector, noting in the sending task's `_Send` when it hands out a kept-alive
+    connection (the race `dropped_unanswered` retries is only possible on one). aiohttp's trace
+    signals would tell the same, at the cost of a trace and its signals on every request."""
+
+    async def _get(self, key, traces):
+        connection = await super()._get(key, traces)
+        if connection is not None:
+            current = _SEND.get()
+            if current is not None:
+                current.reused = True
+        return connection
 
 
 def _session(max_connections: int, force_close: bool) -> aiohttp.ClientSession:
-    trace = aiohttp.TraceConfig()
-    trace.on_connection_reuseconn.append(_on_reuse)
-    connector = aiohttp.TCPConnector(
+    connector = _Connector(
         limit=max_connections,
         keepalive_timeout=None if force_close else KEEPALIVE_S,
         force_close=force_close,
@@ -49,9 +55,7 @@ def _session(max_connections: int, force_close: bool) -> aiohttp.ClientSession:
     )
     # One session serves every user: a cookie one upstream answer sets must never be sent with
     # another user's request.
-    return aiohttp.ClientSession(
-        connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trace_configs=[trace]
-    )
+    return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
 
 class _NoCookies(httpx.Cookies):
@@ -162,8 +166,10 @@ def dropped_unanswered(exc: BaseException) -> bool:
             return False
         if isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientConnectionResetError):
             return True
-        if isinstance(cause, aiohttp.ClientOSError):
+        if isinstance(cause, aiohttp.ClientOSError) and cause.errno is not None:
             return cause.errno in _DROPPED_ERRNOS
+        # A ClientOSError with no errno ("Can not write request body") says what it is through
+        # its cause: the connection closing as the request was written (a reset, above).
     return False
 
 

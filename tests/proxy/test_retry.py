@@ -3,14 +3,17 @@ sent once more on a new connection; a drop that cannot be retried says what happ
 connection, not a timeout)."""
 
 import asyncio
+import errno
 import json
 import threading
 import uuid
 from decimal import Decimal
 
+import aiohttp
 import httpx
 import pytest
 
+from metering.proxy.upstreams import dropped_unanswered, failure_kind
 from tests.proxy.conftest import assert_error_shape, provider_entry, serving
 
 ANSWER = {
@@ -160,3 +163,37 @@ def test_request_dropped_on_a_new_connection_is_a_502_saying_so_not_a_timeout(pr
     assert server.connections == connections + 1  # sent once: it may have been read
     events = proxy.events(token_id=token["id"])
     assert [(e["status"], Decimal(e["cost"])) for e in events] == [("upstream_disconnected", 0)]
+
+
+def _raised(exc: BaseException, cause: BaseException) -> BaseException:
+    """`exc` as it is raised from `cause` (its __cause__ and __context__ set)."""
+    try:
+        try:
+            raise cause
+        except BaseException as inner:
+            raise exc from inner
+    except BaseException as outer:
+        return outer
+
+
+def test_a_connection_closing_as_the_request_is_written_counts_as_dropped_unanswered():
+    """The race the retry is for, as aiohttp reports it when the upstream's idle timeout closed
+    the pooled connection between its checkout and the write (seen under load against a
+    uvicorn upstream, whose idle timeout is the client's): an errno-less ClientOSError whose
+    cause is the write refused on a closing transport, mapped to httpx. It used to stop the
+    search at the errno-less ClientOSError and answer 502."""
+    reset = aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+    url = "http://127.0.0.1:1/openai/v1/chat/completions"
+    written = _raised(aiohttp.ClientOSError(None, f"Can not write request body for {url}"), reset)
+    mapped = _raised(httpx.ConnectTimeout(f"[Errno None] {written.strerror}"), written)
+    assert dropped_unanswered(mapped)
+    assert failure_kind(mapped) == "upstream_disconnected"
+    # A reset by the peer (errno 104) as before; an errno that is not a drop, and a connect
+    # failure, are not retried.
+    reset_by_peer = _raised(
+        aiohttp.ClientOSError(errno.ECONNRESET, "reset"), ConnectionResetError()
+    )
+    assert dropped_unanswered(_raised(httpx.ConnectTimeout("reset"), reset_by_peer))
+    unreachable = aiohttp.ClientOSError(errno.EHOSTUNREACH, "no route")
+    assert not dropped_unanswered(_raised(httpx.ConnectError("no route"), unreachable))
+    assert not dropped_unanswered(httpx.ConnectTimeout("plain timeout"))
