@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from metering.errors import error_body
 from metering.settings import Settings
@@ -102,6 +106,75 @@ def answer(status: int, code: str, message: str, retry_after: int | None = None)
     return app
 
 
+class _HeldHead:
+    """The transport a response cycle writes to between its status line and headers and its
+    first body bytes: the head is kept and written with the body, in one write. Anything else
+    asked of it writes the head first."""
+
+    __slots__ = ("cycle", "transport", "head")
+
+    def __init__(self, cycle: "JoinedCycle", transport) -> None:
+        self.cycle = cycle
+        self.transport = transport
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.head is None:  # uvicorn's one write of the status line and headers
+            self.head = data
+            return
+        self._restore()
+        self.transport.writelines((self.head, data))
+
+    def flush(self) -> None:
+        self._restore()
+        if self.head and not self.transport.is_closing():
+            self.transport.write(self.head)
+
+    def _restore(self) -> None:
+        if self.cycle.transport is self:
+            self.cycle.transport = self.transport
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+
+def _has_length(headers) -> bool:
+    return any(name.lower() == b"content-length" for name, _ in headers)
+
+
+class JoinedCycle(RequestResponseCycle):
+    """uvicorn's response cycle, writing a response whose length is known (Content-Length: a
+    whole body, every error) as one write of its head and its first body bytes, where uvicorn
+    writes the status line and headers, then the body: one syscall and one TCP segment less
+    per answer, for the server and for the client that reads it."""
+
+    async def send(self, message) -> None:
+        if (
+            message["type"] == "http.response.start"
+            and not self.response_started
+            and not self.disconnected
+            and self.scope["method"] != "HEAD"
+            and _has_length(message.get("headers", ()))
+        ):
+            held = _HeldHead(self, self.transport)
+            self.transport = held
+            try:
+                await super().send(message)
+            finally:
+                if held.head is None:  # nothing was written (refused, or disconnected)
+                    held.flush()
+            return
+        try:
+            await super().send(message)
+        finally:
+            if isinstance(self.transport, _HeldHead):  # the body did not write: the head goes
+                self.transport.flush()
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with deadlines and caps (see the module's docstring)."""
 
@@ -155,6 +228,10 @@ class GuardedProtocol(HttpToolsProtocol):
             self.app = answer(503, *OVER_CAPACITY, retry_after=1)
         super().on_headers_complete()
         self.body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_timed_out)
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
+        cycle.__class__ = JoinedCycle  # made by uvicorn's on_headers_complete; not started yet
+        super()._start_asgi_task(cycle, app)
 
     def on_message_complete(self) -> None:
         if self.body_timer is not None:

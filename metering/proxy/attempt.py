@@ -8,6 +8,7 @@ attempt itself when its stream is done. Ending is shielded from cancellation and
 the database cannot be reached; a hold that still cannot end is left to the sweeper.
 """
 
+import asyncio
 import logging
 import time
 from datetime import datetime
@@ -103,8 +104,9 @@ class Attempt:
         return int((time.perf_counter() - self.t0) * 1000)
 
     def deadline(self, max_s: float) -> float:
-        """When a request that may run max_s seconds must end, on anyio's clock."""
-        return anyio.current_time() + max_s - (time.perf_counter() - self.t0)
+        """When a request that may run max_s seconds must end, on the event loop's clock (which
+        is anyio's on asyncio)."""
+        return asyncio.get_running_loop().time() + max_s - (time.perf_counter() - self.t0)
 
     async def end(self) -> None:
         """Settle the outcome (one ledger event) or release the hold when nothing reached an

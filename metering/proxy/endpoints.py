@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import replace
 
+import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -107,6 +108,10 @@ def ceilings(request: Request, principal, idle_s: int) -> tuple[int | None, RunK
 
 
 def _encode(body: dict) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        pass  # a lone surrogate, or an integer beyond 64 bits: Python's encoder says which
     try:
         return json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:

@@ -7,6 +7,7 @@ first; the attempt settles it (or releases the hold) when it ends.
 No database transaction or pooled connection is held while waiting on the upstream.
 """
 
+import asyncio
 import json
 import time
 
@@ -51,24 +52,23 @@ async def open_upstream(attempt: Attempt) -> httpx.Response:
     services, provider = attempt.services, attempt.provider
     request = services.upstreams.chat_request(provider, attempt.dialect, attempt.upstream_body)
     response = None
+    timer = asyncio.timeout_at(attempt.deadline(services.settings.max_response_s))
     try:
-        with anyio.CancelScope(
-            deadline=attempt.deadline(services.settings.max_response_s)
-        ) as scope:
+        async with timer:
             attempt.sent = True
             response = await services.upstreams.send(provider.name, request)
             if response.status_code == 202 and attempt.dialect.polls:
                 response = await _poll(attempt, response)
-    except (httpx.HTTPError, OSError) as exc:
-        raise _failed(attempt, exc) from exc
-    if scope.cancelled_caught:
+    except (httpx.HTTPError, OSError) as exc:  # TimeoutError is an OSError
+        if not timer.expired():
+            raise _failed(attempt, exc) from exc
         # The request's time ran out before an answer: it went out, nothing came back.
         if response is not None:
             await response.aclose()  # a pending 202, already closed
         attempt.outcome = Outcome(
             status=RESPONSE_TOO_LONG.status, billable=False, error="no answer in time"
         )
-        raise limit_error(attempt, RESPONSE_TOO_LONG)
+        raise limit_error(attempt, RESPONSE_TOO_LONG) from None
     return response
 
 
@@ -137,15 +137,19 @@ async def read_all(attempt: Attempt, upstream: httpx.Response) -> bytes:
     status = upstream.status_code
     body = bytearray()
     limit = None
+    timer = asyncio.timeout_at(attempt.deadline(settings.max_response_s))
     try:
-        with anyio.CancelScope(deadline=attempt.deadline(settings.max_response_s)) as scope:
-            async for chunk in upstream.aiter_bytes():
-                if len(body) + len(chunk) > settings.max_response_bytes:
-                    body += chunk[: settings.max_response_bytes - len(body)]
-                    limit = RESPONSE_TOO_LARGE
-                    break
-                body += chunk
-        if scope.cancelled_caught:
+        try:
+            async with timer:
+                async for chunk in upstream.aiter_bytes():
+                    if len(body) + len(chunk) > settings.max_response_bytes:
+                        body += chunk[: settings.max_response_bytes - len(body)]
+                        limit = RESPONSE_TOO_LARGE
+                        break
+                    body += chunk
+        except TimeoutError:
+            if not timer.expired():
+                raise
             limit = RESPONSE_TOO_LONG
     except (httpx.HTTPError, OSError) as exc:
         text = await text_of_cut_body(bytes(body)) if status < 400 and body else ""

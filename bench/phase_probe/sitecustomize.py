@@ -1,0 +1,110 @@
+"""Loaded by `python -m bench.phases` into the server it starts (this folder first on its
+PYTHONPATH), and only there: times each phase of a request in the server itself.
+
+SIGUSR1 writes what was gathered since the last signal to $METERING_PHASES_OUT and starts over.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+OUT = os.environ.get("METERING_PHASES_OUT")
+
+if OUT:
+    from metering.budgets import groups
+    from metering.proxy import upstreams
+
+    samples: dict[str, list[float]] = {}
+
+    def note(kind: str, value: float) -> None:
+        kept = samples.setdefault(kind, [])
+        if len(kept) < 1_000_000:
+            kept.append(value)
+
+    def kind_of(item) -> str:
+        # SettleQueue.hold submits (_HOLD, row, apart); a settle (event, reservation); the
+        # hold writer of SQLite a row (dict).
+        if isinstance(item, dict) or (isinstance(item, tuple) and len(item) == 3):
+            return "hold wait"
+        return "settle wait"
+
+    submit = groups.GroupWriter.submit
+
+    async def timed_submit(self, item):
+        started = time.perf_counter()
+        try:
+            return await submit(self, item)
+        finally:
+            note(kind_of(item), time.perf_counter() - started)
+            _lag.start()
+
+    groups.GroupWriter.submit = timed_submit
+
+    write = groups.GroupWriter.__init__
+
+    def timed_init(self, write_group, interrupted):
+        async def timed_write(batch):
+            note("group size", len(batch))
+            started = time.perf_counter()
+            try:
+                return await write_group(batch)
+            finally:
+                note("group statement", time.perf_counter() - started)
+
+        write(self, timed_write, interrupted)
+
+    groups.GroupWriter.__init__ = timed_init
+
+    send = upstreams.Upstreams.send
+
+    async def timed_send(self, provider, request):
+        started = time.perf_counter()
+        try:
+            return await send(self, provider, request)
+        finally:
+            note("upstream answer (headers)", time.perf_counter() - started)
+
+    upstreams.Upstreams.send = timed_send
+
+    class _Lag:
+        """A timer every millisecond: how late the loop runs it is how long a callback that
+        became ready waits for the work ahead of it."""
+
+        def __init__(self) -> None:
+            self.loop = None
+
+        def start(self) -> None:
+            if self.loop is None:
+                self.loop = asyncio.get_running_loop()
+                self._arm()
+
+        def _arm(self) -> None:
+            self.due = self.loop.time() + 0.001
+            self.loop.call_at(self.due, self._tick)
+
+        def _tick(self) -> None:
+            note("loop lag", max(0.0, self.loop.time() - self.due))
+            self._arm()
+
+    _lag = _Lag()
+
+    def dump(*_) -> None:
+        out = {}
+        for kind, values in samples.items():
+            values.sort()
+            n = len(values)
+            scale = 1 if kind == "group size" else 1000
+            out[kind] = {
+                "n": n,
+                "mean": sum(values) / n * scale,
+                "p50": values[n // 2] * scale,
+                "p90": values[int(n * 0.9)] * scale,
+                "p99": values[int(n * 0.99)] * scale,
+            }
+        samples.clear()
+        with open(OUT, "w") as f:
+            json.dump(out, f)
+
+    signal.signal(signal.SIGUSR1, dump)
