@@ -69,8 +69,8 @@ if OUT:
     upstreams.Upstreams.send = timed_send
 
     class _Lag:
-        """A timer every millisecond: how late the loop runs it is how long a callback that
-        became ready waits for the work ahead of it."""
+        """Each millisecond (a timer), a callback made ready: how long it waits for the loop to
+        run it is how long any callback that became ready waits for the work ahead of it."""
 
         def __init__(self) -> None:
             self.loop = None
@@ -78,15 +78,14 @@ if OUT:
         def start(self) -> None:
             if self.loop is None:
                 self.loop = asyncio.get_running_loop()
-                self._arm()
-
-        def _arm(self) -> None:
-            self.due = self.loop.time() + 0.001
-            self.loop.call_at(self.due, self._tick)
+                self.loop.call_later(0.001, self._tick)
 
         def _tick(self) -> None:
-            note("loop lag", max(0.0, self.loop.time() - self.due))
-            self._arm()
+            self.loop.call_soon(self._ran, time.perf_counter())
+            self.loop.call_later(0.001, self._tick)
+
+        def _ran(self, ready_at: float) -> None:
+            note("loop lag", time.perf_counter() - ready_at)
 
     _lag = _Lag()
 
