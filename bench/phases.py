@@ -32,6 +32,9 @@ ORDER = (
     "group statement",
     "group size",
     "loop lag",
+    "gc, generation 0",
+    "gc, generation 1",
+    "gc, generation 2",
 )
 
 
@@ -105,14 +108,14 @@ def main(argv=None) -> int:
             f"{(cpu['end'] - cpu['start']) / n * 1000:.2f} ms/req, "
             f"statuses {dict(measured.statuses)}"
         )
-        print(f"{'phase':<28}{'n':>8}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}")
+        print(f"{'phase':<28}{'n':>8}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}")
         for name in ORDER:
             if name in phases:
                 row = phases[name]
                 unit = "" if name == "group size" else " ms"
                 print(
                     f"{name + unit:<28}{row['n']:>8}{row['mean']:>9.2f}{row['p50']:>9.2f}"
-                    f"{row['p90']:>9.2f}{row['p99']:>9.2f}"
+                    f"{row['p90']:>9.2f}{row['p99']:>9.2f}{row['max']:>9.2f}"
                 )
     return 0
 

@@ -5,6 +5,7 @@ SIGUSR1 writes what was gathered since the last signal to $METERING_PHASES_OUT a
 """
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -89,6 +90,16 @@ if OUT:
 
     _lag = _Lag()
 
+    _gc_started = [0.0]
+
+    def _gc_timer(phase: str, info: dict) -> None:
+        if phase == "start":
+            _gc_started[0] = time.perf_counter()
+        else:
+            note(f"gc, generation {info['generation']}", time.perf_counter() - _gc_started[0])
+
+    gc.callbacks.append(_gc_timer)
+
     def dump(*_) -> None:
         out = {}
         for kind, values in samples.items():
@@ -101,6 +112,7 @@ if OUT:
                 "p50": values[n // 2] * scale,
                 "p90": values[int(n * 0.9)] * scale,
                 "p99": values[int(n * 0.99)] * scale,
+                "max": values[-1] * scale,
             }
         samples.clear()
         with open(OUT, "w") as f:
