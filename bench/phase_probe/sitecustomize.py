@@ -43,7 +43,7 @@ if OUT:
 
     groups.GroupWriter.submit = timed_submit
 
-    write = groups.GroupWriter.__init__
+    init = groups.GroupWriter.__init__
 
     def timed_init(self, write_group, interrupted):
         async def timed_write(batch):
@@ -54,7 +54,7 @@ if OUT:
             finally:
                 note("group statement", time.perf_counter() - started)
 
-        write(self, timed_write, interrupted)
+        init(self, timed_write, interrupted)
 
     groups.GroupWriter.__init__ = timed_init
 

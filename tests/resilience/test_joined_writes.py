@@ -12,6 +12,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from metering.server import JoinedCycle
+from tests.conftest import database_url
 from tests.resilience.edge import connect, edge_server
 
 
@@ -156,8 +157,6 @@ def test_a_head_request_is_written_as_uvicorn_writes_it():
 
 @pytest.fixture(scope="module")
 def server(request, backend, sim):
-    from tests.conftest import database_url
-
     server = edge_server(database_url(request, backend), sim)
     yield server
     server.stop()
