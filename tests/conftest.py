@@ -17,6 +17,14 @@ from metering.testing import metering_server
 pytest_plugins = ["tests.demo_site"]
 
 PG_ADMIN_DSN = os.environ.get("METERING_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+# The servers the tests start (in this process and as subprocesses) keep small pools: three
+# pytest-xdist workers, each with its session's servers and a test's own, share one PostgreSQL
+# and its 100 connections (the default max_connections), and a pool keeps up to its size open
+# once a burst has grown it. Pools of the default size (20) took up to 94 at once. A test that
+# needs another size sets it (tests/resilience/test_raw_connections.py: the default pool and
+# its kept writers).
+os.environ.setdefault("METERING_DB_POOL_SIZE", "5")
 ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
 BACKENDS = ("sqlite", "postgresql")
 
