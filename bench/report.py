@@ -14,6 +14,7 @@ LABEL = {
     "floor": "floor (bare passthrough)",
     "pg": "ours, PostgreSQL",
     "pg-base": "ours at --baseline, PostgreSQL",
+    "pg-nosync": "ours, PostgreSQL, no WAL flush wait",
     "pg-off": "ours, PostgreSQL, budgets off",
     "pg-limits": "ours, PostgreSQL, rate limits on",
     "sqlite": "ours, SQLite",
@@ -23,6 +24,7 @@ SERVER_LABEL = {
     "floor": "floor",
     "pg": "ours on PostgreSQL",
     "pg-base": "ours at --baseline on PostgreSQL",
+    "pg-nosync": "ours on PostgreSQL, no WAL flush wait",
     "sqlite": "ours on SQLite",
     "litellm": "LiteLLM",
 }

@@ -54,10 +54,21 @@ SIM_KEY_ENV = "BENCH_SIM_KEY"
 # Large enough never to be reached by a run (a counter holds at most 9,223,372 USD).
 BIG_LIMIT = "1000000"
 # The paths, in the order of the tables; the direct row comes first, the others compare with it.
-MODES = ("direct", "floor", "pg", "pg-base", "pg-limits", "pg-off", "sqlite", "litellm")
+MODES = (
+    "direct",
+    "floor",
+    "pg",
+    "pg-base",
+    "pg-nosync",
+    "pg-limits",
+    "pg-off",
+    "sqlite",
+    "litellm",
+)
 SERVER_OF = {
     "pg": "pg",
     "pg-base": "pg-base",
+    "pg-nosync": "pg-nosync",
     "pg-limits": "pg",
     "pg-off": "pg",
     "sqlite": "sqlite",
@@ -162,6 +173,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "as a second ours on PostgreSQL (pg-base), taking turns with the others, to compare two "
         "trees in one run",
     )
+    p.add_argument(
+        "--nosync",
+        action="store_true",
+        help="also ours on a second PostgreSQL database whose commits do not wait for their "
+        "WAL flush (ALTER DATABASE ... SET synchronous_commit = off; the pg-nosync mode): what "
+        "the commits' fsync costs ours. A diagnosis, never a setting for production",
+    )
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument(
@@ -182,6 +200,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         modes.add("litellm")
     if args.limits:
         modes.add("pg-limits")
+    if args.nosync:
+        modes.add("pg-nosync")
     if args.no_sqlite:
         modes.discard("sqlite")
     if args.baseline is not None:
@@ -198,6 +218,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.paced = _pair(p, "--paced", args.paced)
     if args.write and args.baseline:
         p.error("--baseline compares two trees: its figures are not for BENCHMARKS.md")
+    if args.write and "pg-nosync" in modes:
+        p.error("--nosync is a diagnosis: its figures are not for BENCHMARKS.md")
     if args.write and args.profile:
         p.error("--profile slows the server down: its figures are not for BENCHMARKS.md")
     return args
@@ -384,16 +406,30 @@ class Server:
 
 
 def start_ours(
-    args, backend: str, sim_port: int, tmp: Path, stack, source: Path | None = None
+    args,
+    backend: str,
+    sim_port: int,
+    tmp: Path,
+    stack,
+    source: Path | None = None,
+    nosync: bool = False,
 ) -> Server:
     """Ours on `backend` ("pg" or "sqlite"); `source`: run another checkout's code (its
-    metering package first on the path) instead of the installed one."""
+    metering package first on the path) instead of the installed one; `nosync`: on a database
+    whose commits return before their WAL is flushed (pg-nosync)."""
     admin_key = "bench-admin-" + uuid.uuid4().hex
     pg = None
     workers = 1
     if backend == "pg":
         dbname, database_url = stack.enter_context(postgres_database(args.pg))
         pg = (args.pg, dbname)
+        if nosync:
+            with psycopg.connect(args.pg, autocommit=True) as conn:
+                conn.execute(f'ALTER DATABASE "{dbname}" SET synchronous_commit = off')
+            with psycopg.connect(psycopg.conninfo.make_conninfo(args.pg, dbname=dbname)) as conn:
+                setting = conn.execute("SHOW synchronous_commit").fetchone()[0]
+            if setting != "off":
+                raise RuntimeError(f"pg-nosync: synchronous_commit is {setting} on {dbname}")
         workers = args.workers
     else:
         database_url = f"sqlite:///{tmp / 'bench.db'}"
@@ -414,7 +450,7 @@ def start_ours(
     base = f"http://127.0.0.1:{port}"
     # cwd is the temp dir so no .env or metering.toml from the checkout is read.
     process = Process(
-        f"metering-{backend}" + ("-base" if source is not None else ""),
+        f"metering-{backend}" + ("-base" if source is not None else "-nosync" if nosync else ""),
         [*command, "serve", "--port", str(port), "--log-level", "warning"]
         + ["--workers", str(workers)],
         env,
@@ -423,7 +459,7 @@ def start_ours(
     )
     stack.callback(process.stop)
     process.wait_http(f"{base}/healthz", timeout=120)
-    name = "pg-base" if source is not None else backend
+    name = "pg-base" if source is not None else "pg-nosync" if nosync else backend
     server = Server(name, process, base, pg=pg, admin=Admin(base, admin_key))
     server.principals["on"] = server.admin.principal(BIG_LIMIT)
     if "pg-off" in args.modes and backend == "pg":
@@ -693,7 +729,7 @@ def measure(
 
 def check(server: Server) -> list[tuple[bool, str]]:
     """The ledger against what the load generator saw, and every hold released."""
-    label = f"ours on {'PostgreSQL' if server.pg else 'SQLite'}"
+    label = report.SERVER_LABEL.get(server.name, server.name)
     checks = []
     events = []
     for principal in server.principals.values():
@@ -823,6 +859,10 @@ def run(args, meta: dict) -> dict:
             servers["pg-base"] = start_ours(
                 args, "pg", sim_port, base_tmp, stack, source=args.baseline
             )
+        if "pg-nosync" in args.modes:
+            nosync_tmp = tmp / "pg-nosync"
+            nosync_tmp.mkdir()
+            servers["pg-nosync"] = start_ours(args, "pg", sim_port, nosync_tmp, stack, nosync=True)
         if "sqlite" in args.modes:
             sqlite_tmp = tmp / "sqlite"
             sqlite_tmp.mkdir()
@@ -871,7 +911,9 @@ def run(args, meta: dict) -> dict:
             rows += measure(args, "hot", targets, servers, sim, c, n, False)
         if args.paced:
             c, n = args.paced
-            paced_modes = [m for m in args.modes if m not in ("pg-off", "pg-limits", "pg-base")]
+            paced_modes = [
+                m for m in args.modes if m not in ("pg-off", "pg-limits", "pg-base", "pg-nosync")
+            ]
             targets = {
                 m: target_for(m, servers, sim_port, True, args, paced=True) for m in paced_modes
             }

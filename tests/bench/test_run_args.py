@@ -26,3 +26,11 @@ def test_baseline_must_be_a_checkout_and_is_not_written(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--modes", "pg-base"])
     assert "needs --baseline" in capsys.readouterr().err
+
+
+def test_nosync_adds_ours_without_the_flush_wait_and_is_not_written(capsys):
+    args = parse_args(["--nosync", "--modes", "floor,pg", "--no-sqlite"])
+    assert args.modes == ["floor", "pg", "pg-nosync"]
+    with pytest.raises(SystemExit):
+        parse_args(["--nosync", "--write"])
+    assert "not for BENCHMARKS.md" in capsys.readouterr().err
