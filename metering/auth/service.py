@@ -1,6 +1,7 @@
 """Credentials -> Principal, and logins: the logic and SQL behind metering.auth.principal's
 dependencies and the /v1/auth routes (no FastAPI here)."""
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -167,7 +168,13 @@ async def _access_principal(services: Services, token: str, refresh_token: str) 
 
 def _is_admin_key(token: str, admin_key: str | None) -> bool:
     # Digests first: equal lengths, so not even the key's length leaks through timing.
-    return bool(admin_key) and same(digest(token), digest(admin_key))
+    return bool(admin_key) and same(digest(token), _admin_digest(admin_key))
+
+
+@functools.lru_cache(maxsize=2)
+def _admin_digest(admin_key: str) -> str:
+    """The admin key's digest, made once per key rather than on every request."""
+    return digest(admin_key)
 
 
 async def authenticate(services: Services, token: str, refresh_token: str = "") -> Authenticated:
