@@ -448,9 +448,10 @@ def start_ours(
         command = [sys.executable, "-m", "metering.cli"]
     port = free_port()
     base = f"http://127.0.0.1:{port}"
+    name = "pg-base" if source is not None else "pg-nosync" if nosync else backend
     # cwd is the temp dir so no .env or metering.toml from the checkout is read.
     process = Process(
-        f"metering-{backend}" + ("-base" if source is not None else "-nosync" if nosync else ""),
+        f"metering-{name}",
         [*command, "serve", "--port", str(port), "--log-level", "warning"]
         + ["--workers", str(workers)],
         env,
@@ -459,7 +460,6 @@ def start_ours(
     )
     stack.callback(process.stop)
     process.wait_http(f"{base}/healthz", timeout=120)
-    name = "pg-base" if source is not None else "pg-nosync" if nosync else backend
     server = Server(name, process, base, pg=pg, admin=Admin(base, admin_key))
     server.principals["on"] = server.admin.principal(BIG_LIMIT)
     if "pg-off" in args.modes and backend == "pg":

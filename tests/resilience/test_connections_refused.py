@@ -10,7 +10,7 @@ from decimal import Decimal
 import httpx
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import conninfo_to_dict
 
 from metering import migrate
 from metering.settings import Settings, parse_catalog
@@ -36,9 +36,8 @@ def limited_role(sim):
     role = f"metering_lim_{uuid.uuid4().hex[:10]}"
     _admin(f'CREATE ROLE "{role}" LOGIN')
     _admin(f'CREATE DATABASE "{role}" OWNER "{role}"')
-    dsn = {k: v for k, v in conninfo_to_dict(PG_ADMIN_DSN).items() if k in ("host", "port")}
-    parts = conninfo_to_dict(make_conninfo(**dsn, user=role, dbname=role))
-    url = f"postgresql://{role}@{parts.get('host', '127.0.0.1')}:{parts.get('port', 5432)}/{role}"
+    admin = conninfo_to_dict(PG_ADMIN_DSN)
+    url = f"postgresql://{role}@{admin.get('host', '127.0.0.1')}:{admin.get('port', 5432)}/{role}"
     try:
         migrate.upgrade(url)
         settings = Settings(database_url=url, admin_key=ADMIN_KEY, db_pool_size=2, _env_file=None)
