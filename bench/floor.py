@@ -1,6 +1,7 @@
 """The floor: a bare passthrough on the proxy's own stack, with nothing of the metering in it.
 
     python -m bench.floor --port 8001 --upstream http://127.0.0.1:8000/openai/v1 --key sim-key
+    python -m bench.floor ... --commits postgresql://127.0.0.1/some_db   # the floor with commits
 
 FastAPI under uvicorn with the configuration `metering serve` uses (metering.server's
 server_config: the same HTTP protocol, keep-alive and limits), one pooled httpx client on the
@@ -10,13 +11,26 @@ POST /v1/chat/completions, that sends the body it received upstream unchanged an
 answer: the whole body, or the stream chunk by chunk as it arrives. No authentication, no
 database, no parsing of the request or the answer. What the proxy costs beyond this row is the
 metering's own.
+
+With --commits, the same passthrough writes what invariants 2 and 3 of the hot path require of
+any design, and nothing else: a row committed to PostgreSQL before the request goes upstream (a
+hold: one INSERT, one round trip) and one committed before the client gets the end of the
+answer (the event: one statement that deletes the hold and inserts the event, one round trip),
+each on its own connection from an asyncpg pool, with asyncpg's prepared statements and
+PostgreSQL's default durability (the commit waits for its WAL flush). For a stream, the relay
+keeps one chunk back so that the last one, with the `[DONE]`, leaves after the event's commit.
+No authentication, no budgets, no parsing, no group commit: what ours adds beyond this row is
+its own code; what this row adds beyond the floor is the two commits, PostgreSQL's and the
+kernel's time, which no design that keeps the invariants avoids.
 """
 
 import argparse
 import contextlib
 import gc
+import uuid
 
 import aiohttp
+import asyncpg
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
@@ -31,6 +45,20 @@ from metering.settings import Settings
 
 MAX_CONNECTIONS = 1000  # the proxy's default upstream_max_connections
 RELAYED = ("content-type", "x-request-id")
+POOL_SIZE = 20  # the proxy's default db_pool_size
+
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS floor_holds (id text PRIMARY KEY, "
+    "created_at timestamptz NOT NULL DEFAULT now())",
+    "CREATE TABLE IF NOT EXISTS floor_events (id text PRIMARY KEY, "
+    "held_at timestamptz NOT NULL, body_bytes integer NOT NULL, "
+    "created_at timestamptz NOT NULL DEFAULT now())",
+)
+HOLD = "INSERT INTO floor_holds (id) VALUES ($1)"
+SETTLE = (
+    "WITH h AS (DELETE FROM floor_holds WHERE id = $1 RETURNING created_at) "
+    "INSERT INTO floor_events (id, held_at, body_bytes) SELECT $1, created_at, $2 FROM h"
+)
 
 
 def upstream_client(max_connections: int = MAX_CONNECTIONS) -> httpx.AsyncClient:
@@ -46,25 +74,58 @@ def upstream_client(max_connections: int = MAX_CONNECTIONS) -> httpx.AsyncClient
     return HttpxAiohttpClient(transport=transport, trust_env=False, follow_redirects=False)
 
 
-def create_app(upstream: str, key: str) -> FastAPI:
+async def open_ledger(dsn: str) -> asyncpg.Pool:
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=POOL_SIZE)
+    async with pool.acquire() as conn:
+        for statement in SCHEMA:
+            await conn.execute(statement)
+    return pool
+
+
+def create_app(upstream: str, key: str, commits: str | None = None) -> FastAPI:
     url = upstream.rstrip("/") + "/chat/completions"
     auth = f"Bearer {key}"
     client: httpx.AsyncClient | None = None
+    ledger: asyncpg.Pool | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
-        nonlocal client
+        nonlocal client, ledger
         client = upstream_client()
+        if commits:
+            ledger = await open_ledger(commits)
         try:
             yield
         finally:
             await client.aclose()
+            if ledger is not None:
+                await ledger.close()
+
+    async def held_back(answer: httpx.Response, request_id: str):
+        """The stream's chunks, each relayed once the next has arrived; the last after the
+        event's commit."""
+        last, size = None, 0
+        try:
+            async for chunk in answer.aiter_raw():
+                if last is not None:
+                    yield last
+                last = chunk
+                size += len(chunk)
+            await ledger.execute(SETTLE, request_id, size)
+            if last is not None:
+                yield last
+        finally:
+            await answer.aclose()
 
     app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await request.body()
+        request_id = None
+        if ledger is not None:
+            request_id = uuid.uuid4().hex
+            await ledger.execute(HOLD, request_id)
         outgoing = client.build_request(
             "POST",
             url,
@@ -73,7 +134,13 @@ def create_app(upstream: str, key: str) -> FastAPI:
         )
         answer = await client.send(outgoing, stream=True)
         headers = {name: answer.headers[name] for name in RELAYED if name in answer.headers}
+        if request_id is not None:
+            headers["x-request-id"] = request_id
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
+            if request_id is not None:
+                return StreamingResponse(
+                    held_back(answer, request_id), status_code=answer.status_code, headers=headers
+                )
             return StreamingResponse(
                 answer.aiter_raw(),
                 status_code=answer.status_code,
@@ -82,6 +149,8 @@ def create_app(upstream: str, key: str) -> FastAPI:
             )
         content = await answer.aread()
         await answer.aclose()
+        if request_id is not None:
+            await ledger.execute(SETTLE, request_id, len(content))
         return Response(content, status_code=answer.status_code, headers=headers)
 
     return app
@@ -93,8 +162,13 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--upstream", required=True, help="the upstream's base URL (…/v1)")
     p.add_argument("--key", required=True, help="the upstream's bearer key")
+    p.add_argument(
+        "--commits",
+        metavar="DSN",
+        help="the floor with the two commits: a PostgreSQL database for its holds and events",
+    )
     args = p.parse_args(argv)
-    app = create_app(args.upstream, args.key)
+    app = create_app(args.upstream, args.key, args.commits)
     # The collector settings `metering serve` runs with (metering.cli.serving_app).
     gc.collect()
     gc.freeze()

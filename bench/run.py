@@ -57,6 +57,7 @@ BIG_LIMIT = "1000000"
 MODES = (
     "direct",
     "floor",
+    "floor-commits",
     "pg",
     "pg-base",
     "pg-nosync",
@@ -73,6 +74,7 @@ SERVER_OF = {
     "pg-off": "pg",
     "sqlite": "sqlite",
     "floor": "floor",
+    "floor-commits": "floor-commits",
     "litellm": "litellm",
 }
 # --limits: rate and parallel limits on the token, its user and its team, far above any load.
@@ -114,9 +116,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--modes",
-        default="direct,floor,pg,sqlite",
-        help="subset of direct,floor,pg,pg-limits,pg-off,sqlite (pg-off: ours on PostgreSQL, "
-        "budgets off; pg-limits: budgets and rate limits on)",
+        default="direct,floor,floor-commits,pg,sqlite",
+        help="subset of direct,floor,floor-commits,pg,pg-limits,pg-off,sqlite (floor-commits: "
+        "the floor with a hold committed before the upstream call and an event before the "
+        "answer ends; pg-off: ours on PostgreSQL, budgets off; pg-limits: budgets and rate "
+        "limits on)",
     )
     p.add_argument(
         "--limits",
@@ -477,33 +481,40 @@ def start_ours(
     return server
 
 
-def start_floor(sim_port: int, tmp: Path, stack) -> Server:
+def start_floor(sim_port: int, tmp: Path, stack, admin_dsn: str | None = None) -> Server:
+    """The floor; with `admin_dsn`, the floor with commits, on a database of its own."""
     port = free_port()
     argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
     argv += ["--upstream", f"http://127.0.0.1:{sim_port}/openai/v1", "--key", SIM_KEY]
+    name, pg = "floor", None
+    if admin_dsn is not None:
+        dbname, database_url = stack.enter_context(postgres_database(admin_dsn))
+        argv += ["--commits", database_url]
+        name, pg = "floor-commits", (admin_dsn, dbname)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
-    process = Process("floor", argv, env, tmp, tmp)
+    process = Process(name, argv, env, tmp, tmp)
     stack.callback(process.stop)
     base = f"http://127.0.0.1:{port}"
     body = chat_body(False, 5, 1, True)
     deadline = time.monotonic() + 60
     while True:
         try:
-            if (
-                httpx.post(f"{base}/v1/chat/completions", content=body, timeout=5).status_code
-                == 200
-            ):
+            answer = httpx.post(f"{base}/v1/chat/completions", content=body, timeout=5)
+            if answer.status_code == 200:
                 break
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline or process.popen.poll() is not None:
-            raise RuntimeError(f"the floor did not start:\n{process.log_tail()}")
+            raise RuntimeError(f"the {name} did not start:\n{process.log_tail()}")
         time.sleep(0.1)
-    print(f"floor: pid {process.pid} on {base}", file=sys.stderr)
-    return Server("floor", process, base)
+    print(f"{name}: pid {process.pid} on {base}", file=sys.stderr)
+    server = Server(name, process, base, pg=pg)
+    if pg is not None:  # this answer has its event too
+        server.request_ids.append(answer.headers["x-request-id"])
+    return server
 
 
 def start_litellm(args, sim_port: int, tmp: Path, stack) -> Server:
@@ -606,7 +617,7 @@ def target_for(
         )
     server = servers[SERVER_OF[mode]]
     url = f"{server.base}/v1/chat/completions"
-    if mode == "floor":
+    if mode in ("floor", "floor-commits"):
         # The floor relays the body unchanged: it gets what the proxy would send upstream.
         return load.Target(url, json_type, chat_body(stream, *body_args, True, **extra), stream)
     body = chat_body(stream, *body_args, False, **extra)
@@ -671,7 +682,7 @@ def measure(
                     f"{scenario} {key} C={c}: {exc}{where}\nlog tail:\n{tail}"
                 ) from None
             results[key] = results[key].add(measured) if key in results else measured
-            if server is not None and server.admin is not None:
+            if server is not None and (server.admin is not None or server.pg is not None):
                 for result in (warm, measured):
                     if result is not None:
                         server.request_ids += result.request_ids
@@ -725,6 +736,24 @@ def measure(
         if floor is not None and row["mode"] not in ("direct", "floor"):
             row["vs_floor"] = row["rps"] / floor["rps"] if floor["rps"] else float("nan")
     return rows
+
+
+def check_floor_commits(server: Server) -> list[tuple[bool, str]]:
+    """The floor with commits wrote one event per answer, and no hold is left."""
+    admin_dsn, dbname = server.pg
+    with psycopg.connect(psycopg.conninfo.make_conninfo(admin_dsn, dbname=dbname)) as conn:
+        events = {row[0] for row in conn.execute("SELECT id FROM floor_events")}
+        holds = conn.execute("SELECT count(*) FROM floor_holds").fetchone()[0]
+    ids = set(server.request_ids)
+    label = report.SERVER_LABEL[server.name]
+    return [
+        (
+            events == ids and len(ids) == len(server.request_ids),
+            f"{label}: {len(events)} events for {len(server.request_ids)} 2xx answers, ids "
+            "equal to the answers' x-request-id",
+        ),
+        (holds == 0, f"{label}: {holds} holds left"),
+    ]
 
 
 def check(server: Server) -> list[tuple[bool, str]]:
@@ -849,6 +878,10 @@ def run(args, meta: dict) -> dict:
         servers: dict[str, Server] = {}
         if "floor" in args.modes:
             servers["floor"] = start_floor(sim_port, tmp, stack)
+        if "floor-commits" in args.modes:
+            commits_tmp = tmp / "floor-commits"
+            commits_tmp.mkdir()
+            servers["floor-commits"] = start_floor(sim_port, commits_tmp, stack, args.pg)
         if {"pg", "pg-off", "pg-limits"} & set(args.modes) or args.hot:
             pg_tmp = tmp / "pg"
             pg_tmp.mkdir()
@@ -930,6 +963,8 @@ def run(args, meta: dict) -> dict:
         for server in servers.values():
             if server.admin is not None:
                 checks += check(server)
+            elif server.pg is not None:
+                checks += check_floor_commits(server)
         proxied = {n: len(s.request_ids) for n, s in servers.items() if s.admin is not None}
     return {"rows": rows, "memory": memory, "checks": checks, "proxied": proxied}
 
