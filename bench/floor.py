@@ -12,16 +12,17 @@ answer: the whole body, or the stream chunk by chunk as it arrives. No authentic
 database, no parsing of the request or the answer. What the proxy costs beyond this row is the
 metering's own.
 
-With --commits, the same passthrough writes what invariants 2 and 3 of the hot path require of
-any design, and nothing else: a row committed to PostgreSQL before the request goes upstream (a
+With --commits, the same passthrough writes what the ledger's promises require of any design
+(a request that reached an upstream is charged even if this process is killed; its event is
+committed before the client sees the end of the answer), and nothing else: a row committed to PostgreSQL before the request goes upstream (a
 hold: one INSERT, one round trip) and one committed before the client gets the end of the
 answer (the event: one statement that deletes the hold and inserts the event, one round trip),
-each on its own connection from an asyncpg pool, with asyncpg's prepared statements and
+each on a connection from an asyncpg pool, with asyncpg's prepared statements and
 PostgreSQL's default durability (the commit waits for its WAL flush). For a stream, the relay
 keeps one chunk back so that the last one, with the `[DONE]`, leaves after the event's commit.
 No authentication, no budgets, no parsing, no group commit: what ours adds beyond this row is
 its own code; what this row adds beyond the floor is the two commits, PostgreSQL's and the
-kernel's time, which no design that keeps the invariants avoids.
+kernel's time, which no design that keeps those promises avoids.
 """
 
 import argparse
