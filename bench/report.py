@@ -415,13 +415,20 @@ def markdown(meta: dict, result: dict) -> str:
         "",
     ]
     opened = [
-        r for r in rows if r.get("pg_connections_opened") is not None and r["scenario"] == "matrix"
+        r
+        for r in rows
+        if r.get("pg_connections_opened") is not None
+        and r["scenario"] == "matrix"
+        and r["mode"].startswith("pg")
     ]
     if opened:
         parts += [
             "Connections ours opened to PostgreSQL during the measured requests (pool churn): "
             + ", ".join(
-                f"{_kind(r)} C={r['concurrency']}: {r['pg_connections_opened']}" for r in opened
+                f"{_kind(r)} C={r['concurrency']}"
+                + ("" if r["mode"] == "pg" else f" ({LABEL[r['mode']]})")
+                + f": {r['pg_connections_opened']}"
+                for r in opened
             )
             + ".",
             "",

@@ -128,5 +128,8 @@ def test_bench_run_measures_the_floor_with_commits_and_checks_its_events(tmp_pat
     }, checks
     assert "floor + two commits (hold, event)" in done.stdout
     assert all(ok for ok, _ in result["checks"]), result["checks"]
+    # Pool churn is ours' alone: one entry per kind, not the floor with commits' too.
+    churn = next(line for line in done.stdout.splitlines() if "(pool churn)" in line)
+    assert churn.count("non-stream C=1:") == 1 and churn.count(" stream C=1:") == 1, churn
     # The C=1 targets give what the two commits alone add, beside ours.
     assert done.stdout.count("; the floor with commits alone: ") == 2, done.stdout
