@@ -93,8 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--requests",
-        default="200,1000,1500",
-        help="measured requests per path, one count per concurrency level (200,1000,1500)",
+        default="1000,4000,4000",
+        help="measured requests per path, one count per concurrency level (1000,4000,4000)",
     )
     p.add_argument(
         "--warmup",
@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=20, help="content chunks per streamed answer")
     p.add_argument(
         "--hot",
-        default="32,1000",
+        default="32,4000",
         help="hot budget scenario: C,N (C on one token against C over C teams); 0 skips it",
     )
     p.add_argument(
