@@ -14,15 +14,16 @@ metering's own.
 
 With --commits, the same passthrough writes what the ledger's promises require of any design
 (a request that reached an upstream is charged even if this process is killed; its event is
-committed before the client sees the end of the answer), and nothing else: a row committed to PostgreSQL before the request goes upstream (a
-hold: one INSERT, one round trip) and one committed before the client gets the end of the
-answer (the event: one statement that deletes the hold and inserts the event, one round trip),
-each on a connection from an asyncpg pool, with asyncpg's prepared statements and
-PostgreSQL's default durability (the commit waits for its WAL flush). For a stream, the relay
-keeps one chunk back so that the last one, with the `[DONE]`, leaves after the event's commit.
-No authentication, no budgets, no parsing, no group commit: what ours adds beyond this row is
-its own code; what this row adds beyond the floor is the two commits, PostgreSQL's and the
-kernel's time, which no design that keeps those promises avoids.
+committed before the client sees the end of the answer), and nothing else: a row committed to
+PostgreSQL before the request goes upstream (a hold: one INSERT, one round trip) and one
+committed before the client gets the end of the answer (the event: one statement that deletes
+the hold and inserts the event, one round trip), each on a connection from an asyncpg pool,
+with asyncpg's prepared statements and PostgreSQL's default durability (the commit waits for
+its WAL flush). A stream is relayed chunk by chunk as it arrives, but for the chunk that ends
+it (`data: [DONE]`), relayed after the event's commit. No authentication, no budgets, no
+parsing, no group commit: what ours adds beyond this row is its own code; what this row adds
+beyond the floor is the two commits, PostgreSQL's and the kernel's time, which no design that
+keeps those promises avoids.
 """
 
 import argparse
@@ -56,6 +57,7 @@ SCHEMA = (
     "created_at timestamptz NOT NULL DEFAULT now())",
 )
 HOLD = "INSERT INTO floor_holds (id) VALUES ($1)"
+DONE = b"data: [DONE]"
 SETTLE = (
     "WITH h AS (DELETE FROM floor_holds WHERE id = $1 RETURNING created_at) "
     "INSERT INTO floor_events (id, held_at, body_bytes) SELECT $1, created_at, $2 FROM h"
@@ -102,19 +104,20 @@ def create_app(upstream: str, key: str, commits: str | None = None) -> FastAPI:
             if ledger is not None:
                 await ledger.close()
 
-    async def held_back(answer: httpx.Response, request_id: str):
-        """The stream's chunks, each relayed once the next has arrived; the last after the
-        event's commit."""
-        last, size = None, 0
+    async def settled_before_done(answer: httpx.Response, request_id: str):
+        """The stream's chunks as they arrive; the one that ends it (`[DONE]`, also when split
+        over two reads) after the event's commit, or the event at the end if none does."""
+        tail, size, settled = b"", 0, False
         try:
             async for chunk in answer.aiter_raw():
-                if last is not None:
-                    yield last
-                last = chunk
                 size += len(chunk)
-            await ledger.execute(SETTLE, request_id, size)
-            if last is not None:
-                yield last
+                if not settled and DONE in tail + chunk:
+                    await ledger.execute(SETTLE, request_id, size)
+                    settled = True
+                tail = chunk[-len(DONE) :]
+                yield chunk
+            if not settled:
+                await ledger.execute(SETTLE, request_id, size)
         finally:
             await answer.aclose()
 
@@ -140,7 +143,9 @@ def create_app(upstream: str, key: str, commits: str | None = None) -> FastAPI:
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             if request_id is not None:
                 return StreamingResponse(
-                    held_back(answer, request_id), status_code=answer.status_code, headers=headers
+                    settled_before_done(answer, request_id),
+                    status_code=answer.status_code,
+                    headers=headers,
                 )
             return StreamingResponse(
                 answer.aiter_raw(),
