@@ -2,6 +2,7 @@
 
     python -m bench.floor --port 8001 --upstream http://127.0.0.1:8000/openai/v1 --key sim-key
     python -m bench.floor ... --commits postgresql://127.0.0.1/some_db   # the floor with commits
+    python -m bench.floor ... --commits postgresql://... --grouped       # ... written in groups
 
 FastAPI under uvicorn with the configuration `metering serve` uses (metering.server's
 server_config: the same HTTP protocol, keep-alive and limits), one pooled httpx client on the
@@ -24,9 +25,16 @@ it (`data: [DONE]`), relayed after the event's commit. No authentication, no bud
 parsing, no group commit: what ours adds beyond this row is its own code; what this row adds
 beyond the floor is the two commits, PostgreSQL's and the kernel's time, which no design that
 keeps those promises avoids.
+
+With --grouped too, the holds and events are written in groups, as ours writes them: the first
+one starts a statement at once on a connection kept for it; those that arrive while it runs
+form the next one, holds and events together in one statement (metering.budgets.groups, the
+group writer ours uses). One request per statement when they come one at a time, fewer
+statements and flushes than requests when they come together.
 """
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import uuid
@@ -41,6 +49,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 from httpx_aiohttp.transport import AiohttpTransport
 from starlette.background import BackgroundTask
 
+from metering.budgets.groups import GroupWriter, answer
 from metering.cli import GC_THRESHOLD
 from metering.server import server_config
 from metering.settings import Settings
@@ -58,6 +67,13 @@ SCHEMA = (
 )
 HOLD = "INSERT INTO floor_holds (id) VALUES ($1)"
 DONE = b"data: [DONE]"
+# One group of holds ($1) and events ($2, their sizes $3) in one statement.
+GROUP = (
+    "WITH h AS (INSERT INTO floor_holds (id) SELECT unnest($1::text[])), "
+    "d AS (DELETE FROM floor_holds WHERE id = ANY($2::text[]) RETURNING id, created_at) "
+    "INSERT INTO floor_events (id, held_at, body_bytes) SELECT d.id, d.created_at, s.size "
+    "FROM d JOIN unnest($2::text[], $3::int[]) AS s(id, size) ON s.id = d.id"
+)
 SETTLE = (
     "WITH h AS (DELETE FROM floor_holds WHERE id = $1 RETURNING created_at) "
     "INSERT INTO floor_events (id, held_at, body_bytes) SELECT $1, created_at, $2 FROM h"
@@ -77,26 +93,80 @@ def upstream_client(max_connections: int = MAX_CONNECTIONS) -> httpx.AsyncClient
     return HttpxAiohttpClient(transport=transport, trust_env=False, follow_redirects=False)
 
 
-async def open_ledger(dsn: str) -> asyncpg.Pool:
+class Ledger:
+    """A hold and an event per request, each its own statement on a pooled connection."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def hold(self, request_id: str) -> None:
+        await self.pool.execute(HOLD, request_id)
+
+    async def settle(self, request_id: str, size: int) -> None:
+        await self.pool.execute(SETTLE, request_id, size)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+
+class GroupedLedger(Ledger):
+    """The same rows, written in groups on one connection kept for them: the holds and the
+    events that arrive while a statement runs go together in the next one."""
+
+    def __init__(self, pool: asyncpg.Pool, conn: asyncpg.Connection) -> None:
+        super().__init__(pool)
+        self.conn = conn
+        self.groups = GroupWriter(self._write, lambda: RuntimeError("ledger closed"))
+
+    async def hold(self, request_id: str) -> None:
+        await self.groups.submit((request_id, None))
+
+    async def settle(self, request_id: str, size: int) -> None:
+        await self.groups.submit((request_id, size))
+
+    async def _write(self, batch: list[tuple[tuple[str, int | None], asyncio.Future]]) -> None:
+        holds = [rid for (rid, size), _ in batch if size is None]
+        settled = [(rid, size) for (rid, size), _ in batch if size is not None]
+        try:
+            await self.conn.execute(
+                GROUP, holds, [rid for rid, _ in settled], [size for _, size in settled]
+            )
+        except Exception as exc:
+            for _, future in batch:
+                answer(future, error=exc)
+            return
+        for _, future in batch:
+            answer(future)
+
+    async def close(self) -> None:
+        await self.pool.release(self.conn)
+        await super().close()
+
+
+async def open_ledger(dsn: str, grouped: bool = False) -> Ledger:
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=POOL_SIZE)
     async with pool.acquire() as conn:
         for statement in SCHEMA:
             await conn.execute(statement)
-    return pool
+    if grouped:
+        return GroupedLedger(pool, await pool.acquire())
+    return Ledger(pool)
 
 
-def create_app(upstream: str, key: str, commits: str | None = None) -> FastAPI:
+def create_app(
+    upstream: str, key: str, commits: str | None = None, grouped: bool = False
+) -> FastAPI:
     url = upstream.rstrip("/") + "/chat/completions"
     auth = f"Bearer {key}"
     client: httpx.AsyncClient | None = None
-    ledger: asyncpg.Pool | None = None
+    ledger: Ledger | None = None
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         nonlocal client, ledger
         client = upstream_client()
         if commits:
-            ledger = await open_ledger(commits)
+            ledger = await open_ledger(commits, grouped)
         try:
             yield
         finally:
@@ -112,12 +182,12 @@ def create_app(upstream: str, key: str, commits: str | None = None) -> FastAPI:
             async for chunk in answer.aiter_raw():
                 size += len(chunk)
                 if not settled and DONE in tail + chunk:
-                    await ledger.execute(SETTLE, request_id, size)
+                    await ledger.settle(request_id, size)
                     settled = True
                 tail = chunk[-len(DONE) :]
                 yield chunk
             if not settled:
-                await ledger.execute(SETTLE, request_id, size)
+                await ledger.settle(request_id, size)
         finally:
             await answer.aclose()
 
@@ -129,7 +199,7 @@ def create_app(upstream: str, key: str, commits: str | None = None) -> FastAPI:
         request_id = None
         if ledger is not None:
             request_id = uuid.uuid4().hex
-            await ledger.execute(HOLD, request_id)
+            await ledger.hold(request_id)
         outgoing = client.build_request(
             "POST",
             url,
@@ -156,7 +226,7 @@ def create_app(upstream: str, key: str, commits: str | None = None) -> FastAPI:
         content = await answer.aread()
         await answer.aclose()
         if request_id is not None:
-            await ledger.execute(SETTLE, request_id, len(content))
+            await ledger.settle(request_id, len(content))
         return Response(content, status_code=answer.status_code, headers=headers)
 
     return app
@@ -173,8 +243,15 @@ def main(argv=None) -> None:
         metavar="DSN",
         help="the floor with the two commits: a PostgreSQL database for its holds and events",
     )
+    p.add_argument(
+        "--grouped",
+        action="store_true",
+        help="with --commits: write the holds and events in groups, as ours does",
+    )
     args = p.parse_args(argv)
-    app = create_app(args.upstream, args.key, args.commits)
+    if args.grouped and not args.commits:
+        p.error("--grouped needs --commits")
+    app = create_app(args.upstream, args.key, args.commits, args.grouped)
     # The collector settings `metering serve` runs with (metering.cli.serving_app).
     gc.collect()
     gc.freeze()

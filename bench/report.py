@@ -13,6 +13,7 @@ LABEL = {
     "direct": "direct to sim",
     "floor": "floor (bare passthrough)",
     "floor-commits": "floor + two commits (hold, event)",
+    "floor-grouped": "floor + two commits, in groups",
     "pg": "ours, PostgreSQL",
     "pg-base": "ours at --baseline, PostgreSQL",
     "pg-nosync": "ours, PostgreSQL, no WAL flush wait",
@@ -24,6 +25,7 @@ LABEL = {
 SERVER_LABEL = {
     "floor": "floor",
     "floor-commits": "floor with commits",
+    "floor-grouped": "floor with grouped commits",
     "pg": "ours on PostgreSQL",
     "pg-base": "ours at --baseline on PostgreSQL",
     "pg-nosync": "ours on PostgreSQL, no WAL flush wait",

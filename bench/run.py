@@ -58,6 +58,7 @@ MODES = (
     "direct",
     "floor",
     "floor-commits",
+    "floor-grouped",
     "pg",
     "pg-base",
     "pg-nosync",
@@ -75,6 +76,7 @@ SERVER_OF = {
     "sqlite": "sqlite",
     "floor": "floor",
     "floor-commits": "floor-commits",
+    "floor-grouped": "floor-grouped",
     "litellm": "litellm",
 }
 # --limits: rate and parallel limits on the token, its user and its team, far above any load.
@@ -117,10 +119,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default="direct,floor,floor-commits,pg,sqlite",
-        help="subset of direct,floor,floor-commits,pg,pg-limits,pg-off,sqlite (floor-commits: "
-        "the floor with a hold committed before the upstream call and an event before the "
-        "answer ends; pg-off: ours on PostgreSQL, budgets off; pg-limits: budgets and rate "
-        "limits on)",
+        help="subset of direct,floor,floor-commits,floor-grouped,pg,pg-limits,pg-off,sqlite "
+        "(floor-commits: the floor with a hold committed before the upstream call and an event "
+        "before the answer ends; floor-grouped: the same written in groups, as ours writes "
+        "them; pg-off: ours on PostgreSQL, budgets off; pg-limits: budgets and rate limits on)",
     )
     p.add_argument(
         "--limits",
@@ -481,16 +483,19 @@ def start_ours(
     return server
 
 
-def start_floor(sim_port: int, tmp: Path, stack, admin_dsn: str | None = None) -> Server:
-    """The floor; with `admin_dsn`, the floor with commits, on a database of its own."""
+def start_floor(
+    sim_port: int, tmp: Path, stack, admin_dsn: str | None = None, grouped: bool = False
+) -> Server:
+    """The floor; with `admin_dsn`, the floor with commits (`grouped`: written in groups), on a
+    database of its own."""
     port = free_port()
     argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
     argv += ["--upstream", f"http://127.0.0.1:{sim_port}/openai/v1", "--key", SIM_KEY]
     name, pg = "floor", None
     if admin_dsn is not None:
         dbname, database_url = stack.enter_context(postgres_database(admin_dsn))
-        argv += ["--commits", database_url]
-        name, pg = "floor-commits", (admin_dsn, dbname)
+        argv += ["--commits", database_url] + (["--grouped"] if grouped else [])
+        name, pg = "floor-grouped" if grouped else "floor-commits", (admin_dsn, dbname)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -617,7 +622,7 @@ def target_for(
         )
     server = servers[SERVER_OF[mode]]
     url = f"{server.base}/v1/chat/completions"
-    if mode in ("floor", "floor-commits"):
+    if mode in ("floor", "floor-commits", "floor-grouped"):
         # The floor relays the body unchanged: it gets what the proxy would send upstream.
         return load.Target(url, json_type, chat_body(stream, *body_args, True, **extra), stream)
     body = chat_body(stream, *body_args, False, **extra)
@@ -882,6 +887,12 @@ def run(args, meta: dict) -> dict:
             commits_tmp = tmp / "floor-commits"
             commits_tmp.mkdir()
             servers["floor-commits"] = start_floor(sim_port, commits_tmp, stack, args.pg)
+        if "floor-grouped" in args.modes:
+            grouped_tmp = tmp / "floor-grouped"
+            grouped_tmp.mkdir()
+            servers["floor-grouped"] = start_floor(
+                sim_port, grouped_tmp, stack, args.pg, grouped=True
+            )
         if {"pg", "pg-off", "pg-limits"} & set(args.modes) or args.hot:
             pg_tmp = tmp / "pg"
             pg_tmp.mkdir()
