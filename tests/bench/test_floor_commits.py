@@ -3,6 +3,7 @@ bench.run): a hold committed before the request goes upstream, the event committ
 client gets the end of the answer, and nothing else. Its row is what the invariants cost any
 design, so it must really write both, in that order."""
 
+import asyncio
 import contextlib
 import json
 import os
@@ -34,11 +35,13 @@ def commits_db():
         yield url
 
 
-@pytest.fixture
-def floor_with_commits(sim, commits_db, tmp_path):
+@pytest.fixture(params=[False, True], ids=["each", "grouped"])
+def floor_with_commits(request, sim, commits_db, tmp_path):
     port = free_port()
     argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
     argv += ["--upstream", sim.base_url("openai"), "--key", "sim-key", "--commits", commits_db]
+    if request.param:
+        argv.append("--grouped")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = Process("floor-commits", argv, env, ROOT, tmp_path)
     base = f"http://127.0.0.1:{port}"
@@ -98,6 +101,49 @@ def test_a_stream_is_held_while_it_runs_and_settled_before_its_last_chunk(floor_
         rest = b"".join(chunks)
     assert (first + rest).rstrip().endswith(b"data: [DONE]")
     assert _rows(dsn, request_id) == (0, 1)
+
+
+def test_a_burst_through_the_grouped_floor_shares_statements(sim, commits_db, tmp_path):
+    """Sixteen requests at once through the floor with grouped commits: every one held, then
+    settled, in fewer statements than requests."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
+    argv += ["--upstream", sim.base_url("openai"), "--key", "sim-key", "--commits", commits_db]
+    process = Process("floor-grouped", argv + ["--grouped"], {**os.environ}, ROOT, tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.popen.poll() is None, process.log_tail()
+            assert time.monotonic() < deadline, process.log_tail()
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(f"{base}/", timeout=2)
+                break
+            time.sleep(0.1)
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                body = _body(False, "hello sim:tokens=5")
+                return await asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=body) for _ in range(16))
+                )
+
+        answers = asyncio.run(burst())
+        assert [a.status_code for a in answers] == [200] * 16
+        ids = [a.headers["x-request-id"] for a in answers]
+        assert all(_rows(commits_db, i) == (0, 1) for i in ids)
+        # The rows of one statement share its transaction's now(): the events' held_at is
+        # their hold's statement, created_at their own. 32 rows, fewer statements (each on
+        # its own, as without --grouped, would be 16 + 16).
+        with psycopg.connect(commits_db) as conn:
+            holds, events = conn.execute(
+                "SELECT count(DISTINCT held_at), count(DISTINCT created_at) FROM floor_events"
+                " WHERE id = ANY(%s)",
+                (ids,),
+            ).fetchone()
+        assert holds >= 1 and events >= 1 and holds + events < 32, (holds, events)
+    finally:
+        process.stop()
 
 
 def test_bench_run_measures_the_floor_with_commits_and_checks_its_events(tmp_path):
