@@ -149,7 +149,8 @@ def test_a_burst_through_the_grouped_floor_shares_statements(sim, commits_db, tm
 def test_bench_run_measures_the_floor_with_commits_and_checks_its_events(tmp_path):
     out = tmp_path / "run.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--modes", "direct,floor,floor-commits,pg"]
+        [sys.executable, "-m", "bench.run", "--modes"]
+        + ["direct,floor,floor-commits,floor-grouped,pg"]
         + ["--kinds", "json,stream", "--concurrency", "1", "--requests", "10", "--rounds", "1"]
         + ["--warmup", "2", "--hot", "0", "--paced", "0", "--json", str(out)],
         cwd=ROOT,
@@ -160,19 +161,24 @@ def test_bench_run_measures_the_floor_with_commits_and_checks_its_events(tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     rows = {(row["mode"], row["stream"]): row for row in result["rows"]}
-    for stream in (False, True):
-        row = rows[("floor-commits", stream)]
-        assert row["requests"] == 10 and row["failed"] == 0, row
-        assert row["pg_cpu_ms"] is not None, row  # its database's backends are sampled
-        assert row["added_p50_ms"] is not None
+    for mode in ("floor-commits", "floor-grouped"):
+        for stream in (False, True):
+            row = rows[(mode, stream)]
+            assert row["requests"] == 10 and row["failed"] == 0, row
+            assert row["pg_cpu_ms"] is not None, row  # its database's backends are sampled
+            assert row["added_p50_ms"] is not None
     checks = {text: ok for ok, text in result["checks"] if text.startswith("floor")}
     # 2 × (10 measured + 2 warm-up) answers and the start-up probe's one.
     assert checks == {
         "floor with commits: 25 events for 25 2xx answers, ids equal to the answers' "
         "x-request-id": True,
         "floor with commits: 0 holds left": True,
+        "floor with grouped commits: 25 events for 25 2xx answers, ids equal to the answers' "
+        "x-request-id": True,
+        "floor with grouped commits: 0 holds left": True,
     }, checks
     assert "floor + two commits (hold, event)" in done.stdout
+    assert "floor + two commits, in groups" in done.stdout
     assert all(ok for ok, _ in result["checks"]), result["checks"]
     # Pool churn is ours' alone: one entry per kind, not the floor with commits' too.
     churn = next(line for line in done.stdout.splitlines() if "(pool churn)" in line)
