@@ -49,7 +49,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 from httpx_aiohttp.transport import AiohttpTransport
 from starlette.background import BackgroundTask
 
-from metering.budgets.groups import GroupWriter, answer
+from metering.budgets.groups import GroupWriter, write_and_answer
 from metering.cli import GC_THRESHOLD
 from metering.server import server_config
 from metering.settings import Settings
@@ -125,18 +125,14 @@ class GroupedLedger(Ledger):
         await self.groups.submit((request_id, size))
 
     async def _write(self, batch: list[tuple[tuple[str, int | None], asyncio.Future]]) -> None:
-        holds = [rid for (rid, size), _ in batch if size is None]
-        settled = [(rid, size) for (rid, size), _ in batch if size is not None]
-        try:
-            await self.conn.execute(
-                GROUP, holds, [rid for rid, _ in settled], [size for _, size in settled]
-            )
-        except Exception as exc:
-            for _, future in batch:
-                answer(future, error=exc)
-            return
-        for _, future in batch:
-            answer(future)
+        await write_and_answer(batch, self._statement)
+
+    async def _statement(self, items: list[tuple[str, int | None]]) -> None:
+        holds = [rid for rid, size in items if size is None]
+        settled = [(rid, size) for rid, size in items if size is not None]
+        await self.conn.execute(
+            GROUP, holds, [rid for rid, _ in settled], [size for _, size in settled]
+        )
 
     async def close(self) -> None:
         await self.pool.release(self.conn)

@@ -26,6 +26,21 @@ def answer(future: asyncio.Future, result=None, error: BaseException | None = No
         future.set_exception(error)
 
 
+async def write_and_answer(
+    batch: list[tuple[Item, asyncio.Future]], write: Callable[[list[Item]], Awaitable[None]]
+) -> None:
+    """A group written whole by `write(items)`: every waiter is answered, done or with the
+    write's error."""
+    try:
+        await write([item for item, _ in batch])
+    except Exception as exc:
+        for _, future in batch:
+            answer(future, error=exc)
+        return
+    for _, future in batch:
+        answer(future)
+
+
 class GroupWriter(Generic[Item]):
     """`write(batch)` writes one group, a list of (item, future), and answers every future. When
     the writer itself is stopped (the loop closing), every waiter left is answered with

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import delete, insert, select
 
-from metering.budgets.groups import GroupWriter, answer
+from metering.budgets.groups import GroupWriter, write_and_answer
 from metering.db import Database, utcnow
 from metering.models import Refusal
 
@@ -83,14 +83,7 @@ class RefusalLog:
             await conn.execute(insert(Refusal), rows)
 
     async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
-        try:
-            await self._one([row for row, _ in batch])
-        except Exception as exc:
-            for _, future in batch:
-                answer(future, error=exc)
-            return
-        for _, future in batch:
-            answer(future)
+        await write_and_answer(batch, self._one)
 
 
 async def forget_old(

@@ -5,9 +5,7 @@ design, so it must really write both, in that order."""
 
 import asyncio
 import contextlib
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 
 from bench.procs import Process, free_port
 from bench.run import parse_args, postgres_database
+from tests.bench.runs import run_bench
 from tests.conftest import PG_ADMIN_DSN
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,18 +34,18 @@ def commits_db():
         yield url
 
 
-@pytest.fixture(params=[False, True], ids=["each", "grouped"])
-def floor_with_commits(request, sim, commits_db, tmp_path):
+@contextlib.contextmanager
+def floor_process(sim, dsn: str, log_dir: Path, grouped: bool):
+    """`python -m bench.floor --commits DSN` (`--grouped`), until the block ends: its base URL."""
     port = free_port()
     argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
-    argv += ["--upstream", sim.base_url("openai"), "--key", "sim-key", "--commits", commits_db]
-    if request.param:
+    argv += ["--upstream", sim.base_url("openai"), "--key", "sim-key", "--commits", dsn]
+    if grouped:
         argv.append("--grouped")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    process = Process("floor-commits", argv, env, ROOT, tmp_path)
+    process = Process("floor-grouped" if grouped else "floor-commits", argv, env, ROOT, log_dir)
     base = f"http://127.0.0.1:{port}"
-    with contextlib.ExitStack() as stack:
-        stack.callback(process.stop)
+    try:
         deadline = time.monotonic() + 60
         while True:  # it has no route to GET: any answer means it is up
             assert process.popen.poll() is None, process.log_tail()
@@ -55,6 +54,14 @@ def floor_with_commits(request, sim, commits_db, tmp_path):
                 httpx.get(f"{base}/", timeout=2)
                 break
             time.sleep(0.1)
+        yield base
+    finally:
+        process.stop()
+
+
+@pytest.fixture(params=[False, True], ids=["each", "grouped"])
+def floor_with_commits(request, sim, commits_db, tmp_path):
+    with floor_process(sim, commits_db, tmp_path, grouped=request.param) as base:
         yield base, commits_db
 
 
@@ -106,20 +113,7 @@ def test_a_stream_is_held_while_it_runs_and_settled_before_its_last_chunk(floor_
 def test_a_burst_through_the_grouped_floor_shares_statements(sim, commits_db, tmp_path):
     """Sixteen requests at once through the floor with grouped commits: every one held, then
     settled, in fewer statements than requests."""
-    port = free_port()
-    argv = [sys.executable, "-m", "bench.floor", "--port", str(port)]
-    argv += ["--upstream", sim.base_url("openai"), "--key", "sim-key", "--commits", commits_db]
-    process = Process("floor-grouped", argv + ["--grouped"], {**os.environ}, ROOT, tmp_path)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.popen.poll() is None, process.log_tail()
-            assert time.monotonic() < deadline, process.log_tail()
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.get(f"{base}/", timeout=2)
-                break
-            time.sleep(0.1)
+    with floor_process(sim, commits_db, tmp_path, grouped=True) as base:
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=base, timeout=30) as client:
@@ -142,24 +136,15 @@ def test_a_burst_through_the_grouped_floor_shares_statements(sim, commits_db, tm
                 (ids,),
             ).fetchone()
         assert holds >= 1 and events >= 1 and holds + events < 32, (holds, events)
-    finally:
-        process.stop()
 
 
 def test_bench_run_measures_the_floor_with_commits_and_checks_its_events(tmp_path):
-    out = tmp_path / "run.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--modes"]
-        + ["direct,floor,floor-commits,floor-grouped,pg"]
+    done, result = run_bench(
+        ["--modes", "direct,floor,floor-commits,floor-grouped,pg"]
         + ["--kinds", "json,stream", "--concurrency", "1", "--requests", "10", "--rounds", "1"]
-        + ["--warmup", "2", "--hot", "0", "--paced", "0", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        + ["--warmup", "2", "--hot", "0", "--paced", "0"],
+        tmp_path / "run.json",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
     rows = {(row["mode"], row["stream"]): row for row in result["rows"]}
     for mode in ("floor-commits", "floor-grouped"):
         for stream in (False, True):

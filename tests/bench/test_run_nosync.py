@@ -1,31 +1,20 @@
 """`python -m bench.run --nosync` end to end: a second ours on PostgreSQL, on a database whose
 commits do not wait for their WAL flush, measured beside ours and checked like it."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.runs import run_bench
 
 pytestmark = pytest.mark.postgres
 
 
 def test_nosync_measures_a_second_ours_on_postgresql_and_checks_its_ledger(tmp_path):
-    out = tmp_path / "run.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--modes", "pg", "--nosync", "--no-sqlite"]
+    done, result = run_bench(
+        ["--modes", "pg", "--nosync", "--no-sqlite"]
         + ["--kinds", "json", "--concurrency", "1", "--requests", "10", "--rounds", "1"]
-        + ["--warmup", "2", "--hot", "0", "--paced", "0", "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        + ["--warmup", "2", "--hot", "0", "--paced", "0"],
+        tmp_path / "run.json",
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
     rows = {row["mode"]: row for row in result["rows"]}
     assert set(rows) == {"pg", "pg-nosync"}
     assert all(row["requests"] == 10 and row["failed"] == 0 for row in rows.values()), rows
