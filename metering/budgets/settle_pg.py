@@ -118,9 +118,8 @@ _BODY = ",\n".join(
         _TAKE.strip(),
         _CHARGE.strip(),
         _CROSSED.strip(),
-        writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)"),
-        rollup.pg_json_cte("e", "e_in.id IN (SELECT id FROM ok)"),
-        rollup.pg_pending_insert("e"),
+        writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)", rollup.PENDING_SOURCE),
+        rollup.pg_pending_insert("ev"),
     ]
 )
 STATEMENT = Prepared("WITH " + _BODY + _RESULT)
@@ -173,7 +172,8 @@ class Expected:
 
 def parameters(events: list[Event], holds: list[Expected], adds: list[tuple]) -> dict:
     """The statement's parameters, each one JSON text: the holds expected, each hold's additions
-    (hold id, subject, cost, amount, lease id), the events and their rollup increments."""
+    (hold id, subject, cost, amount, lease id) and the events (whose rollup increments the
+    statement makes of the rows it inserts)."""
     return {
         "holds": _json(
             [
@@ -195,7 +195,6 @@ def parameters(events: list[Event], holds: list[Expected], adds: list[tuple]) ->
             ]
         ),
         "events": _json(writer.pg_events(events)),
-        "rollup_rows": _json(rollup.pg_rows(events)),
     }
 
 

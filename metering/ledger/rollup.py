@@ -200,32 +200,6 @@ def pg_arrays_cte(name: str = "e", gate: str = "") -> str:
     )
 
 
-def pg_json_cte(name: str = "e", gate: str = "") -> str:
-    """On PostgreSQL, the rollup increments passed as one JSON array (:rollup_rows,
-    `pg_rows`), as relation `name` with the columns of KEY and FIGURES; `gate`: a condition on
-    `{name}_in.id`, the event id each row carries, for a caller that writes only some of them."""
-    record = ", ".join(
-        ["id text", "hour timestamptz"]
-        + [f"{k} text" for k in KEY[1:]]
-        + [f"{f} bigint" for f in FIGURES]
-    )
-    where = f" WHERE {gate}" if gate else ""
-    return (
-        f"{name} AS (SELECT {', '.join((*KEY, *FIGURES))} "
-        f"FROM json_to_recordset(CAST(:rollup_rows AS json)) AS {name}_in({record}){where})"
-    )
-
-
-def pg_rows(events: list[Event]) -> list[dict]:
-    """The parameter of pg_json_cte: each event's rollup increment, with the event's id."""
-    rows = []
-    for event in events:
-        row = row_for(event)
-        row["id"] = event.id
-        rows.append(row)
-    return rows
-
-
 def pg_upserts(source: str = "e") -> list[str]:
     """On PostgreSQL, every rollup's upsert as a data-modifying WITH query reading the rows of
     relation `source` (pg_arrays_cte): summed per rollup in SQL, in key order (concurrent
@@ -262,11 +236,30 @@ def pg_upserts(source: str = "e") -> list[str]:
 PENDING = Rollup(RollupPending.__table__, "hour", HOURLY.keys)
 
 
-def pg_pending_insert(source: str = "e") -> str:
-    """On PostgreSQL, the rows of relation `source` (KEY and FIGURES, pg_json_cte) written to
-    rollup_pending, as a data-modifying WITH query: one row per event, no rollup row locked."""
+# The ledger columns pg_pending_insert reads: what row_for makes an event's increment of.
+PENDING_SOURCE = (
+    "created_at, team_id, user_id, token_id, model, provider, kind, prompt_tokens, "
+    "cached_tokens, completion_tokens, reasoning_tokens, cost, uncharged"
+)
+
+
+def pg_pending_insert(events: str = "ev") -> str:
+    """On PostgreSQL, a data-modifying WITH query writing to rollup_pending the hourly increment
+    of each event in relation `events` (ledger columns, at least PENDING_SOURCE: the RETURNING
+    of the events' own INSERT): row_for in SQL, one row per event, no rollup row locked."""
     columns = ", ".join((*KEY, *FIGURES))
-    return f"pending AS (INSERT INTO rollup_pending ({columns}) SELECT {columns} FROM {source})"
+    adjusting = f"kind = '{ADJUSTMENT}'"
+    values = ", ".join(
+        [
+            "date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'",
+            "team_id, user_id, COALESCE(token_id, ''), model, provider",
+            f"CASE WHEN {adjusting} THEN 0 ELSE 1 END",
+            "prompt_tokens, cached_tokens, completion_tokens, COALESCE(reasoning_tokens, 0)",
+            "cost, uncharged",
+            f"CASE WHEN {adjusting} THEN cost ELSE 0 END",
+        ]
+    )
+    return f"pending AS (INSERT INTO rollup_pending ({columns}) SELECT {values} FROM {events})"
 
 
 FOLD_BATCH = 5000

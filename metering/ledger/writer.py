@@ -57,16 +57,21 @@ def _pg_type(name: str) -> str:
 PG_RECORD = ", ".join(f"{name} {_pg_type(name)}" for name in NAMES)
 
 
-def pg_insert_cte(name: str = "ev", gate: str = "") -> str:
+def pg_insert_cte(name: str = "ev", gate: str = "", returning: str = "") -> str:
     """On PostgreSQL, a data-modifying WITH query inserting the events passed as one JSON
     array (:events, pg_events); `gate`: a condition on `{name}_in.id` for a caller that inserts
-    only some of them."""
+    only some of them; `returning`: the inserted rows' columns it returns.
+
+    One JSON text parameter, not one array per column: asyncpg encodes each array parameter
+    in 3 to 8 µs, so the 41 columns of a group of eight events took 100 µs more of the
+    process's CPU than orjson's text, for 6 µs less of PostgreSQL's."""
     columns = ", ".join(NAMES)
     where = f" WHERE {gate}" if gate else ""
+    back = f" RETURNING {returning}" if returning else ""
     return (
         f"{name} AS (INSERT INTO {_table.name} ({columns}) "
         f"SELECT {columns} FROM json_to_recordset(CAST(:events AS json)) "
-        f"AS {name}_in({PG_RECORD}){where})"
+        f"AS {name}_in({PG_RECORD}){where}{back})"
     )
 
 

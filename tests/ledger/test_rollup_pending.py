@@ -13,6 +13,7 @@ from metering import migrate
 from metering.budgets.service import reserve, settle, settle_queue
 from metering.db import Database, utcnow
 from metering.ledger import rollup
+from metering.ledger.event import NAMES, Event
 from metering.ledger.rollup import PENDING, ROLLUPS
 from metering.models import LedgerEvent, RollupPending
 from metering.reports import spend
@@ -125,6 +126,60 @@ def test_settles_write_pending_increments_the_report_reads_and_fold_moves(fresh_
             assert await _report(db, token, ["hour", "model"]) == by_hour
             assert await _live(db, team) == live
             assert await rollup.fold(db) == 0
+        finally:
+            await db.dispose()
+
+    asyncio.run(scenario())
+
+
+def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):  # noqa: F811
+    """The one-statement settle makes each event's increment in SQL from the row it inserts:
+    every key and figure equals what rollup.row_for makes of the event read back (a missing
+    reasoning count, a charge above the hold, a token-less request among them)."""
+    migrate.upgrade(fresh_pg)
+
+    async def scenario() -> None:
+        db = Database(fresh_pg, 8)
+        try:
+            subjects = _subjects()
+            await _add_budgets(db, subjects, "1", "daily", utcnow())
+            variants = [
+                {},
+                {"reasoning_tokens": 7, "cached_tokens": 3},
+                {"reasoning_tokens": None},
+                {"cost": 10**9, "uncharged": 5},  # above the hold: capped, the rest uncharged
+                {"token_id": None},
+            ]
+
+            async def one(overrides: dict) -> None:
+                spec = _spec(subjects)
+                reservation = await reserve(db, spec, ttl_s=60)
+                event = _event(spec, 9, **overrides)
+                assert await settle(db, event, reservation) is True
+
+            await asyncio.gather(*(one(v) for v in variants))
+            assert settle_queue(db).one_statement == len(variants)
+            async with db.sessions() as session:
+                events = (
+                    await session.execute(
+                        select(LedgerEvent.__table__).where(LedgerEvent.team_id == subjects["team"])
+                    )
+                ).mappings()
+                expected = sorted(
+                    tuple(rollup.row_for(Event(**{n: e[n] for n in NAMES})).values())
+                    for e in events
+                )
+                pending = (
+                    await session.execute(
+                        select(
+                            *(RollupPending.__table__.c[c] for c in (*rollup.KEY, *rollup.FIGURES))
+                        ).where(RollupPending.team_id == subjects["team"])
+                    )
+                ).all()
+            assert len(expected) == len(variants)
+            assert sorted(tuple(row) for row in pending) == expected
+            assert any(row[3] == "" for row in expected)  # the token-less request's key
+            assert any(row[-2] > 0 for row in expected)  # uncharged, summed as written
         finally:
             await db.dispose()
 
