@@ -111,16 +111,24 @@ SELECT (SELECT array_agg(id) FROM ok) AS ok,
   CASE WHEN EXISTS (SELECT 1 FROM crossed) THEN metering_abort('{CROSSED_MESSAGE}') END
     AS aborted"""
 
-_BODY = ",\n".join(
-    [
-        _TAKE.strip(),
-        _CHARGE.strip(),
-        _CROSSED.strip(),
-        writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)", rollup.PENDING_SOURCE),
-        rollup.pg_pending_insert("ev"),
-    ]
-)
+# The statement's parts, in order (bench.statements measures it without some of them).
+PARTS = {
+    "take": _TAKE.strip(),
+    "charge": _CHARGE.strip(),
+    "crossed": _CROSSED.strip(),
+    "events": writer.pg_insert_cte("ev", "ev_in.id IN (SELECT id FROM ok)", rollup.PENDING_SOURCE),
+    "pending": rollup.pg_pending_insert("ev"),
+}
+_BODY = ",\n".join(PARTS.values())
 STATEMENT = Prepared("WITH " + _BODY + _RESULT)
+
+
+def statement_of(parts: list[str]) -> Prepared:
+    """The statement made of some of PARTS only (each part needs those before it that it
+    reads: charge take's, crossed charge's, pending events'): for measuring what each costs.
+    Without `crossed` it returns the holds taken alone."""
+    result = _RESULT if "crossed" in parts else "\nSELECT (SELECT array_agg(id) FROM ok) AS ok"
+    return Prepared("WITH " + ",\n".join(PARTS[name] for name in parts) + result)
 
 
 # Which of the holds a statement did not take are there (as it left them): read only when some
