@@ -30,6 +30,7 @@ ORDER = (
     "upstream answer (headers)",
     "settle wait",
     "group statement",
+    "database round trip",
     "group size",
     "loop lag",
     "gc, generation 0",

@@ -58,6 +58,28 @@ if OUT:
 
     groups.GroupWriter.__init__ = timed_init
 
+    import asyncpg.connection
+
+    def timed_query(method):
+        async def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return await method(self, *args, **kwargs)
+            finally:
+                note("database round trip", time.perf_counter() - started)
+
+        return timed
+
+    # Every statement sent through asyncpg itself (the group writers' statements), from its
+    # send to its answer, as the writer sees it: the rest of "group statement" is the writer's
+    # own work (parameters, futures answered).
+    for name in ("execute", "fetchrow", "fetchval"):
+        setattr(
+            asyncpg.connection.Connection,
+            name,
+            timed_query(getattr(asyncpg.connection.Connection, name)),
+        )
+
     send = upstreams.Upstreams.send
 
     async def timed_send(self, provider, request):
