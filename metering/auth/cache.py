@@ -13,13 +13,32 @@ Correctness rests on three rules (the argument is in the README):
   "session:ID") and moves the epoch on: an entry read from the database before the change and
   stored after it is refused, because it was read under an older epoch.
 - Bounded: at most `size` entries, each kept `ttl_s` at most (a safety net, not the mechanism).
+
+Misses of one credential that arrive together share one database lookup (`load`): an entry
+expiring under load, or a cache just emptied, would otherwise send every request in flight to
+the database at once (sixteen at C=16, each with a connection of its own, past what the pool
+keeps). A request joins a lookup in flight only where the cache would serve the entry that
+lookup is about to store: while the cache is trusted and no change has been applied since the
+lookup began (the same epoch). A lookup that fails is not shared: each of its callers looks for
+itself (an unknown token may be created meanwhile).
 """
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+
+Loaded = tuple[Any, frozenset[str], "datetime | None"]  # value, subjects, expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class _Flight:
+    """A lookup in flight: the epoch it began in, and its value and expiry when it ends."""
+
+    epoch: int
+    done: asyncio.Future
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +68,9 @@ class CredentialCache:
         self._seen = watch() if watch is not None else ""
         # Called with the subjects a change names (None: everything) before it is acknowledged.
         self.on_change: list[Callable[[frozenset[str] | None], None]] = []
+        self._flights: dict[str, _Flight] = {}  # at most one per key, removed when it ends
+        self.lookups = 0  # database lookups made by load()
+        self.joined = 0  # misses served by a lookup already in flight
 
     def _sync(self) -> None:
         if self._watch is not None:
@@ -102,6 +124,41 @@ class CredentialCache:
             # Oldest first: dicts keep insertion order.
             self._entries.pop(next(iter(self._entries)))
         self._entries[key] = Entry(value, subjects, expires_at, time.monotonic())
+
+    async def load(
+        self, key: str, lookup: Callable[[], Awaitable[Loaded]]
+    ) -> tuple[Any, "datetime | None"]:
+        """A miss: `lookup()` reads the credential from the database (raising if it is not
+        valid) and its value is stored; or, while the cache is trusted, a lookup of the same
+        key begun in the current epoch is already in flight, and its value is shared. Returns
+        the value and its expiry (the caller checks the expiry, as on a hit)."""
+        self._sync()
+        flight = self._flights.get(key)
+        if flight is not None and flight.epoch == self._epoch and self.trusted():
+            await asyncio.wait((flight.done,))  # raises only if this caller is cancelled
+            if not flight.done.cancelled() and flight.done.exception() is None:
+                self.joined += 1
+                return flight.done.result()
+            # It failed: not shared, this caller looks for itself.
+        epoch = self._epoch
+        mine = _Flight(epoch, asyncio.get_running_loop().create_future())
+        self._flights[key] = mine
+        self.lookups += 1
+        try:
+            value, subjects, expires_at = await lookup()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                mine.done.set_exception(exc)
+                mine.done.exception()  # retrieved: its callers look again, none raises it
+            else:
+                mine.done.cancel()
+            raise
+        finally:
+            if self._flights.get(key) is mine:
+                del self._flights[key]
+        self.put(key, value, subjects, epoch, expires_at)
+        mine.done.set_result((value, expires_at))
+        return value, expires_at
 
     def drop(self, subjects: set[str] | frozenset[str]) -> None:
         """Forget every entry naming one of `subjects`."""

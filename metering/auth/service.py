@@ -101,7 +101,16 @@ async def _api_token_principal(services: Services, token: str) -> Principal:
         if hit.expires_at is not None and hit.expires_at <= now:
             raise expired(hit.expires_at)
         return hit.value
-    epoch = cache.epoch
+    # A miss: misses of this token arriving together share one lookup (CredentialCache.load).
+    principal, expires_at = await cache.load(key, lambda: _lookup_api_token(services, hashed))
+    if expires_at is not None and expires_at <= utcnow():
+        raise expired(expires_at)
+    return principal
+
+
+async def _lookup_api_token(services: Services, hashed: str):
+    """An API token's principal read from the database, with the subjects a change to it names
+    and its expiry; raises Unauthorized when it is not valid now."""
     async with services.db.sessions() as session:
         row = (await session.execute(TOKEN_LOOKUP, {"token_hash": hashed})).first()
     # Found by its hash; compared once more in constant time, whatever the database's collation.
@@ -110,7 +119,7 @@ async def _api_token_principal(services: Services, token: str) -> Principal:
     _, token_id, revoked_at, expires_at, user_id, team_id, user_deleted, team_deleted = row[:8]
     if revoked_at is not None:
         raise Unauthorized("this API token has been revoked")
-    if expires_at is not None and expires_at <= now:
+    if expires_at is not None and expires_at <= utcnow():
         raise expired(expires_at)
     if user_deleted is not None or team_deleted is not None:
         raise Unauthorized("this API token's user or team has been deleted")
@@ -121,8 +130,7 @@ async def _api_token_principal(services: Services, token: str) -> Principal:
     subjects = frozenset(
         (subject("token", token_id), subject("user", user_id), subject("team", team_id))
     )
-    cache.put(key, principal, subjects, epoch, expires_at)
-    return principal
+    return principal, subjects, expires_at
 
 
 async def _session_user(services: Services, session_id: str) -> sessions.SessionUser:
