@@ -91,9 +91,9 @@ TOKEN_LOOKUP = (
 )
 
 
-async def _api_token_principal(services: Services, token: str) -> Principal:
+async def _api_token_principal(services: Services, hashed: str) -> Principal:
+    """The principal of the API token whose digest is `hashed`."""
     now = utcnow()
-    hashed = digest(token)
     cache = services.credentials.cache
     key = "t:" + hashed
     hit = cache.get(key)
@@ -174,9 +174,10 @@ async def _access_principal(services: Services, token: str, refresh_token: str) 
     return Authenticated(principal, refreshed.pair)
 
 
-def _is_admin_key(token: str, admin_key: str | None) -> bool:
-    # Digests first: equal lengths, so not even the key's length leaks through timing.
-    return bool(admin_key) and same(digest(token), _admin_digest(admin_key))
+def _is_admin_key(hashed: str, admin_key: str | None) -> bool:
+    """Whether the credential whose digest is `hashed` is the admin key. Digests are compared:
+    equal lengths, so not even the key's length leaks through timing."""
+    return bool(admin_key) and same(hashed, _admin_digest(admin_key))
 
 
 @functools.lru_cache(maxsize=2)
@@ -187,10 +188,11 @@ def _admin_digest(admin_key: str) -> str:
 
 async def authenticate(services: Services, token: str, refresh_token: str = "") -> Authenticated:
     """Whoever a bearer credential is; Unauthorized for anything unknown or no longer valid."""
-    if _is_admin_key(token, services.settings.admin_key):
+    hashed = digest(token)  # once: the admin key's check and an API token's lookup share it
+    if _is_admin_key(hashed, services.settings.admin_key):
         return Authenticated(Principal("admin"))
     if token.startswith(API_TOKEN_PREFIX):
-        return Authenticated(await _api_token_principal(services, token))
+        return Authenticated(await _api_token_principal(services, hashed))
     if token.startswith(ACCESS_PREFIX):
         return await _access_principal(services, token, refresh_token)
     raise Unauthorized("invalid credential")
