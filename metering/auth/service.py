@@ -140,7 +140,14 @@ async def _session_user(services: Services, session_id: str) -> sessions.Session
     hit = cache.get(key)
     if hit is not None:
         return hit.value
-    epoch = cache.epoch
+    # A miss: misses of this session arriving together share one read (CredentialCache.load).
+    user, _ = await cache.load(key, lambda: _lookup_session(services, session_id))
+    return user
+
+
+async def _lookup_session(services: Services, session_id: str):
+    """A session's live user read from the database, with the subjects a change to it names;
+    raises Unauthorized when the session is not valid now."""
     user = await sessions.user_of(services.db, session_id)
     subjects = frozenset(
         (
@@ -149,8 +156,7 @@ async def _session_user(services: Services, session_id: str) -> sessions.Session
             subject("team", user.team_id),
         )
     )
-    cache.put(key, user, subjects, epoch)
-    return user
+    return user, subjects, None
 
 
 async def _access_principal(services: Services, token: str, refresh_token: str) -> Authenticated:

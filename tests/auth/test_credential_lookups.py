@@ -3,10 +3,14 @@
 store: trusted, and no change applied since it began. A failed lookup is shared with nobody."""
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
+from metering.auth import service
 from metering.auth.cache import CredentialCache
+from metering.auth.principal import Principal
+from metering.auth.sessions import SessionUser
 
 SUBJECTS = frozenset({"token:tok_1"})
 
@@ -132,5 +136,59 @@ def test_a_cancelled_lookup_leaves_its_joiners_to_look_again():
         await lookups.open_all()
         assert await joined == ("second", None)
         assert not cache._flights  # nothing left in flight
+
+    asyncio.run(scenario())
+
+
+class _Gated:
+    """A database read that counts its calls and ends when the test opens the gate."""
+
+    def __init__(self, value) -> None:
+        self.value, self.calls, self.gate = value, 0, asyncio.Event()
+
+    async def __call__(self, *args):
+        self.calls += 1
+        await self.gate.wait()
+        return self.value
+
+
+def _services(cache: CredentialCache):
+    return SimpleNamespace(credentials=SimpleNamespace(cache=cache), db=object())
+
+
+@pytest.mark.parametrize("kind", ["api token", "login session"])
+def test_sixteen_requests_of_one_credential_missing_together_read_it_once(monkeypatch, kind):
+    """The authentication paths go through CredentialCache.load: an API token's lookup by its
+    digest and an access token's session read, each shared by the misses that wait for it."""
+    user = SessionUser("user_1", "team_1")
+    if kind == "api token":
+        principal = Principal("api_token", user_id="user_1", team_id="team_1", token_id="tok_1")
+        read = _Gated((principal, SUBJECTS, None))
+        monkeypatch.setattr(service, "_lookup_api_token", read)
+        expected = principal
+
+        def authenticate(services):
+            return service._api_token_principal(services, "a" * 64)
+    else:
+        read = _Gated(user)
+        monkeypatch.setattr(service.sessions, "user_of", read)
+        expected = user
+
+        def authenticate(services):
+            return service._session_user(services, "ses_1")
+
+    async def scenario() -> None:
+        cache = CredentialCache(10, 60, always_trusted=True)
+        services = _services(cache)
+        misses = [asyncio.create_task(authenticate(services)) for _ in range(16)]
+        for _ in range(100):
+            if read.calls:
+                break
+            await asyncio.sleep(0)
+        read.gate.set()
+        assert [await m for m in misses] == [expected] * 16
+        assert (read.calls, cache.lookups, cache.joined) == (1, 1, 15)
+        assert await authenticate(services) == expected  # then served from the cache
+        assert read.calls == 1
 
     asyncio.run(scenario())
