@@ -263,11 +263,15 @@ def targets(meta: dict, rows: list[dict], hot: dict) -> str:
             r = _find(rows, "matrix", "pg", stream, c)
             if r and "vs_floor" in r:
                 value = r["vs_floor"]
+                cell = f"{value:.2f} ({r['rps']:.0f} vs {r['rps'] / value:.0f} req/s)"
+                batches = r.get("vs_floor_batches") or []
+                if len(batches) > 1:
+                    cell += f"; batch by batch {min(batches):.2f} to {max(batches):.2f}"
                 out.append(
                     [
                         f"throughput / floor's, {'stream' if stream else 'non-stream'}, C={c}",
                         "≥ 0.70",
-                        f"{value:.2f} ({r['rps']:.0f} vs {r['rps'] / value:.0f} req/s)",
+                        cell,
                         verdict(value >= 0.70),
                     ]
                 )

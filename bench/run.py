@@ -644,6 +644,13 @@ def target_for(
     return load.Target(url, {"authorization": f"Bearer {token}", **json_type}, body, stream)
 
 
+def batch_ratios(rps: list[float], floor_rps: list[float]) -> list[float]:
+    """A path's throughput over the floor's, batch by batch: batch i of each path ran in the
+    same round, next to each other, so each ratio compares two batches that saw the machine
+    alike. Their spread is how far one run's ratio can be trusted on a noisy machine."""
+    return [r / f for r, f in zip(rps, floor_rps, strict=False) if f > 0]
+
+
 def measure(
     args,
     scenario: str,
@@ -663,6 +670,7 @@ def measure(
         server = servers.get(SERVER_OF.get(key.split(":")[0], ""))
         samplers[key] = Sampler(server, sim.pid)
     results: dict[str, load.LoadResult] = {}
+    batch_rps: dict[str, list[float]] = {key: [] for key in targets}
     for i in range(rounds):
         for key, target in targets.items():
             mode = key.split(":")[0]
@@ -686,6 +694,7 @@ def measure(
                 raise SystemExit(
                     f"{scenario} {key} C={c}: {exc}{where}\nlog tail:\n{tail}"
                 ) from None
+            batch_rps[key].append(measured.rps)
             results[key] = results[key].add(measured) if key in results else measured
             if server is not None and (server.admin is not None or server.pg is not None):
                 for result in (warm, measured):
@@ -720,6 +729,7 @@ def measure(
             "pg_cpu_ms": delta["pg"] * 1000 / ok if samplers[key].pg else None,
             "pg_connections_opened": delta["pg_connections"] if samplers[key].pg else None,
             "server_rss_kib": delta.get("rss_kib"),
+            "batch_rps": batch_rps[key],
         }
         rows.append(row)
         print(
@@ -740,6 +750,7 @@ def measure(
             row["added_ttfb_p50_ms"] = row["ttfb_p50_ms"] - direct["ttfb_p50_ms"]
         if floor is not None and row["mode"] not in ("direct", "floor"):
             row["vs_floor"] = row["rps"] / floor["rps"] if floor["rps"] else float("nan")
+            row["vs_floor_batches"] = batch_ratios(row["batch_rps"], floor["batch_rps"])
     return rows
 
 

@@ -152,6 +152,12 @@ def test_bench_run_measures_the_floor_with_commits_and_checks_its_events(tmp_pat
             assert row["requests"] == 10 and row["failed"] == 0, row
             assert row["pg_cpu_ms"] is not None, row  # its database's backends are sampled
             assert row["added_p50_ms"] is not None
+            # One batch a path (--rounds 1): its throughput and its ratio to the floor's batch.
+            assert row["batch_rps"] == [pytest.approx(row["rps"])], row
+            floor = rows[("floor", stream)]
+            assert row["vs_floor_batches"] == [
+                pytest.approx(row["batch_rps"][0] / floor["batch_rps"][0])
+            ], row
     checks = {text: ok for ok, text in result["checks"] if text.startswith("floor")}
     # 2 × (10 measured + 2 warm-up) answers and the start-up probe's one.
     assert checks == {
