@@ -8,9 +8,9 @@ that replaces an `unsettled` placeholder adds the difference (no new request) to
 and day. Reports read whole days and whole hours from the coarsest rollup that has their keys
 and only the partial hours at a range's edges from the ledger.
 
-The one-statement settle on PostgreSQL (metering.budgets.settle_pg) writes instead each event's
-hourly increment to rollup_pending, in the statement that appends the event (one row, no
-rollup row locked by a request); `fold` moves them into every rollup in one statement each
+The one-statement settle on PostgreSQL (metering.budgets.settle_pg) writes instead its events'
+hourly increments to rollup_pending, in the statement that appends them (one row per key
+however many of its events have it, no rollup row locked by a request); `fold` moves them into every rollup in one statement each
 batch. The rollups plus rollup_pending equal the ledger's sums at every instant, and the spend
 report reads both (PENDING) in one statement.
 """
@@ -244,22 +244,30 @@ PENDING_SOURCE = (
 
 
 def pg_pending_insert(events: str = "ev") -> str:
-    """On PostgreSQL, a data-modifying WITH query writing to rollup_pending the hourly increment
-    of each event in relation `events` (ledger columns, at least PENDING_SOURCE: the RETURNING
-    of the events' own INSERT): row_for in SQL, one row per event, no rollup row locked."""
-    columns = ", ".join((*KEY, *FIGURES))
+    """On PostgreSQL, a data-modifying WITH query writing to rollup_pending the hourly
+    increments of the events in relation `events` (ledger columns, at least PENDING_SOURCE: the
+    RETURNING of the events' own INSERT): row_for in SQL, summed per key, so a statement writes
+    one row per hour, team, user, token, model and provider whatever the number of its events
+    with them (each sum saturated as the rollups' are), and locks no rollup row."""
     adjusting = f"kind = '{ADJUSTMENT}'"
-    values = ", ".join(
+    increments = ", ".join(
         [
-            "date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'",
-            "team_id, user_id, COALESCE(token_id, ''), model, provider",
-            f"CASE WHEN {adjusting} THEN 0 ELSE 1 END",
-            "prompt_tokens, cached_tokens, completion_tokens, COALESCE(reasoning_tokens, 0)",
-            "cost, uncharged",
-            f"CASE WHEN {adjusting} THEN cost ELSE 0 END",
+            "date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS hour",
+            "team_id, user_id, COALESCE(token_id, '') AS token_id, model, provider",
+            f"CASE WHEN {adjusting} THEN 0 ELSE 1 END AS requests",
+            "prompt_tokens, cached_tokens, completion_tokens",
+            "COALESCE(reasoning_tokens, 0) AS reasoning_tokens, cost, uncharged",
+            f"CASE WHEN {adjusting} THEN cost ELSE 0 END AS adjustments",
         ]
     )
-    return f"pending AS (INSERT INTO rollup_pending ({columns}) SELECT {values} FROM {events})"
+    sums = ", ".join(f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in FIGURES)
+    keys = ", ".join(KEY)
+    positions = ", ".join(str(n) for n in range(1, len(KEY) + 1))
+    return (
+        f"pending AS (INSERT INTO rollup_pending ({keys}, {', '.join(FIGURES)}) "
+        f"SELECT {keys}, {sums} FROM (SELECT {increments} FROM {events}) AS increment "
+        f"GROUP BY {positions})"
+    )
 
 
 FOLD_BATCH = 5000
