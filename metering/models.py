@@ -309,8 +309,9 @@ class SpendHourly(Base):
 class RollupPending(Base):
     """Hourly rollup increments not yet added to the rollups: the one-statement settle on
     PostgreSQL writes its events' increments here, in the statement that appends them (one
-    row per key and statement), and a job folds them into every rollup (metering.ledger.rollup.fold). The rollups plus
-    these rows equal the ledger's sums at every instant; the spend report reads both."""
+    row per key and statement), and a job folds them into every rollup
+    (metering.ledger.rollup.fold). The rollups plus these rows equal the ledger's sums at every
+    instant; the spend report reads both."""
 
     __tablename__ = "rollup_pending"
 

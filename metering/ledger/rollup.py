@@ -11,8 +11,8 @@ and only the partial hours at a range's edges from the ledger.
 The one-statement settle on PostgreSQL (metering.budgets.settle_pg) writes instead its events'
 hourly increments to rollup_pending, in the statement that appends them (one row per key
 however many of its events have it, no rollup row locked by a request); `fold` moves them
-into every rollup in one statement each batch. The rollups plus rollup_pending equal the ledger's sums at every instant, and the spend
-report reads both (PENDING) in one statement.
+into every rollup in one statement each batch. The rollups plus rollup_pending equal the
+ledger's sums at every instant, and the spend report reads both (PENDING) in one statement.
 """
 
 from dataclasses import dataclass

@@ -1,7 +1,7 @@
-"""On PostgreSQL the grouped settle writes its events' rollup increments to rollup_pending (one row
-per key and statement), and `rollup.fold` moves them into every rollup: the rollups plus what is pending equal the ledger's
-sums at every instant, the spend report reads both, and replicas folding at once count each
-increment once."""
+"""On PostgreSQL the grouped settle writes its events' rollup increments to rollup_pending (one
+row per key and statement), and `rollup.fold` moves them into every rollup: the rollups plus
+what is pending equal the ledger's sums at every instant, the spend report reads both, and
+replicas folding at once count each increment once."""
 
 import asyncio
 from datetime import timedelta
@@ -198,14 +198,11 @@ def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):  # no
                 ).all()
             assert len(increments) == len(variants)
             # The rows of one key written by one statement are one row: compare per key.
-            width = len(rollup.KEY)
             assert _by_key(tuple(row) for row in pending) == _by_key(
                 tuple(row.values()) for row in increments
             )
-            assert len(pending) <= len(increments)
             assert any(row["token_id"] == "" for row in increments)  # the token-less request
             assert any(row["uncharged"] > 0 for row in increments)  # uncharged, summed
-            assert all(len(row) == width + len(rollup.FIGURES) for row in pending)
         finally:
             await db.dispose()
 
