@@ -69,7 +69,7 @@ def server_config(app: Any, settings: Settings, *, host: str, port: int, **optio
         "ws": "none",
         "lifespan": "on",
         "access_log": False,
-        "timeout_keep_alive": 5,
+        "timeout_keep_alive": settings.keep_alive_s,
         "forwarded_allow_ips": settings.forwarded_allow_ips,
     }
     return EdgeConfig(

@@ -41,6 +41,10 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(default=30.0, gt=0)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
     max_connections: int = Field(default=1000, ge=1)
+    # How long an idle kept-alive client connection stays open (seconds). Longer than the
+    # clients' own pools keep one (httpx and the openai SDK 5 s, aiohttp 15 s), so that a client
+    # never sends a request on a connection the server is closing at that very moment.
+    keep_alive_s: float = Field(default=20.0, gt=0, le=3600)
     # Proxies trusted to give the client's address in X-Forwarded-For (comma-separated, or *).
     forwarded_allow_ips: str = "127.0.0.1"
     # Failed bearer credentials one client address may present per minute (then 429).

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from metering.testing import free_port
 from tests.conftest import Api, database_url
 from tests.resilience.edge import (
+    CUT_WITHIN_S,
     Reply,
     connect,
     edge_server,
@@ -268,3 +270,59 @@ def healthy(url: str) -> bool:
         return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.fixture(scope="module")
+def kept(request, backend, sim):
+    server = edge_server(database_url(request, backend), sim, header_timeout_s=1, keep_alive_s=3)
+    yield server
+    server.stop()
+
+
+def _healthz(sock: socket.socket) -> int:
+    """One GET /healthz on a kept-alive connection: the status of its whole answer (read by its
+    content-length), or 0 when the server closed the connection instead."""
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(CUT_WITHIN_S)
+    data = b""
+    while True:
+        head, found, body = data.partition(b"\r\n\r\n")
+        if found:
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length:")
+            )
+            if len(body) >= length:
+                assert b"connection: close" not in head.lower(), head
+                return int(head[9:12])
+        chunk = sock.recv(65536)
+        if not chunk:
+            return 0
+        data += chunk
+
+
+def test_an_idle_kept_alive_connection_stays_open_for_keep_alive_s_then_closes(kept):
+    with connect(kept) as sock:
+        assert _healthz(sock) == 200
+        # Idle past the header deadline (1 s) and within the keep-alive (3 s): still open, and
+        # the next request on it is answered.
+        time.sleep(2)
+        assert _healthz(sock) == 200
+        # Then idle: the server closes it, after its 3 s and well before the default 20 s.
+        sock.settimeout(15)
+        try:
+            rest = sock.recv(1)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
+
+
+def test_the_default_keep_alive_outlasts_the_common_clients_pools():
+    """A client's pool must drop an idle connection before the server closes it: were the two
+    equal, a request sent just as the server closes would fail without an answer."""
+    from metering.settings import Settings
+
+    keep_alive = Settings(_env_file=None).keep_alive_s
+    assert keep_alive > httpx.Limits().keepalive_expiry  # httpx, and so the openai SDK
+    assert keep_alive > 15  # aiohttp's connector keeps an idle connection 15 s
