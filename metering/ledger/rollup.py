@@ -200,6 +200,16 @@ def pg_arrays_cte(name: str = "e", gate: str = "") -> str:
     )
 
 
+def _pg_sums() -> str:
+    """FIGURES summed in SQL, each saturated where it must be (SATURATED)."""
+    return ", ".join(f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in FIGURES)
+
+
+def _positions(n: int) -> str:
+    """GROUP BY / ORDER BY positions 1 to n."""
+    return ", ".join(str(i) for i in range(1, n + 1))
+
+
 def pg_upserts(source: str = "e") -> list[str]:
     """On PostgreSQL, every rollup's upsert as a data-modifying WITH query reading the rows of
     relation `source` (pg_arrays_cte): summed per rollup in SQL, in key order (concurrent
@@ -210,9 +220,7 @@ def pg_upserts(source: str = "e") -> list[str]:
         at = "hour"
         if rollup.grain == "day":
             at = "date_trunc('day', hour AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
-        sums = ", ".join(
-            f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in FIGURES
-        )
+        sums = _pg_sums()
         updates = ", ".join(
             f"{f} = CASE WHEN t.{f} > {_MOST[f]} - EXCLUDED.{f} THEN {_MOST[f]} "
             f"ELSE t.{f} + EXCLUDED.{f} END"
@@ -221,7 +229,7 @@ def pg_upserts(source: str = "e") -> list[str]:
             for f in FIGURES
         )
         columns = ", ".join(rollup.key)
-        positions = ", ".join(str(n) for n in range(1, len(rollup.key) + 1))
+        positions = _positions(len(rollup.key))
         parts.append(
             f"r{i} AS (INSERT INTO {name} AS t ({columns}, {', '.join(FIGURES)}) "
             f"SELECT {at}, {', '.join(rollup.keys)}, {sums} FROM {source} "
@@ -260,13 +268,11 @@ def pg_pending_insert(events: str = "ev") -> str:
             f"CASE WHEN {adjusting} THEN cost ELSE 0 END AS adjustments",
         ]
     )
-    sums = ", ".join(f"LEAST(SUM({f}), {_MOST[f]})" if _MOST[f] else f"SUM({f})" for f in FIGURES)
     keys = ", ".join(KEY)
-    positions = ", ".join(str(n) for n in range(1, len(KEY) + 1))
     return (
         f"pending AS (INSERT INTO rollup_pending ({keys}, {', '.join(FIGURES)}) "
-        f"SELECT {keys}, {sums} FROM (SELECT {increments} FROM {events}) AS increment "
-        f"GROUP BY {positions})"
+        f"SELECT {keys}, {_pg_sums()} FROM (SELECT {increments} FROM {events}) AS increment "
+        f"GROUP BY {_positions(len(KEY))})"
     )
 
 

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from metering.settings import Settings
 from metering.testing import free_port
 from tests.conftest import Api, database_url
 from tests.resilience.edge import (
@@ -321,8 +322,6 @@ def test_an_idle_kept_alive_connection_stays_open_for_keep_alive_s_then_closes(k
 def test_the_default_keep_alive_outlasts_the_common_clients_pools():
     """A client's pool must drop an idle connection before the server closes it: were the two
     equal, a request sent just as the server closes would fail without an answer."""
-    from metering.settings import Settings
-
     keep_alive = Settings(_env_file=None).keep_alive_s
     assert keep_alive > httpx.Limits().keepalive_expiry  # httpx, and so the openai SDK
     assert keep_alive > 15  # aiohttp's connector keeps an idle connection 15 s
