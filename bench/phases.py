@@ -1,13 +1,15 @@
-"""Where a request's time goes inside the server: the wait for its hold's group to commit, for
-the upstream's answer, for its settle's group, the group statements themselves, and how late
-the event loop runs a timer (what any ready callback waits for the work ahead of it).
+"""Where a request's time goes inside the server: its own path from its arrival to its hold's
+submission, the wait for its hold's group to commit, its path from there to the upstream call,
+the wait for the upstream's answer (headers), from those to the first byte of the body sent to
+the client, the wait for its settle's group, the group statements themselves, and how late the
+event loop runs a timer (what any ready callback waits for the work ahead of it).
 
     python -m bench.phases [--backend pg|sqlite] [--concurrency 16] [--requests 4000] [--stream]
 
 Starts the sim and ours (budgets on, one worker) with `bench/phase_probe` first on the
-server's PYTHONPATH: its sitecustomize wraps the group writers and the upstream send with
-timers and writes what it gathered on SIGUSR1. The timers cost the server a little CPU, so
-the request rates here are not the bench's; compare phases with each other.
+server's PYTHONPATH: its sitecustomize wraps the chat route, the group writers and the upstream
+send with timers and writes what it gathered on SIGUSR1. The timers cost the server a little
+CPU, so the request rates here are not the bench's; compare phases with each other.
 """
 
 import argparse
@@ -26,8 +28,12 @@ from bench.run import SIM_KEY, chat_body, parse_args, start_ours
 
 PROBE = Path(__file__).resolve().parent / "phase_probe"
 ORDER = (
+    "arrival to end",
+    "arrival to hold submitted",
     "hold wait",
+    "hold answered to upstream call",
     "upstream answer (headers)",
+    "headers to first body byte",
     "settle wait",
     "group statement",
     "database round trip",
@@ -109,13 +115,13 @@ def main(argv=None) -> int:
             f"{(cpu['end'] - cpu['start']) / n * 1000:.2f} ms/req, "
             f"statuses {dict(measured.statuses)}"
         )
-        print(f"{'phase':<28}{'n':>8}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}")
+        print(f"{'phase':<34}{'n':>8}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}")
         for name in ORDER:
             if name in phases:
                 row = phases[name]
                 unit = "" if name == "group size" else " ms"
                 print(
-                    f"{name + unit:<28}{row['n']:>8}{row['mean']:>9.2f}{row['p50']:>9.2f}"
+                    f"{name + unit:<34}{row['n']:>8}{row['mean']:>9.2f}{row['p50']:>9.2f}"
                     f"{row['p90']:>9.2f}{row['p99']:>9.2f}{row['max']:>9.2f}"
                 )
     return 0

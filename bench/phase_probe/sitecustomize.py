@@ -34,11 +34,16 @@ if OUT:
     submit = groups.GroupWriter.submit
 
     async def timed_submit(self, item):
+        kind = kind_of(item)
+        if kind == "hold wait":
+            mark("hold submitted")
         started = time.perf_counter()
         try:
             return await submit(self, item)
         finally:
-            note(kind_of(item), time.perf_counter() - started)
+            note(kind, time.perf_counter() - started)
+            if kind == "hold wait":
+                mark("hold answered")
             _lag.start()
 
     groups.GroupWriter.submit = timed_submit
@@ -83,13 +88,64 @@ if OUT:
     send = upstreams.Upstreams.send
 
     async def timed_send(self, provider, request):
+        mark("upstream call")
         started = time.perf_counter()
         try:
             return await send(self, provider, request)
         finally:
             note("upstream answer (headers)", time.perf_counter() - started)
+            mark("upstream headers")
 
     upstreams.Upstreams.send = timed_send
+
+    # The request's own path, between those waits: from its arrival at the server to its hold's
+    # submission, from the hold's answer to the upstream call, and from the upstream's headers
+    # to the first byte of the answer's body sent to the client (a stream's first chunk).
+    from contextvars import ContextVar
+
+    from metering.proxy import endpoints
+
+    _marks: ContextVar[dict | None] = ContextVar("phase_marks", default=None)
+
+    def mark(name: str) -> None:
+        marks = _marks.get()
+        if marks is not None and name not in marks:
+            marks[name] = time.perf_counter()
+
+    def span(kind: str, start: str, end: str) -> None:
+        marks = _marks.get()
+        if marks is not None and start in marks and end in marks:
+            note(kind, marks[end] - marks[start])
+
+    direct_call = endpoints.DirectChat.__call__
+
+    def noted_end() -> None:
+        mark("end")
+        span("arrival to hold submitted", "arrival", "hold submitted")
+        span("hold answered to upstream call", "hold answered", "upstream call")
+        span("headers to first body byte", "upstream headers", "first body byte")
+        span("arrival to end", "arrival", "end")
+
+    async def timed_direct(self, scope, receive, send):
+        if scope.get("path") != endpoints.CHAT_PATH:
+            return await direct_call(self, scope, receive, send)
+        token = _marks.set({"arrival": time.perf_counter()})
+
+        async def timed_send_message(message):
+            if message["type"] == "http.response.body":
+                if message.get("body"):
+                    mark("first body byte")
+                if not message.get("more_body", False):
+                    # Noted before the client can see the end: its request is in the window.
+                    noted_end()
+            await send(message)
+
+        try:
+            return await direct_call(self, scope, receive, timed_send_message)
+        finally:
+            _marks.reset(token)
+
+    endpoints.DirectChat.__call__ = timed_direct
 
     class _Lag:
         """Each millisecond (a timer), a callback made ready: how long it waits for the loop to
