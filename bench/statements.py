@@ -4,23 +4,33 @@ and without some of its parts, so that what each part costs shows. bench.run mea
 whole path; this measures where PostgreSQL's share of it goes.
 
     python -m bench.statements [--pg DSN] [--groups 1,4,8] [--n 1000]
+        [--ledger 3000000 [--ids ordered|random]]
 
 Each statement runs on its own connection, with the serving pool's settings, against a new
 database (dropped after): leased holds of one token, its user and its team, as the proxy
 writes them. The CPU is the backend's own, read from /proc/PID/schedstat around each
 statement, so PostgreSQL must run on this machine. A committed one-row INSERT into a table of
 one integer is measured the same way, for scale: what any statement that commits costs.
+
+`--ledger N` first fills the ledger with N events (copies of one, with ids of their own), as a
+ledger in service holds millions, and each variant starts right after a CHECKPOINT: the WAL
+each request writes (`pg_current_wal_insert_lsn` around the timed groups) then counts the
+whole index pages a first change after a checkpoint writes. `--ids random` makes the requests'
+ids (and the filled events') random, as before ids were time-ordered (metering.ids), to
+compare the two.
 """
 
 import argparse
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
 
 import asyncpg
+import psycopg
 
 from bench.run import postgres_database
 from metering import migrate
@@ -36,6 +46,7 @@ from metering.budgets.service import (
     settle,
 )
 from metering.db import SERVING_SETTINGS, Database, utcnow
+from metering.ids import time_ordered
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.event import Event
 from metering.ledger.outcome import Billing, Outcome, event_for
@@ -51,9 +62,27 @@ VARIANTS = {
 }
 
 
-def _spec(subjects: dict[str, str]) -> HoldSpec:
+def random_id() -> str:
+    return f"req_{uuid.uuid4().hex}"
+
+
+def ordered_id() -> str:
+    return time_ordered("req")
+
+
+IDS = {"ordered": ordered_id, "random": random_id}
+
+# N copies of the ledger's one event with ids of their own, made in SQL: time-ordered ones
+# older than any the run makes, in their order, or random ones.
+_FILL_IDS = {
+    "ordered": "'req_' || lpad(to_hex(%(since)s + g), 12, '0') || substr(md5(g::text), 1, 20)",
+    "random": "'req_' || md5(g::text || random()::text)",
+}
+
+
+def _spec(subjects: dict[str, str], make_id: Callable[[], str] = ordered_id) -> HoldSpec:
     billing = Billing(
-        id=f"req_{uuid.uuid4().hex}",
+        id=make_id(),
         token_id=subjects["token"],
         user_id=subjects["user"],
         team_id=subjects["team"],
@@ -126,10 +155,12 @@ class Meter:
         return self.cpu() - before, row
 
 
-async def _group(meter: Meter, subjects, leases, size: int, parts: list[str]) -> tuple[int, int]:
+async def _group(
+    meter: Meter, subjects, leases, size: int, parts: list[str], make_id=ordered_id
+) -> tuple[int, int]:
     """One group of `size` requests: its holds inserted, then settled by the statement made of
     `parts`. Returns the two statements' CPU in nanoseconds."""
-    specs = [_spec(subjects) for _ in range(size)]
+    specs = [_spec(subjects, make_id) for _ in range(size)]
     now = utcnow()
     rows = [hold_row(spec, spec.amount(50), now, 3600, leases) for spec in specs]
     insert = settle_pg.insert_holds(tuple(rows[0]))
@@ -160,30 +191,69 @@ async def _group(meter: Meter, subjects, leases, size: int, parts: list[str]) ->
     return held, settled
 
 
-async def measure(dsn: str, groups: list[int], n: int) -> dict:
+def fill_ledger(dsn: str, events: int, ids: str) -> None:
+    """The ledger's one event copied `events` times, each with an id of its own."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        columns = [
+            row[0]
+            for row in conn.execute(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_name = 'ledger_events' AND column_name <> 'id' "
+                "ORDER BY ordinal_position"
+            )
+        ]
+        names = ", ".join(columns)
+        since = time.time_ns() // 1_000_000 - 10 * events - 10**7
+        conn.execute(
+            f"INSERT INTO ledger_events (id, {names}) "
+            f"SELECT {_FILL_IDS[ids] % {'since': since}}, {names} "
+            f"FROM (SELECT * FROM ledger_events LIMIT 1) e, generate_series(1, {events}) g"
+        )
+        conn.execute("VACUUM ANALYZE ledger_events")
+
+
+async def _wal(conn: asyncpg.Connection) -> int:
+    return int(await conn.fetchval("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn"))
+
+
+async def measure(
+    dsn: str, groups: list[int], n: int, ledger: int = 0, ids: str = "ordered"
+) -> dict:
+    make_id = IDS[ids]
     db = Database(dsn, 4)
     conn = await asyncpg.connect(dsn, server_settings=SERVING_SETTINGS)
     try:
         suffix = uuid.uuid4().hex[:12]
         subjects = {"token": f"tok_{suffix}", "user": f"user_{suffix}", "team": f"team_{suffix}"}
         leases = await _leases(db, subjects)
+        if ledger:
+            await asyncio.to_thread(fill_ledger, dsn, ledger, ids)
         meter = Meter(conn)
         await conn.execute("CREATE TABLE bench_one (x int)")
         total = 0
         for _ in range(n):
             spent, _ = await meter.run("INSERT INTO bench_one VALUES (1)", [])
             total += spent
-        found: dict = {"committed one-row INSERT": total / n / 1000, "groups": {}}
+        found: dict = {
+            "committed one-row INSERT": total / n / 1000,
+            "ledger": ledger,
+            "ids": ids,
+            "groups": {},
+        }
         for size in groups:
             by_variant = {}
             for name, parts in VARIANTS.items():
                 for _ in range(10):  # warm: the statements prepared, their generic plans made
-                    await _group(meter, subjects, leases, size, parts)
+                    await _group(meter, subjects, leases, size, parts, make_id)
+                if ledger:
+                    await conn.execute("CHECKPOINT")
+                wal = await _wal(conn)
                 held = settled = 0
                 for _ in range(n):
-                    h, s = await _group(meter, subjects, leases, size, parts)
+                    h, s = await _group(meter, subjects, leases, size, parts, make_id)
                     held, settled = held + h, settled + s
-                by_variant[name] = (held / n / 1000, settled / n / 1000)
+                wal = (await _wal(conn) - wal) / n / size
+                by_variant[name] = (held / n / 1000, settled / n / 1000, wal)
             found["groups"][size] = by_variant
         return found
     finally:
@@ -192,18 +262,20 @@ async def measure(dsn: str, groups: list[int], n: int) -> dict:
 
 
 def report(found: dict) -> str:
+    ledger = f"{found['ledger']:,} events filled in" if found["ledger"] else "an empty ledger"
     lines = [
         f"A committed one-row INSERT: {found['committed one-row INSERT']:.0f} µs of PostgreSQL CPU.",
+        f"Ids {found['ids']}; {ledger}.",
         "",
         "| group | hold INSERT µs | " + " | ".join(f"settle, {v} µs" for v in VARIANTS) + " |"
-        " whole, per request µs |",
-        "| ---: | ---: | " + " | ".join("---:" for _ in VARIANTS) + " | ---: |",
+        " whole, per request µs | whole, WAL bytes per request |",
+        "| ---: | ---: | " + " | ".join("---:" for _ in VARIANTS) + " | ---: | ---: |",
     ]
     for size, by_variant in found["groups"].items():
-        holds = by_variant["whole"][0]
+        holds, settled, wal = by_variant["whole"]
         cells = " | ".join(f"{by_variant[v][1]:.0f}" for v in VARIANTS)
-        per_request = (holds + by_variant["whole"][1]) / size
-        lines.append(f"| {size} | {holds:.0f} | {cells} | {per_request:.0f} |")
+        per_request = (holds + settled) / size
+        lines.append(f"| {size} | {holds:.0f} | {cells} | {per_request:.0f} | {wal:,.0f} |")
     return "\n".join(lines)
 
 
@@ -220,13 +292,21 @@ def main() -> None:
     )
     p.add_argument("--groups", default="1,4,8", help="requests per group, comma-separated")
     p.add_argument("--n", type=int, default=1000, help="groups measured per size and statement")
+    p.add_argument(
+        "--ledger", type=int, default=0, help="events to fill the ledger with first (0: none)"
+    )
+    p.add_argument(
+        "--ids", choices=sorted(IDS), default="ordered", help="the requests' ids (and the filled)"
+    )
     args = p.parse_args()
     groups = [int(g) for g in args.groups.split(",")]
     if not groups or min(groups) < 1 or max(groups) > 64 or not 1 <= args.n <= 100_000:
         p.error("--groups: sizes from 1 to 64; --n: from 1 to 100,000")
+    if not 0 <= args.ledger <= 100_000_000:
+        p.error("--ledger: from 0 to 100,000,000 events")
     with postgres_database(args.pg) as (_, url):
         migrate.upgrade(url)
-        print(report(asyncio.run(measure(url, groups, args.n))))
+        print(report(asyncio.run(measure(url, groups, args.n, args.ledger, args.ids))))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Every request's id (the ledger event's id for the proxy) and the response header that
 carries it."""
 
-import uuid
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from metering.ids import time_ordered
 
 
 def new_request_id(state: dict) -> None:
-    state["request_id"] = f"req_{uuid.uuid4().hex}"
+    state["request_id"] = time_ordered("req")
 
 
 def request_id_header(state: dict) -> tuple[bytes, bytes]:

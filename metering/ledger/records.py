@@ -2,10 +2,10 @@
 (`usage_source` ingested), and adjustments (`kind` adjustment) that correct another event's
 charge or credit a team, appended to the ledger while the rows they correct never change."""
 
-import uuid
 from dataclasses import replace
 from datetime import datetime
 
+from metering.ids import time_ordered
 from metering.ledger.charge import Usage
 from metering.ledger.event import ADJUSTMENT, INGESTED, Event, bounded
 from metering.ledger.outcome import NO_USAGE
@@ -16,7 +16,7 @@ MANUAL = "manual"  # usage_source of an adjustment made by hand (a credit, a cor
 
 
 def new_event_id() -> str:
-    return f"evt_{uuid.uuid4().hex}"
+    return time_ordered("evt")
 
 
 def ingested_event(

@@ -3,6 +3,7 @@ whole and without some of its parts. Its figures are only worth something if eac
 times is the one the proxy runs and really writes what that one writes."""
 
 import asyncio
+import re
 import subprocess
 import sys
 
@@ -67,8 +68,29 @@ def test_every_measured_group_writes_what_the_proxy_writes():
     assert set(found["groups"]) == {1, 3}
     for by_variant in found["groups"].values():
         assert set(by_variant) == set(statements.VARIANTS)
-        assert all(held > 0 and settled > 0 for held, settled in by_variant.values())
+        assert all(held > 0 and settled > 0 for held, settled, _ in by_variant.values())
+        assert all(wal > 0 for _, _, wal in by_variant.values())
     assert "| 3 |" in statements.report(found)
+
+
+@pytest.mark.parametrize("ids", ["ordered", "random"])
+def test_the_ledger_is_filled_first_with_ids_of_the_kind_asked(ids):
+    with postgres_database(PG_ADMIN_DSN) as (_, url):
+        migrate.upgrade(url)
+        found = asyncio.run(statements.measure(url, [2], 1, ledger=500, ids=ids))
+        with psycopg.connect(url) as conn:
+            rows = conn.execute("SELECT id FROM ledger_events ORDER BY created_at, id").fetchall()
+    made = [row[0] for row in rows]
+    with_events = [v for v, parts in statements.VARIANTS.items() if "events" in parts]
+    # The first request through the service, the 500 filled, then 11 groups of 2 per variant.
+    assert len(made) == len(set(made)) == 1 + 500 + 11 * 2 * len(with_events)
+    assert all(re.fullmatch(r"req_[0-9a-f]{32}", m) for m in made)
+    # The filled are copies of the first event (its created_at): the first 501. Time-ordered,
+    # they all sort before the ids the run made after them; random ones do not.
+    before, after = made[:501], made[501:]
+    assert (max(before) < min(after)) == (ids == "ordered")
+    assert (found["ledger"], found["ids"]) == (500, ids)
+    assert f"Ids {ids}; 500 events filled in." in statements.report(found)
 
 
 def test_bounds_on_the_command_line():

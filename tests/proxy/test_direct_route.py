@@ -5,6 +5,7 @@ stack."""
 
 import gzip
 import json
+import time
 
 import pytest
 
@@ -55,6 +56,21 @@ def test_answers_and_errors_carry_one_request_id(api):
         if code is not None:
             assert error["code"] == code, error
         _one_request_id(response)
+
+
+def test_request_ids_follow_the_order_requests_were_made(api):
+    """Each answer's id is its ledger event's, and ids sort in the order their requests came
+    (metering.ids): new events go to the right edge of the ledger's primary key."""
+    _team, _user, token = api.principal()
+    key = token["token"]
+    sent = []
+    for n in range(5):
+        served = _post(api, chat_body(f"ordered {n} {marker()} sim:tokens=2", max_tokens=2), key)
+        assert served.status_code == 200, served.text
+        sent.append(_one_request_id(served))
+        time.sleep(0.002)  # the next millisecond at least
+    assert sorted(sent) == sent
+    assert sorted(e["id"] for e in api.events(token_id=token["id"])) == sent
 
 
 def test_a_compressed_body_takes_the_general_stack(api):
