@@ -50,6 +50,7 @@ from metering.ids import time_ordered
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.event import Event
 from metering.ledger.outcome import Billing, Outcome, event_for
+from metering.models import LedgerEvent
 from metering.money import usd_to_pico
 
 # The settle statement whole, then without parts of it (each named by what it leaves out).
@@ -193,16 +194,8 @@ async def _group(
 
 def fill_ledger(dsn: str, events: int, ids: str) -> None:
     """The ledger's one event copied `events` times, each with an id of its own."""
+    names = ", ".join(c.name for c in LedgerEvent.__table__.columns if c.name != "id")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        columns = [
-            row[0]
-            for row in conn.execute(
-                "SELECT column_name FROM information_schema.columns "
-                "WHERE table_name = 'ledger_events' AND column_name <> 'id' "
-                "ORDER BY ordinal_position"
-            )
-        ]
-        names = ", ".join(columns)
         since = time.time_ns() // 1_000_000 - 10 * events - 10**7
         conn.execute(
             f"INSERT INTO ledger_events (id, {names}) "
