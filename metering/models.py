@@ -431,6 +431,21 @@ class IngestedKey(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
+class IngestKey(Base):
+    """A team's ingestion key: reports usage for that team's tokens, users and team only
+    (POST /v1/events), charged in full. Only its SHA-256 is stored; the secret is shown once."""
+
+    __tablename__ = "ingest_keys"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    team_id: Mapped[str] = mapped_column(ForeignKey("teams.id"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
 class Run(Base):
     """A run's own budget (x-metering-run, x-metering-run-budget): the fourth scope a request
     is held against; forgotten after METERING_RUN_IDLE_S without a request."""

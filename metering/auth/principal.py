@@ -19,7 +19,14 @@ from metering.auth.service import Principal
 from metering.errors import Forbidden, Unauthorized
 from metering.services import Services, get_services
 
-__all__ = ["Principal", "admin_only", "any_principal", "open_access", "user_principal"]
+__all__ = [
+    "Principal",
+    "admin_only",
+    "any_principal",
+    "ingesting_principal",
+    "open_access",
+    "user_principal",
+]
 
 # The error statuses each rule's dependency may answer with (for each route's `responses`).
 RULE_ERRORS = {
@@ -27,6 +34,7 @@ RULE_ERRORS = {
     "admin": (401, 403, 429, 503),
     "self": (401, 403, 404, 429, 503),
     "user": (401, 403, 429, 503),
+    "ingest": (401, 403, 429, 503),
 }
 
 
@@ -39,6 +47,14 @@ def bearer(request: Request) -> str:
 
 
 async def authenticate(request: Request, services: Services = Depends(get_services)) -> Principal:
+    """Any credential but a team's ingestion key, which may only report usage."""
+    principal = await credential(request, services)
+    if principal.kind == "ingest":
+        raise Forbidden("an ingestion key may only call POST /v1/events")
+    return principal
+
+
+async def credential(request: Request, services: Services = Depends(get_services)) -> Principal:
     token = bearer(request)
     failures = services.credential_failures
     address = request.client.host if request.client else ""
@@ -90,6 +106,13 @@ async def user_principal(principal: Principal = Depends(authenticate)) -> Princi
     """A user's credential: the proxy, which charges a user and a team."""
     if principal.is_admin:
         raise Forbidden("the admin key cannot call models: use an API token")
+    return principal
+
+
+@rule("ingest")
+async def ingesting_principal(principal: Principal = Depends(credential)) -> Principal:
+    """Who may report usage: the admin key, a team's ingestion key (its team's usage), or a
+    user's credential (its own usage, admitted like its requests)."""
     return principal
 
 

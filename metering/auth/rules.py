@@ -10,13 +10,15 @@ tests/auth/test_rules.py walks every route of the app: a route without a rule fa
   self    the admin key, or a user's API/access token acting on itself: a path naming a user,
           token or team must name its own (403 otherwise); a list shows only its own rows
   user    a user's API/access token only (the proxy charges a user and a team); admin gets 403
+  ingest  the admin key, a team's ingestion key, or a user's API/access token reporting its own
+          usage (POST /v1/events); an ingestion key gets 403 on every other route
 """
 
 from collections.abc import Callable
 
 from starlette.routing import BaseRoute
 
-RULES = ("open", "admin", "self", "user")
+RULES = ("open", "admin", "self", "user", "ingest")
 # Path parameters by which a *self* route names what it acts on.
 SUBJECT_PARAMS = ("user_id", "token_id", "team_id")
 

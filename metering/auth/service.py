@@ -12,17 +12,25 @@ from sqlalchemy import bindparam, func, select
 from metering.auth import sessions, throttle
 from metering.auth.invalidation import subject
 from metering.auth.passwords import Passwords
-from metering.auth.tokens import ACCESS_PREFIX, API_TOKEN_PREFIX, Signer, digest, same
+from metering.auth.tokens import (
+    ACCESS_PREFIX,
+    API_TOKEN_PREFIX,
+    INGEST_PREFIX,
+    Signer,
+    digest,
+    same,
+)
 from metering.db import Database, utcnow
 from metering.errors import Forbidden, NotFound, Unauthorized
 from metering.limits import Limits, scope_limits
-from metering.models import ApiToken, Team, User
+from metering.models import ApiToken, IngestKey, Team, User
 from metering.services import Services
 from metering.timefmt import rfc3339
 
 log = logging.getLogger("metering.auth")
 
-Kind = Literal["admin", "api_token", "access"]
+# ingest: a team's ingestion key, which may only report that team's usage (POST /v1/events).
+Kind = Literal["admin", "api_token", "access", "ingest"]
 WRONG_CREDENTIALS = "invalid email or password"
 
 
@@ -38,6 +46,12 @@ class Principal:
     @property
     def is_admin(self) -> bool:
         return self.kind == "admin"
+
+    @property
+    def charged_in_full(self) -> bool:
+        """Whose reported usage is the record of what already happened (admin, ingestion key),
+        not a request of its own to admit against its limits."""
+        return self.kind in ("admin", "ingest")
 
     def ensure_user(self, user_id: str) -> None:
         """A user's credential may act on that user only."""
@@ -201,7 +215,30 @@ async def authenticate(services: Services, token: str, refresh_token: str = "") 
         return Authenticated(await _api_token_principal(services, hashed))
     if token.startswith(ACCESS_PREFIX):
         return await _access_principal(services, token, refresh_token)
+    if token.startswith(INGEST_PREFIX):
+        return Authenticated(await _ingest_principal(services.db, hashed))
     raise Unauthorized("invalid credential")
+
+
+_INGEST_LOOKUP = (
+    select(IngestKey.key_hash, IngestKey.team_id, IngestKey.revoked_at, Team.deleted_at)
+    .join(Team, Team.id == IngestKey.team_id)
+    .where(IngestKey.key_hash == bindparam("key_hash"))
+)
+
+
+async def _ingest_principal(db: Database, hashed: str) -> Principal:
+    """A team's ingestion key, read from the database on every use (it is not on the proxy's
+    path): a revocation holds at once on every replica."""
+    async with db.sessions() as session:
+        row = (await session.execute(_INGEST_LOOKUP, {"key_hash": hashed})).first()
+    if row is None or not same(row.key_hash, hashed):
+        raise Unauthorized("unknown ingestion key")
+    if row.revoked_at is not None:
+        raise Unauthorized("this ingestion key has been revoked")
+    if row.deleted_at is not None:
+        raise Unauthorized("this ingestion key's team has been deleted")
+    return Principal("ingest", team_id=row.team_id)
 
 
 async def token_owner(db: Database, token_id: str) -> str:

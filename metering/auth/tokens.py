@@ -5,6 +5,7 @@ that much entropy, and it is found by that hash through an index).
 An access token is `mat_<session id>.<expiry, unix s>.<HMAC-SHA256 signature>`: its signature
 and expiry are checked without the database, then its session (refresh-token chain) is looked up
 on every request, so a logout, a detected reuse or a deleted user stops it on every replica.
+A team's ingestion key is `mik_` + 256 random bits, stored and found the same way.
 A refresh token is `mrt_` + 256 random bits; only its SHA-256 is stored and it is found by that
 hash. Every secret comparison goes through hmac.compare_digest.
 """
@@ -23,6 +24,7 @@ from metering.errors import Unauthorized
 API_TOKEN_PREFIX = "mtr_"
 ACCESS_PREFIX = "mat_"
 REFRESH_PREFIX = "mrt_"
+INGEST_PREFIX = "mik_"
 SECRET_KEY = "auth.signing_secret"
 _KEY_LABEL = b"metering access token v1"
 
@@ -38,6 +40,10 @@ def same(a: str, b: str) -> bool:
 
 def new_api_token() -> str:
     return API_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_ingest_key() -> str:
+    return INGEST_PREFIX + secrets.token_urlsafe(32)
 
 
 def new_refresh_token() -> str:

@@ -1,10 +1,12 @@
 """POST /v1/events (admin, or a credential for its own usage), POST /v1/rerate and
 POST /v1/adjustments (admin)."""
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Query, Request, Response
+from sqlalchemy.ext.asyncio import AsyncSession
 
-from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
-from metering.billing import ingest, rerate
+from metering.auth.principal import RULE_ERRORS, Principal, admin_only, ingesting_principal
+from metering.billing import ingest, keys, rerate
+from metering.billing.keys import IngestKeyCreate, IngestKeyCreated, IngestKeyList, IngestKeyOut
 from metering.billing.schemas import (
     AdjustmentIn,
     AdjustmentOut,
@@ -13,31 +15,59 @@ from metering.billing.schemas import (
     RerateIn,
     RerateOut,
 )
+from metering.budgets.ceilings import RUN, run_of, unknown_run
+from metering.budgets.service import UnknownRun
 from metering.db import utcnow
-from metering.errors import error_responses
+from metering.errors import InvalidRequest, error_responses
 from metering.money import format_usd
-from metering.services import Services, get_services
+from metering.services import Services, get_services, unit_of_work
 from metering.timefmt import rfc3339
 
 router = APIRouter(prefix="/v1")
+Session = Depends(unit_of_work, scope="function")
 
 
 @router.post(
     "/events",
-    responses=error_responses(400, 413, *RULE_ERRORS["user"]),
+    responses=error_responses(400, 413, *RULE_ERRORS["ingest"]),
     description="Usage from outside the proxy, up to 1,000 events a batch, each recorded "
     "exactly once under its idempotency key (unique per team, kept for good): one answer per "
-    "event, in the order sent (`created`, `duplicate` with the recorded event's id, "
-    "`conflict`: the key was recorded with other content, `rejected` with the reason). Each "
-    "event is priced at the catalog price in force when it happened and charged to the budget "
-    "window it falls in.",
+    "event, in the order sent (`created`; `duplicate` with the recorded event's id; "
+    "`conflict`: the key was recorded with other content; `rejected` with the `error`, a "
+    "`reason` and, for a limit, its `scope`; `retry`: it could not be written now, send it "
+    "again). Each event is priced at the catalog price in force when it happened and charged "
+    "to the budget window it falls in. With the admin key or a team's ingestion key (its own "
+    "team only) it is charged in full; with a user's own API or access token each event is "
+    "admitted like a request of that credential (allowed_models, rpm and tpm: one request and "
+    "its tokens, credit at token, user, team and the `x-metering-run` run's scope) and one "
+    "that does not fit is `rejected` (`model_not_allowed`, `rate_limit_exceeded`, "
+    "`budget_exceeded`) and recorded as a refusal, never charged. No event may take a counter "
+    "past its ceiling (`counter_ceiling`); an invalid one is `invalid_event`.",
 )
 async def post_events(
+    request: Request,
     body: EventsIn,
-    principal: Principal = Depends(any_principal),
+    principal: Principal = Depends(ingesting_principal),
     services: Services = Depends(get_services),
 ) -> EventsOut:
-    data = await ingest.ingest(services.db, services.catalog, principal, body.events)
+    run = run_of(request.headers, principal.team_id, services.settings.run_idle_s)
+    if run is not None and principal.charged_in_full:
+        raise InvalidRequest(
+            f"{RUN} applies to usage a user's own credential reports; the admin key and "
+            "ingestion keys report usage charged in full",
+            param=RUN,
+        )
+    try:
+        data = await ingest.ingest(
+            services.db,
+            services.catalog,
+            principal,
+            body.events,
+            refusals=services.refusals,
+            run=run,
+        )
+    except UnknownRun:
+        raise unknown_run(run) from None
     return EventsOut(data=data)
 
 
@@ -101,3 +131,55 @@ async def post_adjustment(
         cost=format_usd(event.cost),
         reason=event.reason,
     )
+
+
+# A team's ingestion keys (admin)
+
+
+@router.post(
+    "/teams/{team_id}/ingest-keys",
+    status_code=201,
+    responses=error_responses(400, 404, 409, *RULE_ERRORS["admin"]),
+    description="A new ingestion key of the team: it may report usage (POST /v1/events) for "
+    "the team's tokens, users and team only, charged in full, and call nothing else. The "
+    "secret is in this answer only. At most 20 active keys per team.",
+)
+async def create_ingest_key(
+    team_id: str,
+    body: IngestKeyCreate,
+    _: Principal = Depends(admin_only),
+    session: AsyncSession = Session,
+) -> IngestKeyCreated:
+    key, secret = await keys.create(session, team_id, body.name)
+    return IngestKeyCreated(**IngestKeyOut.of(key).model_dump(), key=secret)
+
+
+@router.get(
+    "/teams/{team_id}/ingest-keys",
+    responses=error_responses(404, *RULE_ERRORS["admin"]),
+    description="The team's ingestion keys, never their secrets.",
+)
+async def list_ingest_keys(
+    team_id: str,
+    include_revoked: bool = Query(False),
+    _: Principal = Depends(admin_only),
+    session: AsyncSession = Session,
+) -> IngestKeyList:
+    found = await keys.listed(session, team_id, include_revoked)
+    return IngestKeyList(data=[IngestKeyOut.of(k) for k in found])
+
+
+@router.delete(
+    "/teams/{team_id}/ingest-keys/{key_id}",
+    status_code=204,
+    responses=error_responses(404, *RULE_ERRORS["admin"]),
+    description="Revoke an ingestion key: its next use, on any replica, is a 401.",
+)
+async def revoke_ingest_key(
+    team_id: str,
+    key_id: str,
+    _: Principal = Depends(admin_only),
+    session: AsyncSession = Session,
+) -> Response:
+    await keys.revoke(session, team_id, key_id)
+    return Response(status_code=204)

@@ -7,30 +7,49 @@ the keys are inserted first (ON CONFLICT DO NOTHING, in key order, so concurrent
 any number of replicas queue on the same rows instead of deadlocking); a key that was already
 there answers `duplicate` (same digest) or `conflict` (another), and changes nothing. The new
 events are appended through the ledger (rollups in the same transaction) and charged to the
-budget window each falls in (metering.budgets.service.charge_dated). Should the batch's
-transaction fail, each event is written alone, so one event never costs the others theirs.
+budget window each falls in (metering.budgets.service.charge_dated).
+
+Who reports decides what is checked. The admin key and a team's ingestion key report usage
+that already happened: it is charged in full (an ingestion key only for its own team). A user's
+own credential reports usage of its own, admitted like a proxied request of that credential:
+its model allow-lists, its rpm and tpm (each event one request and its tokens) and its credit
+at token, user, team (and run) scope; an event that does not fit answers `rejected` with the
+`reason` and the `scope`, is recorded as a refusal and is never charged. No event, whoever
+reports it, may take a counter past its ceiling (metering.budgets.fit,
+metering.ledger.rollup.overflowing): such an event is `rejected` too. Should the batch's
+transaction fail, each event is written alone, so one event never costs the others theirs; an
+event that could not be written then answers `retry`: sending it again is safe.
 """
 
 import hashlib
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import bindparam, delete, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from metering.auth.service import Principal
-from metering.budgets.service import Dated, charge_dated
+from metering.budgets import rates
+from metering.budgets.fit import Unfit, fit
+from metering.budgets.rates import RateClaim, RateLimited
+from metering.budgets.refusals import RefusalLog, Refused
+from metering.budgets.service import Dated, RunKey, UnknownRun, charge_dated
 from metering.db import Database, dialect_name, utcnow
-from metering.ledger import writer
-from metering.ledger.charge import Usage
+from metering.ids import time_ordered
+from metering.ledger import rollup, writer
+from metering.ledger.charge import CACHED_ABOVE_PROMPT, DETAILS_ABOVE_COMPLETION, Usage
 from metering.ledger.event import DETAIL_FIELDS, Event
 from metering.ledger.prices import PriceBook
 from metering.ledger.records import ingested_event
-from metering.models import ApiToken, IngestedKey, User
+from metering.limits import Limits
+from metering.models import ApiToken, IngestedKey, Run, User
 from metering.settings import Catalog
 from metering.timefmt import parse_rfc3339
+
+log = logging.getLogger("metering.billing")
 
 MAX_BATCH = 1_000
 MAX_AGE = timedelta(days=35)  # the oldest occurred_at taken
@@ -52,6 +71,17 @@ FIELDS = frozenset(
         "occurred_at",
     )
 )
+# An event's `reason` when it is rejected: what it broke.
+INVALID = "invalid_event"
+MODEL_NOT_ALLOWED = "model_not_allowed"
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+# and metering.budgets.fit's: budget_exceeded, counter_ceiling
+# Each refusal as the refusals table records it: (reason there, status, code).
+_REFUSALS = {
+    MODEL_NOT_ALLOWED: (403, "model_not_allowed"),
+    RATE_LIMIT_EXCEEDED: (429, "rate_limit_exceeded"),
+    "budget_exceeded": (402, "budget_exceeded"),
+}
 
 
 class Rejected(ValueError):
@@ -66,15 +96,28 @@ class Item:
     status: str | None = None
     event_id: str | None = None
     error: str | None = None
+    reason: str | None = None  # why it was rejected
+    scope: str | None = None  # whose limit rejected it
+    subject_id: str | None = None
+    refusal: str | None = None  # the refusals table's reason, when it records one
     event: Event | None = None
     team_id: str | None = None
     digest: str | None = None
     stored: str | None = None  # the digest recorded under the key
+    claim: RateClaim | None = None  # what it took from the rate counters, until it ends
+
+    def reject(self, reason: str, error: str, scope: str | None = None, subject=None) -> None:
+        self.status, self.event_id, self.reason, self.error = "rejected", None, reason, error
+        self.scope, self.subject_id = scope, subject
 
     def out(self) -> dict:
         out = {"idempotency_key": self.key, "status": self.status, "event_id": self.event_id}
         if self.error is not None:
             out["error"] = self.error
+        if self.reason is not None:
+            out["reason"] = self.reason
+        if self.scope is not None:
+            out["scope"] = self.scope
         return out
 
 
@@ -110,11 +153,16 @@ def _key(raw) -> str | None:
 
 
 def _usage(raw: dict) -> Usage:
+    """The event's counts, checked against each other as an upstream's are
+    (metering.proxy.reported): cached within prompt, each detail within completion."""
     prompt = _count(raw, "prompt_tokens")
     completion = _count(raw, "completion_tokens")
     cached = _count(raw, "cached_tokens", required=False) or 0
     if cached > prompt:
-        raise Rejected("cached_tokens must be at most prompt_tokens")
+        raise Rejected(
+            f"{CACHED_ABOVE_PROMPT}: cached_tokens ({cached}) must be at most prompt_tokens "
+            f"({prompt})"
+        )
     details = raw.get("completion_tokens_details")
     if details is None:
         details = {}
@@ -124,6 +172,12 @@ def _usage(raw: dict) -> Usage:
     if unknown:
         raise Rejected(f"completion_tokens_details: unknown field {sorted(unknown)[0]!r}")
     counts = {name: _count(details, name, required=False) for name in DETAIL_FIELDS}
+    for name, count in counts.items():
+        if count is not None and count > completion:
+            raise Rejected(
+                f"{DETAILS_ABOVE_COMPLETION}: completion_tokens_details.{name} ({count}) must "
+                f"be at most completion_tokens ({completion})"
+            )
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
@@ -177,20 +231,25 @@ async def _owners(session, raws: list[dict]) -> tuple[dict, dict]:
     return token_users, user_teams
 
 
+def _own(raw: dict, principal: Principal) -> tuple:
+    """A user's credential records its own usage only: its ids fill the event."""
+    for name, own in (
+        ("token_id", principal.token_id),
+        ("user_id", principal.user_id),
+        ("team_id", principal.team_id),
+    ):
+        value = _text(raw, name, 40)
+        if value is not None and value != own:
+            raise Rejected(f"{name}: this credential records its own usage only")
+    return principal.token_id, principal.user_id, principal.team_id
+
+
 def _who(raw: dict, principal: Principal, token_users: dict, user_teams: dict) -> tuple:
+    if not principal.charged_in_full:
+        return _own(raw, principal)
     token_id = _text(raw, "token_id", 40)
     user_id = _text(raw, "user_id", 40)
     team_id = _text(raw, "team_id", 40)
-    if not principal.is_admin:
-        # A user's credential records its own usage only: its ids fill the event.
-        for name, value, own in (
-            ("token_id", token_id, principal.token_id),
-            ("user_id", user_id, principal.user_id),
-            ("team_id", team_id, principal.team_id),
-        ):
-            if value is not None and value != own:
-                raise Rejected(f"{name}: this credential records its own usage only")
-        return principal.token_id, principal.user_id, principal.team_id
     if token_id is not None:
         owner = token_users.get(token_id)
         if owner is None:
@@ -205,6 +264,12 @@ def _who(raw: dict, principal: Principal, token_users: dict, user_teams: dict) -
         raise Rejected(f"user_id {user_id!r} not found")
     if team_id is not None and team_id != team:
         raise Rejected("team_id is not the user's team")
+    if principal.kind == "ingest" and team != principal.team_id:
+        # The same answer as an unknown id: a key learns nothing of other teams.
+        raise Rejected(
+            f"{'token_id' if token_id is not None else 'user_id'} not found in this ingestion "
+            f"key's team {principal.team_id}"
+        )
     return token_id, user_id, team
 
 
@@ -268,6 +333,49 @@ def _prepare(item: Item, raw, ctx: dict) -> None:
     )
 
 
+def _without_parallel(limits: Limits | None) -> Limits | None:
+    """The rate limits an event counts against: rpm and tpm (it is no request in flight)."""
+    if limits is None:
+        return None
+    kept = Limits.of(*(replace(scope, parallel=None) for scope in limits.scopes))
+    return kept if kept is not None and kept.rated else None
+
+
+async def _admit(db: Database, principal: Principal, items: list[Item]) -> None:
+    """A user's own events, in order, through its model allow-lists and rate limits, as its
+    proxied requests go: one refused is rejected with the limit that refused it."""
+    limits = principal.limits
+    rated = _without_parallel(limits)
+    for item in items:
+        event = item.event
+        refusing = limits.refusing(event.model) if limits is not None else None
+        if refusing is not None:
+            allowed = ", ".join(refusing.models or ()) or "(none)"
+            item.reject(
+                MODEL_NOT_ALLOWED,
+                f"model {event.model} is not allowed for {refusing.scope} {refusing.subject_id}: "
+                f"its allowed_models are {allowed}",
+                refusing.scope,
+                refusing.subject_id,
+            )
+            item.refusal = "model"
+            continue
+        if rated is None:
+            continue
+        tokens = event.prompt_tokens + event.completion_tokens
+        try:
+            item.claim = await rates.admit(db, rated, tokens)
+        except RateLimited as exc:
+            refusal = exc.refusal
+            item.reject(
+                RATE_LIMIT_EXCEEDED,
+                rates.explain(refusal, utcnow()),
+                refusal.scope,
+                refusal.subject_id,
+            )
+            item.refusal = refusal.kind
+
+
 def _insert_keys(conn):
     insert = pg_insert if dialect_name(conn) == "postgresql" else sqlite_insert
     table = IngestedKey.__table__
@@ -282,7 +390,46 @@ def _subjects(event: Event) -> list[str]:
     return [s for s in (event.token_id, event.user_id, event.team_id) if s]
 
 
-async def _write(db: Database, items: list[Item], now: datetime) -> None:
+def _dated(event: Event) -> Dated:
+    return Dated(_subjects(event), event.created_at, event.cost, event.team_id, event.user_id)
+
+
+async def _fitting(conn, new: list[Item], now: datetime, limited: bool, run) -> list[Item]:
+    """The new items whose events fit every ceiling (and, `limited`, every limit); the others
+    are rejected."""
+    overflowing = await rollup.overflowing(conn, [i.event for i in new])
+    for item, over in zip(new, overflowing, strict=True):
+        if over:
+            item.reject(
+                "counter_ceiling",
+                "this event would take a spend rollup past the most it keeps (9,000,000 USD or "
+                "9e18 tokens in a day)",
+            )
+    candidates = [i for i in new if i.status is None]
+    verdicts = await fit(conn, [_dated(i.event) for i in candidates], now, limited=limited, run=run)
+    for item, unfit in zip(candidates, verdicts, strict=True):
+        if unfit is not None:
+            _refuse(item, unfit)
+    return [i for i in candidates if i.status is None]
+
+
+def _refuse(item: Item, unfit: Unfit) -> None:
+    item.reject(unfit.reason, unfit.message, unfit.scope, unfit.subject_id)
+    if unfit.reason == "budget_exceeded":
+        item.refusal = "budget"
+
+
+_runs = Run.__table__
+_CHARGE_RUN = (
+    update(_runs)
+    .where(_runs.c.team_id == bindparam("team"), _runs.c.id == bindparam("run"))
+    .values(spent=_runs.c.spent + bindparam("cost"), last_used_at=bindparam("now"))
+)
+
+
+async def _write(
+    db: Database, items: list[Item], now: datetime, limited: bool, run: RunKey | None
+) -> None:
     """Record the new events of `items` (first of their key in the batch) in one transaction;
     set each item's status."""
     table = IngestedKey.__table__
@@ -301,7 +448,7 @@ async def _write(db: Database, items: list[Item], now: datetime) -> None:
         # RETURNING names the keys inserted (in no promised order: a set).
         result = await conn.execute(_insert_keys(conn).values(rows))
         inserted = {(row.team_id, row.idempotency_key) for row in result}
-        new = [i for i in ordered if (i.team_id, i.key) in inserted]
+        new = [i for i in items if (i.team_id, i.key) in inserted]  # in the order sent
         seen = [i for i in ordered if (i.team_id, i.key) not in inserted]
         if seen:
             wanted = sorted({(i.team_id, i.key) for i in seen})
@@ -317,25 +464,63 @@ async def _write(db: Database, items: list[Item], now: datetime) -> None:
                 item.status = "duplicate" if row.digest == item.digest else "conflict"
                 if item.status == "conflict":
                     item.error = "this idempotency_key was recorded with other content"
-        if new:
-            events = [i.event for i in new]
-            await writer.append_many(conn, events)
-            await charge_dated(
-                conn,
-                [Dated(_subjects(e), e.created_at, e.cost, e.team_id, e.user_id) for e in events],
-                now,
+        if not new:
+            return
+        fitting = await _fitting(conn, new, now, limited, run)
+        left_out = sorted((i.team_id, i.key) for i in new if i.status is not None)
+        if left_out:  # never recorded: the key stays free for a later try
+            await conn.execute(
+                delete(table).where(tuple_(table.c.team_id, table.c.idempotency_key).in_(left_out))
             )
-        for item in new:
+        if fitting:
+            events = [i.event for i in fitting]
+            await writer.append_many(conn, events)
+            await charge_dated(conn, [_dated(e) for e in events], now)
+            if run is not None and limited:
+                cost = sum(e.cost for e in events)
+                params = {"team": run.team_id, "run": run.run_id, "cost": cost, "now": now}
+                await conn.execute(_CHARGE_RUN, params)
+        for item in fitting:
             item.status, item.event_id, item.stored = "created", item.event.id, item.digest
 
 
-async def ingest(db: Database, catalog: Catalog, principal: Principal, raws: list) -> list[dict]:
-    """Record a batch; one answer per event, in the order sent."""
+async def _end(db: Database, principal: Principal, items: list[Item], refusals) -> None:
+    """Give back what the events not recorded took from the rate counters (a duplicate is no
+    new request), and record the refused ones as refusals."""
+    rated = _without_parallel(principal.limits)
+    for item in items:
+        if item.claim is not None and item.status != "created":
+            await rates.release_claim(db, item.claim, rated)
+        item.claim = None
+        if refusals is not None and item.refusal is not None and item.status == "rejected":
+            status, code = _REFUSALS[item.reason]
+            await refusals.record(
+                time_ordered("evt"),
+                principal=principal,
+                model=item.event.model,
+                refused=Refused(item.refusal, item.scope, (item.subject_id or "")[:40]),
+                status=status,
+                code=code,
+                message=item.error or "",
+            )
+
+
+async def ingest(
+    db: Database,
+    catalog: Catalog,
+    principal: Principal,
+    raws: list,
+    *,
+    refusals: RefusalLog | None = None,
+    run: RunKey | None = None,
+) -> list[dict]:
+    """Record a batch; one answer per event, in the order sent. `run`: the run a user's
+    credential reports in (x-metering-run), held against as its requests are."""
     now = utcnow()
     items = [Item(_key(raw)) for raw in raws]
     dicts = [raw for raw in raws if isinstance(raw, dict)]
     async with db.reads() as session:
-        owners = await _owners(session, dicts) if principal.is_admin else ({}, {})
+        owners = await _owners(session, dicts) if principal.charged_in_full else ({}, {})
         sent = (raw.get("model") for raw in dicts)
         models = {m for m in sent if isinstance(m, str) and m in catalog.models}
         prices = await PriceBook.load(session, models)
@@ -347,7 +532,7 @@ async def ingest(db: Database, catalog: Catalog, principal: Principal, raws: lis
         try:
             _prepare(item, raw, ctx)
         except Rejected as exc:
-            item.status, item.error = "rejected", str(exc)
+            item.reject(INVALID, str(exc))
             continue
         first = firsts.get((item.team_id, item.key))
         if first is None:
@@ -355,18 +540,13 @@ async def ingest(db: Database, catalog: Catalog, principal: Principal, raws: lis
         else:
             later.append(item)  # the same key again in this batch: compared with the first
     new = list(firsts.values())
-    if new:
-        try:
-            await _write(db, new, now)
-        except Exception:
-            # One at a time: an event that cannot be written costs the others nothing.
-            for item in new:
-                item.status = None
-                try:
-                    await _write(db, [item], now)
-                except Exception:
-                    item.status, item.event_id = "rejected", None
-                    item.error = "the event could not be recorded; send it again"
+    limited = not principal.charged_in_full
+    try:
+        if limited:
+            await _admit(db, principal, new)
+        await _record(db, [i for i in new if i.status is None], now, limited, run)
+    finally:
+        await _end(db, principal, new, refusals)
     for item in later:
         first = firsts[(item.team_id, item.key)]
         if first.stored is not None:
@@ -377,4 +557,30 @@ async def ingest(db: Database, catalog: Catalog, principal: Principal, raws: lis
                 item.error = "this idempotency_key was recorded with other content"
         else:
             item.status, item.error = first.status, first.error
+            item.reason, item.scope = first.reason, first.scope
     return [item.out() for item in items]
+
+
+async def _record(
+    db: Database, new: list[Item], now: datetime, limited: bool, run: RunKey | None
+) -> None:
+    if not new:
+        return
+    try:
+        await _write(db, new, now, limited, run)
+        return
+    except UnknownRun:
+        raise
+    except Exception:
+        log.warning("a batch of %d events could not be written at once", len(new), exc_info=True)
+    # One at a time: an event that cannot be written costs the others nothing.
+    for item in new:
+        item.status = item.reason = item.scope = item.error = None
+        try:
+            await _write(db, [item], now, limited, run)
+        except UnknownRun:
+            raise
+        except Exception as exc:
+            log.warning("event %s could not be written: %s", item.key, exc)
+            item.status, item.event_id = "retry", None
+            item.error = "the event could not be recorded now; send it again"

@@ -2,12 +2,14 @@
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from metering.billing.ingest import MAX_BATCH
+from metering.text import RequestBody
+from metering.timefmt import BOUNDS, client_moment
 
 
-class UsageEventIn(BaseModel):
+class UsageEventIn(RequestBody):
     """One usage record (documentation: each event is checked on its own, so one invalid event
     answers `rejected` without failing the others)."""
 
@@ -24,31 +26,55 @@ class UsageEventIn(BaseModel):
     occurred_at: str | None = Field(None, description="RFC 3339; default now; at most 35 days back")
 
 
-class EventsIn(BaseModel):
+class EventsIn(RequestBody):
+    """The batch; RequestBody walks every event as sent (each is read on its own later), so a
+    string that is not valid text refuses the whole request, naming where it is."""
+
     events: list[Any] = Field(
         max_length=MAX_BATCH,
-        description=f"Up to {MAX_BATCH:,} events, each checked on its own",
+        description=f"Up to {MAX_BATCH:,} events, each checked on its own; a string in any "
+        "of them that is not valid text (a lone surrogate, a control character) refuses the "
+        "whole request (400 naming it, e.g. `events[3].idempotency_key`)",
         json_schema_extra={"items": UsageEventIn.model_json_schema()},
     )
 
 
 class EventResult(BaseModel):
     idempotency_key: str | None
-    status: Literal["created", "duplicate", "conflict", "rejected"]
+    status: Literal["created", "duplicate", "conflict", "rejected", "retry"] = Field(
+        description="`retry`: it could not be written now; sending it again is safe"
+    )
     event_id: str | None
     error: str | None = None
+    reason: (
+        Literal[
+            "invalid_event",
+            "model_not_allowed",
+            "rate_limit_exceeded",
+            "budget_exceeded",
+            "counter_ceiling",
+        ]
+        | None
+    ) = Field(None, description="why it was rejected")
+    scope: str | None = Field(None, description="whose limit rejected it: token, user, team or run")
 
 
 class EventsOut(BaseModel):
     data: list[EventResult]
 
 
-class RerateIn(BaseModel):
+class RerateIn(RequestBody):
+    free_text = frozenset({"reason"})
+
     provider: str = Field(max_length=100)
     model: str = Field(max_length=200)
-    start: str = Field(max_length=64, description="RFC 3339, inclusive")
-    end: str | None = Field(None, max_length=64, description="RFC 3339, exclusive; default now")
+    start: str = Field(max_length=64, description=f"RFC 3339, inclusive, {BOUNDS}")
+    end: str | None = Field(
+        None, max_length=64, description=f"RFC 3339, exclusive, {BOUNDS}; default now"
+    )
     reason: str = Field(max_length=500)
+
+    _moments = field_validator("start", "end")(client_moment)
 
 
 class RerateOut(BaseModel):
@@ -56,7 +82,9 @@ class RerateOut(BaseModel):
     difference: str = Field(description="their sum, USD (negative: the range was overcharged)")
 
 
-class AdjustmentIn(BaseModel):
+class AdjustmentIn(RequestBody):
+    free_text = frozenset({"reason"})
+
     amount: str = Field(max_length=64, description='signed USD, e.g. "-5.00" for a credit')
     reason: str = Field(max_length=500)
     team_id: str | None = Field(None, max_length=40)
@@ -64,8 +92,12 @@ class AdjustmentIn(BaseModel):
     token_id: str | None = Field(None, max_length=40)
     corrects_event_id: str | None = Field(None, max_length=40)
     at: str | None = Field(
-        None, max_length=64, description="RFC 3339: the moment (and budget window) it counts in"
+        None,
+        max_length=64,
+        description=f"RFC 3339, {BOUNDS}: the moment (and budget window) it counts in",
     )
+
+    _moment = field_validator("at")(client_moment)
 
 
 class AdjustmentOut(BaseModel):

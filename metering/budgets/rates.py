@@ -38,6 +38,7 @@ from metering.budgets.groups import GroupWriter
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
 from metering.limits import KINDS, SCOPES, Limits, ScopeLimits
 from metering.models import Hold, RateCounter
+from metering.timefmt import rfc3339
 
 log = logging.getLogger("metering.budgets")
 
@@ -86,6 +87,36 @@ class Refusal:
         if self.resets_at is None:
             return 1
         return max(1, math.ceil((self.resets_at - now).total_seconds()))
+
+
+# The setting that sets each kind.
+SETTINGS = {"rpm": "rpm_limit", "tpm": "tpm_limit", "parallel": "max_parallel_requests"}
+
+
+def explain(refusal: Refusal, now: datetime) -> str:
+    """What refused a request, in words a person can act on."""
+    who = f"{refusal.scope} {refusal.subject_id}"
+    setting = SETTINGS[refusal.kind]
+    if refusal.never_fits:
+        return (
+            f"{who}: this request needs up to {refusal.requested} tokens (its prompt's upper "
+            f"bound and output allowance), more than its {setting} of {refusal.limit} per "
+            "minute allows: lower max_tokens or the prompt"
+            if refusal.kind == "tpm"
+            else f"{who}: its {setting} is {refusal.limit}: no request is admitted"
+        )
+    if refusal.kind == "parallel":
+        return (
+            f"{who} has {refusal.used} requests in flight, its {setting} of {refusal.limit}: "
+            "a slot frees when one of them ends"
+        )
+    unit = "requests" if refusal.kind == "rpm" else "tokens"
+    wait = refusal.retry_after_s(now)
+    needs = "" if refusal.kind == "rpm" else f"; this request needs up to {refusal.requested}"
+    return (
+        f"{who} is over its {setting}: {refusal.limit} {unit} per minute, {refusal.used} used "
+        f"in this window{needs}; it frees at {rfc3339(refusal.resets_at)} (in {wait} s)"
+    )
 
 
 class RateLimited(Exception):

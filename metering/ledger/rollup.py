@@ -18,7 +18,7 @@ ledger's sums at every instant, and the spend report reads both (PENDING) in one
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import String, Table, case, func, literal_column, select, text
+from sqlalchemy import String, Table, case, func, literal_column, select, text, tuple_
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -419,3 +419,77 @@ def derive_statement(rollup: Rollup, dialect: str, *where):
     )
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
     return insert(rollup.table).from_select([*rollup.key, "requests", *SUMS], query)
+
+
+# The most a rollup's sum may hold after an append that can be refused (ingested usage): the
+# columns keep 2**63 - 1; the rest is headroom for live requests settling meanwhile.
+SUM_CEILING = 9 * 10**18
+# The rollups whose rows sum the most events of a day: every other rollup row is a part of one
+# of theirs (spend_daily by every key, and each hourly row, sum fewer events).
+_WIDEST = (_rollup(SpendDailyToken, "day"), _rollup(SpendDailyModel, "day"))
+_CHECKED = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost")
+
+
+def _day_key(rollup: Rollup, row: dict) -> tuple:
+    return (floor_day(row["hour"]), *(row[name] for name in rollup.keys))
+
+
+async def _sums(session: AsyncSession, rollup: Rollup, keys: set[tuple]) -> dict[tuple, list]:
+    """The current sums of `rollup`'s rows at `keys`, with the increments not yet folded in."""
+    table = rollup.table
+    columns = [table.c[name] for name in rollup.key]
+    found: dict[tuple, list] = {}
+    ordered = sorted(keys)
+    for start in range(0, len(ordered), 500):
+        part = ordered[start : start + 500]
+        rows = await session.execute(
+            select(*columns, *(table.c[name] for name in _CHECKED)).where(
+                tuple_(*columns).in_(part)
+            )
+        )
+        for row in rows:
+            found[tuple(row[: len(columns)])] = list(row[len(columns) :])
+    if dialect_name(session) == "postgresql":
+        pending = PENDING.table
+        day = func.date_trunc("day", pending.c.hour.op("AT TIME ZONE")(literal_column("'UTC'")))
+        day = day.op("AT TIME ZONE")(literal_column("'UTC'"))
+        grouped = [day, *(pending.c[name] for name in rollup.keys)]
+        days = sorted({key[0] for key in keys})
+        rows = await session.execute(
+            select(*grouped, *(func.sum(pending.c[name]) for name in _CHECKED))
+            .where(pending.c.hour >= days[0], pending.c.hour < days[-1] + timedelta(days=1))
+            .group_by(*grouped)
+        )
+        for row in rows:
+            key = tuple(row[: len(grouped)])
+            if key in keys:
+                sums = found.setdefault(key, [0] * len(_CHECKED))
+                for i, value in enumerate(row[len(grouped) :]):
+                    sums[i] += int(value or 0)
+    return found
+
+
+async def overflowing(session: AsyncSession, events: list[Event]) -> list[bool]:
+    """Per event, in order: whether appending it after the ones before it (those not
+    overflowing) would take a rollup's sum past SUM_CEILING."""
+    rows = [row_for(event) for event in events]
+    current = {
+        rollup: await _sums(session, rollup, {_day_key(rollup, row) for row in rows})
+        for rollup in _WIDEST
+    }
+    out = []
+    for row in rows:
+        wanted = [(rollup, _day_key(rollup, row)) for rollup in _WIDEST]
+        sums = [current[rollup].get(key, [0] * len(_CHECKED)) for rollup, key in wanted]
+        over = any(
+            total + row[name] > SUM_CEILING
+            for part in sums
+            for total, name in zip(part, _CHECKED, strict=True)
+        )
+        out.append(over)
+        if not over:
+            for (rollup, key), part in zip(wanted, sums, strict=True):
+                current[rollup][key] = [
+                    total + row[name] for total, name in zip(part, _CHECKED, strict=True)
+                ]
+    return out

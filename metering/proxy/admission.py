@@ -7,13 +7,12 @@ from dataclasses import replace
 from metering import metrics
 from metering.auth.principal import Principal
 from metering.budgets import rates
-from metering.budgets.rates import RateLimited, Refusal
+from metering.budgets.rates import RateLimited
 from metering.budgets.refusals import Refused
 from metering.budgets.service import HoldSpec
 from metering.db import utcnow
 from metering.errors import MeteringError
 from metering.services import Services
-from metering.timefmt import rfc3339
 
 
 class RateLimitExceeded(MeteringError):
@@ -26,9 +25,8 @@ class ModelNotAllowed(MeteringError):
     refused: Refused | None = None
 
 
-# The name of each kind in metrics, settings and headers.
+# The name of each kind in metrics and headers.
 KIND_NAMES = {"rpm": "requests", "tpm": "tokens", "parallel": "parallel"}
-SETTINGS = {"rpm": "rpm_limit", "tpm": "tpm_limit", "parallel": "max_parallel_requests"}
 
 
 def check_model(principal: Principal, model: str) -> None:
@@ -58,31 +56,6 @@ def visible_models(principal: Principal, names: list[str]) -> list[str]:
     return [name for name in names if limits.refusing(name) is None]
 
 
-def _message(refusal: Refusal, now) -> str:
-    who = f"{refusal.scope} {refusal.subject_id}"
-    setting = SETTINGS[refusal.kind]
-    if refusal.never_fits:
-        return (
-            f"{who}: this request needs up to {refusal.requested} tokens (its prompt's upper "
-            f"bound and output allowance), more than its {setting} of {refusal.limit} per "
-            "minute allows: lower max_tokens or the prompt"
-            if refusal.kind == "tpm"
-            else f"{who}: its {setting} is {refusal.limit}: no request is admitted"
-        )
-    if refusal.kind == "parallel":
-        return (
-            f"{who} has {refusal.used} requests in flight, its {setting} of {refusal.limit}: "
-            "a slot frees when one of them ends"
-        )
-    unit = "requests" if refusal.kind == "rpm" else "tokens"
-    wait = refusal.retry_after_s(now)
-    needs = "" if refusal.kind == "rpm" else f"; this request needs up to {refusal.requested}"
-    return (
-        f"{who} is over its {setting}: {refusal.limit} {unit} per minute, {refusal.used} used "
-        f"in this window{needs}; it frees at {rfc3339(refusal.resets_at)} (in {wait} s)"
-    )
-
-
 def rate_limited(exc: RateLimited) -> RateLimitExceeded:
     refusal = exc.refusal
     now = utcnow()
@@ -98,7 +71,7 @@ def rate_limited(exc: RateLimited) -> RateLimitExceeded:
         if refusal.resets_at is not None:
             left = (refusal.resets_at - now).total_seconds()
             headers[f"x-ratelimit-reset-{suffix}"] = rates.duration(max(left, 0))
-    error = RateLimitExceeded(_message(refusal, now), headers=headers)
+    error = RateLimitExceeded(rates.explain(refusal, now), headers=headers)
     error.refused = Refused(refusal.kind, refusal.scope, refusal.subject_id)
     return error
 

@@ -3,7 +3,6 @@
 import inspect
 import json
 import logging
-import re
 import time
 from dataclasses import replace
 
@@ -21,12 +20,13 @@ from metering.auth.principal import (
     refreshed_headers,
     user_principal,
 )
+from metering.budgets.ceilings import MAX_COST, run_of, unknown_run, usd_header
 from metering.budgets.rates import release_claim
 from metering.budgets.refusals import Refused
 from metering.budgets.service import BudgetShortfall, HoldSpec, RunKey, UnknownRun, reserve
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
-from metering.money import MoneyError, format_usd, parse_usd, usd_to_pico
+from metering.money import format_usd
 from metering.proxy import admission
 from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
@@ -72,39 +72,10 @@ def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
 REFUSALS = (BudgetExceeded, admission.RateLimitExceeded, admission.ModelNotAllowed)
 
 
-MAX_COST = "x-metering-max-cost"
-RUN, RUN_BUDGET = "x-metering-run", "x-metering-run-budget"
-RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,100}")
-
-
-def _usd_header(request: Request, name: str) -> int | None:
-    """A positive USD amount from a header, in picodollars; None when absent."""
-    value = request.headers.get(name)
-    if value is None:
-        return None
-    try:
-        amount = usd_to_pico(parse_usd(value.strip(), field=name))
-    except MoneyError as exc:
-        raise InvalidRequest(str(exc), param=name) from None
-    if amount <= 0:
-        raise InvalidRequest(f"{name} must be more than 0", param=name)
-    return amount
-
-
 def ceilings(request: Request, principal, idle_s: int) -> tuple[int | None, RunKey | None]:
     """x-metering-max-cost, and the run (x-metering-run, x-metering-run-budget), if sent."""
-    max_cost = _usd_header(request, MAX_COST)
-    run_id = request.headers.get(RUN)
-    budget = _usd_header(request, RUN_BUDGET)
-    if run_id is None:
-        if budget is not None:
-            raise InvalidRequest(f"{RUN_BUDGET} needs {RUN}", param=RUN_BUDGET)
-        return max_cost, None
-    if not RUN_ID.fullmatch(run_id):
-        raise InvalidRequest(
-            f"{RUN} must be 1 to 100 characters among letters, digits and . _ : -", param=RUN
-        )
-    return max_cost, RunKey(principal.team_id, run_id, budget, idle_s)
+    headers = request.headers
+    return usd_header(headers, MAX_COST), run_of(headers, principal.team_id, idle_s)
 
 
 def _encode(body: dict) -> bytes:
@@ -275,11 +246,7 @@ async def try_route(
         if isinstance(exc, BudgetShortfall):
             raise budget_exceeded(exc) from None
         if isinstance(exc, UnknownRun):
-            raise InvalidRequest(
-                f"run {run.run_id!r} is not running (never started, or idle past its time): "
-                f"send {RUN_BUDGET} with its first request",
-                param=RUN_BUDGET,
-            ) from None
+            raise unknown_run(run) from None
         raise
     metrics.reserved(reservation.claim is not None)
     async with Attempt(services, spec, reservation, chat, provider, dialect, t0) as attempt:

@@ -78,6 +78,7 @@ CREDENTIALS = (
     "logged_out_access",
     "expired_access",
     "other_api",
+    "ingest_key",
     "owner_api",
     "owner_access",
     "admin",
@@ -95,6 +96,7 @@ def allowed(rule: str, path: str) -> set[str]:
         "self": {"admin", "owner_api", "owner_access"}
         | (set() if names_subject else {"other_api"}),
         "user": {"owner_api", "owner_access", "other_api"},
+        "ingest": {"admin", "owner_api", "owner_access", "other_api", "ingest_key"},
     }[rule]
 
 
@@ -138,7 +140,11 @@ def strangers(api):
     pair = client.tokens(other.email, other.password)
     assert client.logout(pair["refresh_token"]).status_code == 204
     forged = pair["access_token"].rpartition(".")[0] + ".c2lnbmF0dXJl"
+    ingest_key = api.ok(
+        "POST", f"/v1/teams/{other.team['id']}/ingest-keys", 201, json={"name": "collector"}
+    )
     return {
+        "ingest_key": ingest_key["key"],
         "none": None,
         "garbage": f"garbage-{uuid.uuid4().hex}",
         "forged_access": forged,
