@@ -27,7 +27,7 @@ def usd_header(headers: Mapping[str, str], name: str) -> int | None:
     return amount
 
 
-def run_of(headers: Mapping[str, str], team_id: str | None, idle_s: int) -> RunKey | None:
+def run_of(headers: Mapping[str, str], team_id: str, idle_s: int) -> RunKey | None:
     """The run the headers name, or None."""
     run_id = headers.get(RUN)
     budget = usd_header(headers, RUN_BUDGET)
@@ -39,7 +39,6 @@ def run_of(headers: Mapping[str, str], team_id: str | None, idle_s: int) -> RunK
         raise InvalidRequest(
             f"{RUN} must be 1 to 100 characters among letters, digits and . _ : -", param=RUN
         )
-    assert team_id is not None
     return RunKey(team_id, run_id, budget, idle_s)
 
 
