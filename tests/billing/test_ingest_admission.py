@@ -7,7 +7,9 @@ takes a counter past its ceiling; every count is checked against the others."""
 from decimal import Decimal
 
 import pytest
+from sqlalchemy import create_engine, pool, text
 
+from metering.db import sync_url
 from metering.money import cost_pico, format_usd
 from tests.billing.test_ingest import GPT, post, spent, usage_event
 from tests.budgets.conftest import wait_for
@@ -243,3 +245,40 @@ def test_no_event_takes_a_counter_past_its_ceiling(own_server):
     assert spent(api, "team", team["id"]) == Decimal("8000000")
     report = api.ok("GET", "/v1/spend", params={"group_by": "team", "team_id": team["id"]})
     assert Decimal(report["total"]["cost"]) == Decimal("8000000")
+
+
+def _failing_trigger(database_url: str, backend: str) -> None:
+    """The database refuses to record a key starting `fail-` (as a failing disk or a lost
+    connection would refuse a write): a real failure of the batch's transaction."""
+    engine = create_engine(sync_url(database_url), poolclass=pool.NullPool)
+    if backend == "postgresql":
+        statements = [
+            "CREATE OR REPLACE FUNCTION fail_key() RETURNS trigger AS $$ BEGIN "
+            "IF NEW.idempotency_key LIKE 'fail-%' THEN RAISE EXCEPTION 'disk full'; END IF; "
+            "RETURN NEW; END $$ LANGUAGE plpgsql",
+            "CREATE TRIGGER fail_key BEFORE INSERT ON ingested_keys FOR EACH ROW "
+            "EXECUTE FUNCTION fail_key()",
+        ]
+    else:
+        statements = [
+            "CREATE TRIGGER fail_key BEFORE INSERT ON ingested_keys "
+            "WHEN NEW.idempotency_key LIKE 'fail-%' BEGIN SELECT RAISE(ABORT, 'disk full'); END"
+        ]
+    try:
+        with engine.begin() as conn:
+            for statement in statements:
+                conn.execute(text(statement))
+    finally:
+        engine.dispose()
+
+
+def test_an_event_the_database_fails_to_write_answers_retry(own_server):
+    own = own_server()
+    api = own.api
+    _failing_trigger(api.settings.database_url, api.backend)
+    _, user, _ = api.principal()
+    failing = usage_event(user_id=user["id"], idempotency_key="fail-1")
+    answers = post(api, [usage_event(user_id=user["id"]), failing])
+    assert [a["status"] for a in answers] == ["created", "retry"]
+    assert answers[1]["event_id"] is None and "send it again" in answers[1]["error"]
+    assert len(api.events(user_id=user["id"])) == 1
