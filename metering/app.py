@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from metering import jobs, metrics
 from metering.alerts.endpoints import router as alerts_router
 from metering.alerts.outbox.delivery import Outbox, Policy
+from metering.alerts.targets import Reach
 from metering.auth.endpoints import router as auth_router
 from metering.auth.failures import FailedCredentials
 from metering.auth.invalidation import Credentials
@@ -201,6 +202,7 @@ def create_app(
                     max_s=settings.webhook_backoff_max_s,
                     retry_for_s=settings.webhook_retry_for_s,
                 ),
+                reach=Reach.of(settings),
             )
             services.outbox.start()
         if scheduler is not None and store.path is not None:

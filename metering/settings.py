@@ -77,10 +77,12 @@ class Settings(BaseSettings):
     focus_billing_account: str = Field(default="metering", min_length=1, max_length=200)
     # A run (x-metering-run) not used for this long is forgotten: its id may start a new run.
     run_idle_s: int = Field(default=3600, ge=1, le=30 * 86400)
-    # Alerts and webhooks (metering.alerts): http:// webhook URLs to loopback addresses allowed
-    # (tests and the demo); how often each replica looks for events to deliver; one POST's
+    # Alerts and webhooks (metering.alerts): webhooks to loopback addresses allowed, http:// too
+    # (tests and the demo); to private and shared addresses (10/8, 172.16/12, 192.168/16,
+    # fc00::/7, 100.64/10); how often each replica looks for events to deliver; one POST's
     # timeout; retries from backoff_base_s doubling up to backoff_max_s, for retry_for_s.
     webhooks_allow_loopback: bool = False
+    webhooks_allow_private: bool = False
     webhook_poll_s: float = Field(default=1.0, gt=0, le=3600)
     webhook_timeout_s: float = Field(default=10.0, gt=0, le=300)
     webhook_backoff_base_s: float = Field(default=1.0, gt=0, le=3600)

@@ -15,6 +15,7 @@ from metering.alerts.schemas import (
     WebhookList,
     alert_out,
 )
+from metering.alerts.targets import Reach
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.errors import error_responses
 from metering.services import Services, get_services, unit_of_work
@@ -42,7 +43,7 @@ async def create_webhook(
         events=body.events,
         team_id=body.team_id,
         secret=body.secret,
-        allow_loopback=services.settings.webhooks_allow_loopback,
+        reach=Reach.of(services.settings),
     )
     return WebhookCreated(**created)
 

@@ -16,7 +16,11 @@ class WebhookCreate(BaseModel):
         min_length=1,
         max_length=MAX_URL_CHARS,
         description="https://..., or http:// to a loopback address when "
-        "METERING_WEBHOOKS_ALLOW_LOOPBACK is true; redirects are never followed",
+        "METERING_WEBHOOKS_ALLOW_LOOPBACK is true. Never to an internal address (loopback, "
+        "private, shared, link-local, multicast, reserved, unspecified: a literal one is 400, a "
+        "name resolving to one fails its deliveries unsent) but loopback with "
+        "METERING_WEBHOOKS_ALLOW_LOOPBACK and private or shared with "
+        "METERING_WEBHOOKS_ALLOW_PRIVATE; redirects are never followed",
     )
     events: list[str] = Field(
         min_length=1, max_length=len(TYPES), description=f"Event types to send: {', '.join(TYPES)}"

@@ -1,7 +1,6 @@
 """Webhooks and alerts: registering receivers (with safe URLs only), listing deliveries and
 events, a test delivery, and the scheduled token.expiring events."""
 
-import ipaddress
 import json
 import secrets
 import uuid
@@ -13,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.alerts import record
 from metering.alerts.outbox.delivery import body_of, delivery_row
+from metering.alerts.targets import Reach, is_loopback, literal
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest, NotFound
 from metering.models import AlertEvent, ApiToken, Budget, Team, User, Webhook, WebhookAttempt
@@ -26,17 +26,9 @@ EXPIRING_DAYS = (7, 1)
 EXPIRING_BATCH = 1000
 
 
-def is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_url(url: str, allow_loopback: bool) -> str:
-    """A webhook URL: https, or http to a loopback address when allowed; no user info."""
+def check_url(url: str, reach: Reach) -> str:
+    """A webhook URL: https, or http to a loopback address when allowed; no user info; not a
+    literal internal address `reach` refuses (a name is checked when it is resolved)."""
     try:
         parsed = httpx.URL(url)
     except (httpx.InvalidURL, ValueError):
@@ -45,16 +37,20 @@ def check_url(url: str, allow_loopback: bool) -> str:
         raise InvalidRequest("url has no host", param="url")
     if parsed.userinfo:
         raise InvalidRequest("url must not carry a user name or password", param="url")
-    if parsed.scheme == "https":
-        return str(parsed)
-    if parsed.scheme == "http" and allow_loopback and is_loopback(parsed.host):
-        return str(parsed)
-    allowed = (
-        "https, or http to a loopback address"
-        if allow_loopback
-        else "https (http only to a loopback address with METERING_WEBHOOKS_ALLOW_LOOPBACK=true)"
-    )
-    raise InvalidRequest(f"url must be {allowed}", param="url")
+    if parsed.scheme != "https" and not (
+        parsed.scheme == "http" and reach.loopback and is_loopback(parsed.host)
+    ):
+        allowed = (
+            "https, or http to a loopback address"
+            if reach.loopback
+            else "https (http only to a loopback address with METERING_WEBHOOKS_ALLOW_LOOPBACK=true)"
+        )
+        raise InvalidRequest(f"url must be {allowed}", param="url")
+    ip = literal(parsed.host)
+    reason = reach.refusal(ip) if ip is not None else None
+    if reason is not None:
+        raise InvalidRequest(f"url points to an internal address: {reason}", param="url")
+    return str(parsed)
 
 
 def webhook_out(hook: Webhook) -> dict:
@@ -74,9 +70,9 @@ async def create_webhook(
     events: list[str],
     team_id: str | None,
     secret: str | None,
-    allow_loopback: bool,
+    reach: Reach,
 ) -> dict:
-    url = check_url(url, allow_loopback)
+    url = check_url(url, reach)
     if team_id is not None:
         team = await session.get(Team, team_id)
         if team is None or team.deleted_at is not None:

@@ -1,7 +1,10 @@
 """Webhook deliveries: retried with the same event id and valid signatures until a 2xx, then
 never again; redirects not followed; a hanging receiver costs the proxy nothing; a replica
-killed between the commit and the delivery leaves it to another."""
+killed between the commit and the delivery leaves it to another; a host that points to an
+internal address is never connected to."""
 
+import ipaddress
+import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
@@ -172,3 +175,53 @@ def test_a_replica_killed_after_the_commit_leaves_the_delivery_to_another(
     (got,) = wait_for(lambda: receiver.at(path), message="the survivor delivering")
     assert got["headers"]["x-metering-event-id"] == event["id"]
     assert body_json(got) == event
+
+
+def _finished(api, webhook_id: str) -> list[dict]:
+    return [d for d in _deliveries(api, webhook_id) if d["status"] != "pending"]
+
+
+def test_a_name_resolving_to_loopback_is_never_connected_to(fresh_db, sim):
+    """With the loopback switch off, https://localhost:... is registered (a name is checked
+    when it is resolved) and its delivery fails at once, no connection opened."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    first = socket.getaddrinfo("localhost", port, type=socket.SOCK_STREAM)[0][4][0]
+    server, api = start_server(fresh_db, sim, webhooks_allow_loopback=False)
+    try:
+        webhook = hold(api, f"https://localhost:{port}/hook", [CROSSED])
+        sent = api.ok("POST", f"/v1/webhooks/{webhook['id']}/test", 202)
+        (delivery,) = wait_for(lambda: _finished(api, webhook["id"]), message="the refusal")
+        reason = (
+            f"not sent: localhost points to an internal address: {ipaddress.ip_address(first)} "
+            "(loopback; allowed with METERING_WEBHOOKS_ALLOW_LOOPBACK=true)"
+        )
+        assert delivery["id"] == sent["delivery_id"] and delivery["status"] == "failed"
+        assert delivery["attempts"] == 1 and delivery["next_attempt_at"] is None
+        assert delivery["last_status_code"] is None and delivery["last_error"] == reason
+        assert [(a["status_code"], a["error"]) for a in delivery["history"]] == [(None, reason)]
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+    finally:
+        server.stop()
+        listener.close()
+
+
+def test_a_webhook_registered_while_allowed_is_not_sent_once_disallowed(fresh_db, sim, receiver):
+    allowed, api = start_server(fresh_db, sim)
+    path = new_path()
+    webhook = hold(api, receiver.url(path), [CROSSED])
+    allowed.stop()
+    server, api = start_server(fresh_db, sim, webhooks_allow_loopback=False)
+    try:
+        api.ok("POST", f"/v1/webhooks/{webhook['id']}/test", 202)
+        (delivery,) = wait_for(lambda: _finished(api, webhook["id"]), message="the refusal")
+        assert delivery["status"] == "failed" and delivery["attempts"] == 1
+        assert delivery["last_error"] == (
+            "not sent: 127.0.0.1 points to an internal address: 127.0.0.1 "
+            "(loopback; allowed with METERING_WEBHOOKS_ALLOW_LOOPBACK=true)"
+        )
+        assert receiver.at(path) == []
+    finally:
+        server.stop()

@@ -1,10 +1,12 @@
 """The webhooks API: registration with safe URLs only, validation, listing without secrets,
 deletion, the test delivery and the deliveries listing; the admin's only."""
 
+import ipaddress
+
 import pytest
 
 from metering.alerts.signature import verify
-from tests.alerts.conftest import body_json, hold, new_path, wait_for
+from tests.alerts.conftest import body_json, hold, new_path, start_server, wait_for
 
 CROSSED = "budget.threshold_crossed"
 
@@ -112,3 +114,94 @@ def test_webhooks_are_the_admins(alerts_api):
     ):
         answer = alerts_api.request(method, path, key=token["token"], json={})
         assert answer.status_code == 403, (method, path, answer.text)
+
+
+LOOPBACK = "allowed with METERING_WEBHOOKS_ALLOW_LOOPBACK=true"
+
+
+def mapped(ipv4: str) -> str:
+    """How this Python prints an IPv4-mapped IPv6 address (3.13 prints it dotted)."""
+    return str(ipaddress.ip_address(f"::ffff:{ipv4}"))
+
+
+PRIVATE = "allowed with METERING_WEBHOOKS_ALLOW_PRIVATE=true"
+
+
+@pytest.mark.parametrize(
+    "url, reason",
+    [
+        ("https://127.0.0.1:5432/hook", f"127.0.0.1 (loopback; {LOOPBACK})"),
+        ("https://127.1/hook", f"127.0.0.1 (loopback; {LOOPBACK})"),
+        ("https://2130706433/hook", f"127.0.0.1 (loopback; {LOOPBACK})"),
+        ("https://0x7f000001/hook", f"127.0.0.1 (loopback; {LOOPBACK})"),
+        ("https://[::1]/hook", f"::1 (loopback; {LOOPBACK})"),
+        ("https://[::ffff:127.0.0.1]/hook", f"{mapped('127.0.0.1')} (loopback; {LOOPBACK})"),
+        ("https://10.0.0.1/hook", f"10.0.0.1 (private; {PRIVATE})"),
+        ("https://172.16.0.1/hook", f"172.16.0.1 (private; {PRIVATE})"),
+        ("https://192.168.1.1/hook", f"192.168.1.1 (private; {PRIVATE})"),
+        ("https://[fd00::1]/hook", f"fd00::1 (private; {PRIVATE})"),
+        ("https://100.64.0.1/hook", f"100.64.0.1 (shared; {PRIVATE})"),
+        ("https://169.254.169.254/latest", "169.254.169.254 (link-local; never allowed)"),
+        (
+            "https://[::ffff:a9fe:a9fe]/hook",
+            f"{mapped('169.254.169.254')} (link-local; never allowed)",
+        ),
+        ("https://[fe80::1]/hook", "fe80::1 (link-local; never allowed)"),
+        ("https://224.0.0.1/hook", "224.0.0.1 (multicast; never allowed)"),
+        ("https://[ff02::1]/hook", "ff02::1 (multicast; never allowed)"),
+        ("https://240.0.0.1/hook", "240.0.0.1 (reserved; never allowed)"),
+        ("https://255.255.255.255/hook", "255.255.255.255 (reserved; never allowed)"),
+        ("https://0.0.0.0/hook", "0.0.0.0 (unspecified; never allowed)"),
+        ("https://[::]/hook", ":: (unspecified; never allowed)"),
+    ],
+)
+def test_an_https_webhook_to_an_internal_address_is_refused(api, url, reason):
+    """The suite's shared server runs with both switches off."""
+    answer = api.request("POST", "/v1/webhooks", json={"url": url, "events": [CROSSED]})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_request" and error["param"] == "url"
+    assert error["message"] == f"url points to an internal address: {reason}"
+
+
+def test_the_loopback_switch_allows_loopback_only(alerts_api):
+    created = hold(alerts_api, "https://127.0.0.1:8443/hook", [CROSSED])
+    alerts_api.ok("DELETE", f"/v1/webhooks/{created['id']}", 204)
+    for url in ("https://10.0.0.1/hook", "https://169.254.169.254/"):
+        answer = alerts_api.request("POST", "/v1/webhooks", json={"url": url, "events": [CROSSED]})
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "url"
+
+
+def test_the_private_switch_allows_private_and_shared_addresses(fresh_db, sim):
+    server, api = start_server(
+        fresh_db, sim, webhooks_allow_loopback=False, webhooks_allow_private=True
+    )
+    try:
+        for url in (
+            "https://10.0.0.1/hook",
+            "https://172.31.255.1/hook",
+            "https://192.168.0.10/hook",
+            "https://[fd00::1]/hook",
+            "https://100.64.0.1/hook",
+        ):
+            assert hold(api, url, [CROSSED])["url"] == url
+        for url, message in (
+            (
+                "https://127.0.0.1/hook",
+                f"url points to an internal address: 127.0.0.1 (loopback; {LOOPBACK})",
+            ),
+            (
+                "https://169.254.169.254/",
+                "url points to an internal address: 169.254.169.254 (link-local; never allowed)",
+            ),
+            (
+                "http://10.0.0.1/hook",
+                "url must be https (http only to a loopback address with METERING_WEBHOOKS_ALLOW_LOOPBACK=true)",
+            ),
+        ):
+            answer = api.request("POST", "/v1/webhooks", json={"url": url, "events": [CROSSED]})
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["message"] == message
+    finally:
+        server.stop()

@@ -8,7 +8,9 @@ on SQLite too, with one writer). At most `per_webhook` go to one webhook at once
 replica that dies holding a claim leaves it to expire, and another sends it: delivery is at
 least once, and `x-metering-event-id` lets a receiver drop a repeat. No database connection is
 held while a receiver answers, and the worker has its own HTTP client (timeouts, no redirects,
-a bounded pool): a receiver that hangs or fails costs the proxy nothing.
+a bounded pool): a receiver that hangs or fails costs the proxy nothing. Its connections reach
+only the addresses the webhook settings allow (metering.alerts.targets), checked as each is
+opened: a delivery whose host points to an internal address is failed at once, never sent.
 """
 
 import asyncio
@@ -27,6 +29,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from metering.alerts import signature
+from metering.alerts.outbox.transport import GuardedTransport
+from metering.alerts.targets import Reach, Refused
 from metering.db import Database, utcnow
 from metering.models import AlertEvent, Webhook, WebhookAttempt, WebhookDelivery
 from metering.timefmt import rfc3339
@@ -245,6 +249,7 @@ class Answer:
     status_code: int | None
     error: str | None
     duration_ms: int
+    final: bool = False  # refused before sending: not tried again
 
     @property
     def ok(self) -> bool:
@@ -274,6 +279,8 @@ async def post(client: httpx.AsyncClient, delivery: Claimed) -> Answer:
             if r.is_redirect:
                 error = f"HTTP {r.status_code}: redirects are not followed"
             return Answer(r.status_code, error, _ms(started))
+    except Refused as exc:
+        return Answer(None, excerpt(f"not sent: {exc}".encode()), _ms(started), final=True)
     except httpx.TimeoutException:
         return Answer(None, "timed out", _ms(started))
     except httpx.HTTPError as exc:
@@ -310,6 +317,8 @@ async def finish(db: Database, delivery: Claimed, answer: Answer, policy: Policy
         )
         if answer.ok:
             status, next_at = "delivered", None
+        elif answer.final:
+            status, next_at = "failed", None
         else:
             next_at = policy.next_attempt(attempts, delivery.created_at, now)
             status = "pending" if next_at is not None else "failed"
@@ -337,7 +346,7 @@ def cap_of(per_webhook: int, concurrency: int) -> int:
 class Outbox:
     """The worker of one replica: a pass every `poll_s` (at once when poked, or while there is
     more to do), sends at most `concurrency` at a time and at most `per_webhook` of them to
-    one webhook."""
+    one webhook, only to the addresses `reach` allows."""
 
     def __init__(
         self,
@@ -348,6 +357,7 @@ class Outbox:
         concurrency: int = 16,
         per_webhook: int = 4,
         policy: Policy | None = None,
+        reach: Reach | None = None,
     ) -> None:
         self.db = db
         self.poll_s = poll_s
@@ -360,7 +370,10 @@ class Outbox:
             timeout=httpx.Timeout(timeout_s),
             follow_redirects=False,
             trust_env=False,
-            limits=httpx.Limits(max_connections=concurrency, max_keepalive_connections=4),
+            transport=GuardedTransport(
+                reach or Reach(),
+                httpx.Limits(max_connections=concurrency, max_keepalive_connections=4),
+            ),
         )
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
