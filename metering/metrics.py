@@ -5,6 +5,10 @@ With several uvicorn workers (`metering serve --workers N`) each worker is its o
 start, every worker writes its samples there, and a scrape (answered by any one worker) sums
 them all. The open-holds gauge is read from the database at scrape time, so it is the same
 whichever worker answers. Metrics are floats, for dashboards; the ledger stays the exact record.
+
+Without METERING_METRICS_KEY the scrape is open and carries aggregate series only: no label holds
+a team, user or token id. With the key (as a Bearer token) it also carries the per-subject ones
+(metering_budget_used_ratio{scope, subject_id}).
 """
 
 import logging
@@ -238,16 +242,19 @@ async def metrics(
     _: None = Depends(open_access),
     services: Services = Depends(get_services),
 ) -> Response:
-    """Open unless METERING_METRICS_KEY is set (then that key, as a Bearer token)."""
-    _check_key(request, services.settings.metrics_key)
+    """Open unless METERING_METRICS_KEY is set (then that key, as a Bearer token). The series
+    that name a team, user or token are served behind the key only."""
+    key = services.settings.metrics_key
+    _check_key(request, key)
     try:
         open_holds: int | None = await queries.open_holds(services.db)
     except Exception:
         log.warning("open holds unavailable: the database cannot be reached", exc_info=True)
         open_holds = None
-    try:
-        used: list | None = await queries.used_ratios(services.db)
-    except Exception:
-        log.warning("budget use unavailable: the database cannot be reached", exc_info=True)
-        used = None
+    used: list | None = None  # per team, user and token: behind the key only
+    if key:
+        try:
+            used = await queries.used_ratios(services.db)
+        except Exception:
+            log.warning("budget use unavailable: the database cannot be reached", exc_info=True)
     return Response(render(open_holds, used), media_type=CONTENT_TYPE_LATEST)

@@ -118,10 +118,10 @@ def settings_for(url: str, **overrides) -> Settings:
     return Settings(database_url=url, admin_key=ADMIN_KEY, _env_file=None, **{**FAST, **overrides})
 
 
-def start_server(url: str, sim, **overrides):
+def start_server(url: str, sim, run_jobs: bool = True, **overrides):
     catalog = parse_catalog(catalog_for(sim), environ=SIM_KEYS)
     settings = settings_for(url, **overrides)
-    server = metering_server(settings, catalog)
+    server = metering_server(settings, catalog, run_jobs=run_jobs)
     return server, Api(server.url, "postgresql" if "postgresql" in url else "sqlite", settings)
 
 

@@ -14,6 +14,8 @@ from metering.timefmt import parse_rfc3339
 from tests.alerts.conftest import alerts, ask, hold_of, start_server, wait_for
 from tests.budgets.conftest import budget
 
+KEY = "metrics-" + uuid.uuid4().hex
+
 
 def tag() -> str:
     return f"t{uuid.uuid4().hex[:16]}"  # one length: every request has the same hold
@@ -188,10 +190,15 @@ def test_thresholds_are_set_and_changed_with_the_budget(alerts_api):
     assert patched["alert_thresholds"] == [50, 80, 100] and patched["soft_limit"] == "7"
 
 
-def test_metrics_show_how_much_of_a_budget_is_used(alerts_api):
+def test_metrics_show_how_much_of_a_budget_is_used(alerts_api, sim):
+    """Behind METERING_METRICS_KEY: read from a replica with the key on the same database."""
     hold = Decimal(hold_of(alerts_api, tag()))
     _, _, token = alerts_api.principal(token_limit=str(hold * 4))
     assert _try(alerts_api, token["token"])
-    text = alerts_api.request("GET", "/metrics").text
+    keyed, api = start_server(alerts_api.settings.database_url, sim, False, metrics_key=KEY)
+    try:
+        text = api.request("GET", "/metrics", key=KEY).text
+    finally:
+        keyed.stop()
     line = f'metering_budget_used_ratio{{scope="token",subject_id="{token["id"]}"}} 0.25'
     assert line in text.splitlines()

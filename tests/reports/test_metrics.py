@@ -1,5 +1,6 @@
 """GET /metrics: after known traffic the counters equal it, in one process and across the
-workers of `metering serve --workers 2`; METERING_METRICS_KEY guards it when set."""
+workers of `metering serve --workers 2`; METERING_METRICS_KEY guards it when set, and only
+behind it are the series that name a team, user or token."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from metering import migrate
 from metering.settings import Settings, parse_catalog
 from metering.testing import free_port, metering_server
 from tests.conftest import ADMIN_KEY, Api, catalog_for
@@ -20,6 +22,8 @@ from tests.reports.test_spend import own_pg  # noqa: F401 (a fixture)
 
 SIM_KEYS = {"SIM_OPENAI_KEY": "sim-key", "SIM_EXASCALE_KEY": "sim-key"}
 KINDS = ("prompt", "cached", "completion", "reasoning")
+# The labels of the open scrape: routes, kinds and reasons; `scope` is token, user or team.
+AGGREGATE_LABELS = {"model", "provider", "status", "kind", "scope", "reason", "path", "le"}
 
 
 def scrape(url: str, key: str | None = None) -> dict:
@@ -141,6 +145,48 @@ def test_a_metrics_key_is_required_when_set(api, sim):
         assert "metering_open_holds" in str(scrape(server.url, key="scrape-me"))
     finally:
         server.stop()
+
+
+def test_only_the_keyed_scrape_names_teams_users_and_tokens(tmp_path, sim):
+    """Two replicas on one database after the same traffic: the open one (no key) shows
+    aggregates only; the one with METERING_METRICS_KEY also each budget's use, by subject."""
+    url = f"sqlite:///{tmp_path / 'metering.db'}"
+    migrate.upgrade(url)
+    catalog = parse_catalog(catalog_for(sim), environ=SIM_KEYS)
+    settings = Settings(database_url=url, admin_key=ADMIN_KEY, _env_file=None)
+    keyed_settings = settings.model_copy(update={"metrics_key": "scrape-me"})
+    open_server = metering_server(settings, catalog)
+    keyed_server = metering_server(keyed_settings, catalog, run_jobs=False)
+    try:
+        api = Api(open_server.url, "sqlite", settings)
+        team, user, token = api.principal(token_limit="1", user_limit="2", team_limit="4")
+        before = scrape(open_server.url)
+        traffic(api, token["token"])
+        spent = sum(Decimal(e["cost"]) for e in api.events(token_id=token["id"]))
+        ids = (team["id"], user["id"], token["id"])
+
+        text = httpx.get(f"{open_server.url}/metrics", timeout=10).text
+        assert [i for i in ids if i in text] == []
+        samples = scrape(open_server.url)
+        assert delta(before, samples, "metering_requests_total", model="gpt-sim", status="ok") == 3
+        assert {name for name, _ in samples if name.startswith("metering_budget_used")} == set()
+        names = {k for n, labels in samples if n.startswith("metering_") for k, _ in labels}
+        assert names <= AGGREGATE_LABELS
+
+        keyed = scrape(keyed_server.url, key="scrape-me")
+        used = {
+            dict(labels)["subject_id"]: v
+            for (name, labels), v in keyed.items()
+            if name == "metering_budget_used_ratio"
+        }
+        assert used == {
+            token["id"]: pytest.approx(float(spent / 1)),
+            user["id"]: pytest.approx(float(spent / 2)),
+            team["id"]: pytest.approx(float(spent / 4)),
+        }
+    finally:
+        keyed_server.stop()
+        open_server.stop()
 
 
 # --- several workers ----------------------------------------------------------------------
