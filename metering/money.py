@@ -13,6 +13,11 @@ PICO = Decimal(10) ** 12
 MICRO = Decimal(10) ** 6
 # Largest amount a budget or price may hold: keeps every counter in a signed 64-bit column.
 MAX_USD = Decimal("1000000")
+# The most a counter of money (a budget's spent plus reserved, a closed window's total, a rollup's
+# sum) may hold after a charge that can be refused, either way: 9,000,000 USD in picodollars. The
+# columns (BIGINT) keep 9,223,372 USD; the rest is headroom for live requests settling meanwhile,
+# whose charges are never refused.
+COUNTER_CEILING = 9 * 10**18
 
 
 class MoneyError(ValueError):

@@ -77,7 +77,10 @@ async def post_events(
     description="Correct the usage events of one model at one provider in [start, end) to the "
     "price history (a catalog entry's `effective_from` records a back-dated price): each event "
     "charged otherwise gets one adjustment event with the difference and the reason, in its "
-    "own hour and budget window; original rows never change. A second rerate adds nothing.",
+    "own hour and budget window; original rows never change. A second rerate adds nothing. "
+    "A rerate is never refused for the budgets it charges (the price was wrong): the budget "
+    "windows it charges more and leaves above their `credit_limit` are listed in `over_limit` "
+    "and raise `budget.exhausted`.",
 )
 async def post_rerate(
     body: RerateIn,
@@ -103,7 +106,13 @@ async def post_rerate(
     responses=error_responses(400, 404, *RULE_ERRORS["admin"]),
     description="A manual adjustment (negative: a credit, e.g. for an outage) of a team, user, "
     "token or one event, with its reason: appended to the ledger as an adjustment event and "
-    "charged to the budget window of `at` (default now; the event's own when it corrects one).",
+    "charged to the budget window of `at` (default now; the event's own when it corrects one). "
+    "400 naming `amount` when it is beyond 1,000,000 USD either way, or would take a budget's "
+    "`spent` it changes (current or closed window) below zero or past 9,000,000 USD, or a "
+    "rollup's sum past 9,000,000 USD either way; 400 naming `at` when `at` is in the future or "
+    "more than 35 days back (fewer when METERING_RETENTION_DAYS is shorter). Checked and "
+    "written in one transaction, the budgets locked: concurrent adjustments cannot together "
+    "pass a bound.",
 )
 async def post_adjustment(
     body: AdjustmentIn,
@@ -119,6 +128,7 @@ async def post_adjustment(
         token_id=body.token_id,
         corrects_event_id=body.corrects_event_id,
         at=rerate.parse_moment(body.at, "at"),
+        retention_days=services.settings.retention_days,
     )
     return AdjustmentOut(
         id=event.id,

@@ -18,25 +18,35 @@ by a rerate. `unsettled` placeholders (a whole hold, no usage) are not rerated.
 Two rerates of one range at once cannot both correct one event: an adjustment's id is made
 from the event's id and how many adjustments it had, so the second insert of the same
 correction is refused and its chunk is read again.
+
+A rerate is never refused for the budgets it charges (the usage happened; its price was
+wrong): the windows it leaves above their limit are reported and raise budget.exhausted. A
+manual adjustment is refused instead when it would take a counter it changes out of bounds
+(a budget's spent below zero or past COUNTER_CEILING, a rollup row's sums past it either
+way), or when its `at` is in the future or beyond the reach of ingested usage: the budgets
+are locked before the check, in the transaction that writes it.
 """
 
 import hashlib
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
-from metering.budgets.service import Dated, charge_dated
+from metering.billing.ingest import MAX_AGE
+from metering.budgets.service import Charged, Dated, alert_over_limit, charge_dated
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest, NotFound
 from metering.ledger import writer
+from metering.ledger.bounds import past_ceiling
 from metering.ledger.event import ADJUSTMENT, UNSETTLED, USAGE, Event, bounded
 from metering.ledger.prices import PriceBook
 from metering.ledger.records import MANUAL, RERATED, adjustment_event
 from metering.models import ApiToken, LedgerEvent, Team, User
-from metering.money import MoneyError, cost_pico, format_usd, parse_usd, usd_to_pico
-from metering.timefmt import parse_rfc3339
+from metering.money import MAX_USD, MoneyError, cost_pico, format_usd, parse_usd, usd_to_pico
+from metering.numbers import NumberError, parse_decimal
+from metering.timefmt import parse_rfc3339, rfc3339
 
 CHUNK = 1_000  # events read, compared and corrected per transaction
 MAX_REASON = 500
@@ -49,9 +59,37 @@ _t = LedgerEvent.__table__
 class Rerated:
     adjusted: int = 0
     difference: int = 0  # picodollars, the sum of the adjustments made
+    # The budget windows it charged more and left above their limit, as last charged.
+    over_limit: dict[tuple[str, datetime], Charged] = field(default_factory=dict)
+
+    def add(self, charged: list[Charged]) -> None:
+        for window in charged:
+            key = (window.subject_id, window.window_start)
+            if window.over_limit:
+                self.over_limit[key] = window
+            elif key in self.over_limit:  # a later chunk credited it
+                limit = window.credit_limit
+                if limit is not None and window.spent > limit:
+                    self.over_limit[key] = window
+                else:
+                    del self.over_limit[key]
 
     def out(self) -> dict:
-        return {"adjusted": self.adjusted, "difference": format_usd(self.difference)}
+        over = [self.over_limit[key] for key in sorted(self.over_limit)]
+        return {
+            "adjusted": self.adjusted,
+            "difference": format_usd(self.difference),
+            "over_limit": [
+                {
+                    "scope": w.scope,
+                    "id": w.subject_id,
+                    "window_start": rfc3339(w.window_start),
+                    "credit_limit": format_usd(w.credit_limit),
+                    "spent": format_usd(w.spent),
+                }
+                for w in over
+            ],
+        }
 
 
 def check_reason(reason) -> str:
@@ -116,7 +154,9 @@ _MADE = (
 )
 
 
-async def _rerate_chunk(conn, rows, book: PriceBook, reason: str, now: datetime) -> list[Event]:
+async def _rerate_chunk(
+    conn, rows, book: PriceBook, reason: str, now: datetime
+) -> tuple[list[Event], list[Charged]]:
     ids = [row.id for row in rows]
     made = {
         r[0]: (int(r[1]), int(r[2]))
@@ -148,13 +188,16 @@ async def _rerate_chunk(conn, rows, book: PriceBook, reason: str, now: datetime)
         event.id = _adjustment_id(row.id, count)
         event.upstream_id = row.upstream_id  # reconciled with the request it corrects
         adjustments.append(event)
+    charged: list[Charged] = []
     if adjustments:
         await writer.append_many(conn, adjustments)
         charges = [
             Dated(_subjects(e), e.created_at, e.cost, e.team_id, e.user_id) for e in adjustments
         ]
-        await charge_dated(conn, charges, now)
-    return adjustments
+        # Never refused (the price was wrong): a budget taken past its limit is told instead.
+        charged = await charge_dated(conn, charges, now)
+        await alert_over_limit(conn, charged, now)
+    return adjustments, charged
 
 
 def _subjects(event: Event) -> list[str]:
@@ -170,7 +213,8 @@ async def rerate(
     end: datetime,
     reason: str,
 ) -> Rerated:
-    """Correct every usage event of `model` at `provider` in [start, end) to the price history."""
+    """Correct every usage event of `model` at `provider` in [start, end) to the price history;
+    the budget windows it leaves above their limit are reported and raise budget.exhausted."""
     if end <= start:
         raise InvalidRequest("end must be after start", param="end")
     check_name(provider, "provider")
@@ -188,30 +232,51 @@ async def rerate(
                     rows = (
                         await conn.execute(_chunk_query(model, provider, start, end, after))
                     ).all()
-                    made = await _rerate_chunk(conn, rows, book, reason, utcnow())
+                    made, charged = await _rerate_chunk(conn, rows, book, reason, utcnow())
                 break
             except IntegrityError:
                 if attempt == RETRIES - 1:
                     raise  # corrected meanwhile, again and again: let the caller retry
         result.adjusted += len(made)
         result.difference += sum(e.cost for e in made)
+        result.add(charged)
         if len(rows) < CHUNK:
             return result
         after = (rows[-1].created_at, rows[-1].id)
 
 
 def parse_amount(value) -> int:
-    """A signed USD amount ("-5.00": a credit) in picodollars."""
+    """A signed USD amount ("-5.00": a credit) in picodollars, at most MAX_USD either way."""
     if not isinstance(value, str):
         raise InvalidRequest('amount must be a decimal string such as "-5.00"', param="amount")
     negative = value.startswith("-")
     try:
+        if parse_decimal(value.removeprefix("-"), "amount", low=None) > MAX_USD:
+            raise InvalidRequest(
+                f"amount must be between -{MAX_USD} and {MAX_USD} USD", param="amount"
+            )
         amount = usd_to_pico(parse_usd(value.removeprefix("-"), field="amount"))
-    except MoneyError as exc:
+    except (MoneyError, NumberError) as exc:
         raise InvalidRequest(str(exc), param="amount") from None
     if amount == 0:
         raise InvalidRequest("amount must not be zero", param="amount")
     return -amount if negative else amount
+
+
+def reach(retention_days: int | None) -> timedelta:
+    """How far back an adjustment's `at` may be: as far as ingested usage's (MAX_AGE), less
+    when retention moves the ledger on sooner."""
+    if retention_days is None:
+        return MAX_AGE
+    return min(MAX_AGE, timedelta(days=retention_days))
+
+
+def check_at(at: datetime, now: datetime, retention_days: int | None) -> None:
+    if at > now:
+        raise InvalidRequest("at must not be in the future", param="at")
+    back = reach(retention_days)
+    if at < now - back:
+        raise InvalidRequest(f"at must be at most {back.days} days back", param="at")
 
 
 async def adjust(
@@ -224,9 +289,12 @@ async def adjust(
     token_id: str | None = None,
     corrects_event_id: str | None = None,
     at: datetime | None = None,
+    retention_days: int | None = None,
 ) -> Event:
     """A manual adjustment (negative: a credit) to a team, a user, a token or one event, charged
-    to the budget window of `at` (default now; an event's own moment when it corrects one)."""
+    to the budget window of `at` (default now; an event's own moment when it corrects one).
+    Refused, with nothing written, when it would take a counter it changes below zero or past
+    COUNTER_CEILING: checked and written in one transaction, its budgets locked first."""
     reason = check_reason(reason)
     for name, value in (
         ("team_id", team_id),
@@ -236,6 +304,8 @@ async def adjust(
     ):
         check_name(value, name)
     now = utcnow()
+    if at is not None:
+        check_at(at, now, retention_days)
     model = provider = upstream_model = ""
     upstream_id = None
     async with db.reads() as session:
@@ -281,10 +351,15 @@ async def adjust(
     )
     event.upstream_id = upstream_id
     async with db.begin() as conn:
-        await writer.append(conn, event)
+        # Budgets first (locked, in the order every writer takes them), then the rollups.
         await charge_dated(
             conn,
             [Dated(_subjects(event), event.created_at, amount, event.team_id, event.user_id)],
             now,
+            bounded=True,
         )
+        problem = await past_ceiling(conn, event)
+        if problem is not None:
+            raise InvalidRequest(problem, param="amount")
+        await writer.append(conn, event)
     return event

@@ -77,15 +77,31 @@ class RerateIn(RequestBody):
     _moments = field_validator("start", "end")(client_moment)
 
 
+class OverLimit(BaseModel):
+    scope: Literal["token", "user", "team"]
+    id: str = Field(description="the token's, user's or team's id")
+    window_start: str = Field(description="RFC 3339: the budget window (current or closed)")
+    credit_limit: str = Field(description="USD")
+    spent: str = Field(description="USD, as the rerate left it: above credit_limit")
+
+
 class RerateOut(BaseModel):
     adjusted: int = Field(description="adjustment events appended (one per corrected event)")
     difference: str = Field(description="their sum, USD (negative: the range was overcharged)")
+    over_limit: list[OverLimit] = Field(
+        description="the budget windows the rerate charged more and left above their "
+        "credit_limit (each also raises budget.exhausted); a rerate is never refused for them"
+    )
 
 
 class AdjustmentIn(RequestBody):
     free_text = frozenset({"reason"})
 
-    amount: str = Field(max_length=64, description='signed USD, e.g. "-5.00" for a credit')
+    amount: str = Field(
+        max_length=64,
+        description='signed USD, e.g. "-5.00" for a credit; at most 1000000 either way, and '
+        "never taking a budget's spent below zero or past 9000000 (400)",
+    )
     reason: str = Field(max_length=500)
     team_id: str | None = Field(None, max_length=40)
     user_id: str | None = Field(None, max_length=40)
@@ -94,7 +110,8 @@ class AdjustmentIn(RequestBody):
     at: str | None = Field(
         None,
         max_length=64,
-        description=f"RFC 3339, {BOUNDS}: the moment (and budget window) it counts in",
+        description=f"RFC 3339, {BOUNDS}: the moment (and budget window) it counts in; not "
+        "in the future, at most 35 days back (fewer when METERING_RETENTION_DAYS is shorter)",
     )
 
     _moment = field_validator("at")(client_moment)

@@ -39,6 +39,7 @@ from sqlalchemy import (
     func,
     insert,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -51,11 +52,12 @@ from metering.budgets import rates, settle_pg
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import AttrRecord, Database, UTCDateTime, dialect_name, utcnow
-from metering.errors import LedgerUnavailable
+from metering.errors import InvalidRequest, LedgerUnavailable
 from metering.ledger import writer
 from metering.ledger.event import UNSETTLED, Event
 from metering.ledger.outcome import Billing
 from metering.models import Budget, BudgetLease, BudgetWindow, Hold, Run
+from metering.money import COUNTER_CEILING, format_usd
 from metering.timefmt import rfc3339
 
 if TYPE_CHECKING:
@@ -1219,6 +1221,53 @@ class Dated:
     user_id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Charged:
+    """A budget window dated charges changed (the current one, or a closed one's kept total),
+    as they left it."""
+
+    scope: str
+    subject_id: str
+    window_start: datetime
+    window_end: datetime | None
+    credit_limit: int | None
+    spent: int  # after the charges
+    reserved: int  # the current window's; a closed window holds nothing
+    added: int  # what the charges added to spent (negative: a credit)
+    team_id: str | None
+    user_id: str | None  # None for a team's budget
+
+    @property
+    def over_limit(self) -> bool:
+        """Charged more and left above its credit_limit."""
+        return self.added > 0 and self.credit_limit is not None and self.spent > self.credit_limit
+
+
+class OutOfBounds(InvalidRequest):
+    """A charge that would take a budget's spent below zero or past COUNTER_CEILING."""
+
+
+def check_bounds(window: Charged) -> None:
+    """Refuse a charge that takes a counter below zero (a credit) or past the ceiling (a
+    charge): a counter already out of bounds may still be brought back."""
+    before = window.spent - window.added
+    where = f"{window.scope} {window.subject_id}'s spent in the window from"
+    where += f" {rfc3339(window.window_start)}"
+    if window.added < 0 and window.spent < 0:
+        raise OutOfBounds(
+            f"this amount would take {where} from {format_usd(before)} to "
+            f"{format_usd(window.spent)} USD: below zero",
+            param="amount",
+        )
+    if window.added > 0 and window.spent + window.reserved > COUNTER_CEILING:
+        raise OutOfBounds(
+            f"this amount would take {where} from {format_usd(before)} to "
+            f"{format_usd(window.spent)} USD (reserved {format_usd(window.reserved)}): past the "
+            f"{format_usd(COUNTER_CEILING)} USD a counter keeps",
+            param="amount",
+        )
+
+
 def _closed_upsert(session: AsyncSession):
     statement = _upsert_ignore(session)(BudgetWindow.__table__)
     return statement.on_conflict_do_update(
@@ -1227,16 +1276,32 @@ def _closed_upsert(session: AsyncSession):
     )
 
 
-async def charge_dated(session: AsyncSession, charges: list[Dated], now: datetime) -> None:
+async def _closed_totals(session: AsyncSession, keys: list[tuple[str, datetime]]) -> dict:
+    """(subject, window start) -> (spent, credit_limit) of the closed windows kept."""
+    table = BudgetWindow.__table__
+    rows = await session.execute(
+        select(table.c.subject_id, table.c.window_start, table.c.spent, table.c.credit_limit).where(
+            tuple_(table.c.subject_id, table.c.window_start).in_(keys)
+        )
+    )
+    return {(r.subject_id, r.window_start): (r.spent, r.credit_limit) for r in rows}
+
+
+async def charge_dated(
+    session: AsyncSession, charges: list[Dated], now: datetime, *, bounded: bool = False
+) -> list[Charged]:
     """Charge each amount to the window of each budget it falls in, in the caller's
     transaction: the current window's `spent`, or a closed window's kept total (corrected,
     never reopened for admission; a window that closed without a recorded total gets one). An
     amount from before a budget existed is charged to the calendar window of its moment (hourly,
-    daily, weekly, monthly), or to the budget's first window (fixed windows, never). The budgets are locked
-    in subject_id order (the order every writer here uses) and rolled first."""
+    daily, weekly, monthly), or to the budget's first window (fixed windows, never). The budgets
+    are locked in subject_id order (the order every writer here uses) and rolled first, so
+    what they hold cannot move before the charge: with `bounded`, a charge that would take one
+    below zero or past COUNTER_CEILING raises OutOfBounds, with nothing written. Returns the
+    windows charged, as left."""
     subjects = sorted({s for charge in charges for s in charge.subjects})
     if not subjects:
-        return
+        return []
     budgets = await load(session, subjects, lock=True)
     for budget in budgets.values():
         await roll(session, budget, now)
@@ -1268,10 +1333,79 @@ async def charge_dated(session: AsyncSession, charges: list[Dated], now: datetim
                 },
             )
             row["spent"] += charge.amount
+    charged = _current_charged(budgets, current, people, now)
+    if closed:
+        kept = await _closed_totals(session, sorted(closed))
+        for key in sorted(closed):
+            row = closed[key]
+            spent, limit = kept.get(key, (0, row["credit_limit"]))
+            charged.append(
+                Charged(
+                    row["scope"],
+                    row["subject_id"],
+                    row["window_start"],
+                    row["window_end"],
+                    limit,
+                    spent + row["spent"],
+                    0,
+                    row["spent"],
+                    *people[row["subject_id"]],
+                )
+            )
+    if bounded:
+        for window in charged:
+            check_bounds(window)
     if current:  # the settle's path: a threshold a positive amount passes alerts as a settle's
         await _charge(session, {s: [cost, 0] for s, cost in current.items()}, {}, people, now)
     if closed:
         await session.execute(_closed_upsert(session), [closed[key] for key in sorted(closed)])
+    return charged
+
+
+def _current_charged(budgets: dict, current: dict[str, int], people: dict, now) -> list[Charged]:
+    """The current windows `current` charges, from the locked rows (rolled: a window that has
+    ended restarted at 0)."""
+    out = []
+    for subject in sorted(current):
+        budget = budgets[subject]
+        start, end = current_window(budget, now)
+        before = 0 if budget.window_start < start else budget.spent
+        out.append(
+            Charged(
+                budget.scope,
+                subject,
+                max(start, budget.window_start),
+                end,
+                budget.credit_limit,
+                before + current[subject],
+                budget.reserved,
+                current[subject],
+                *people[subject],
+            )
+        )
+    return out
+
+
+async def alert_over_limit(session: AsyncSession, charged: list[Charged], now: datetime) -> None:
+    """budget.exhausted for each window a charge that is never refused (a rerate: the price was
+    wrong) left above its credit_limit, once per window and limit (the key a refusal's has)."""
+    rows = []
+    for window in charged:
+        if not window.over_limit:
+            continue
+        figures = record.Figures(
+            window.scope,
+            window.subject_id,
+            window.team_id,
+            window.credit_limit,
+            window.spent,
+            window.reserved,
+            window.window_end,
+        )
+        key = f"{window.subject_id}:{rfc3339(window.window_start)}:{window.credit_limit}"
+        data = figures.data(window_start=rfc3339(window.window_start))
+        rows.append(record.event_row(record.EXHAUSTED, key, data, now, user_id=window.user_id))
+    await record.write(session, rows)
 
 
 # Runs (x-metering-run): a budget of the run's own, the fourth scope a request is held against.

@@ -115,7 +115,11 @@ def test_a_wrong_price_corrected_agrees_everywhere(own_server):
     }
     result = api.ok("POST", "/v1/rerate", json=rerate)
     wanted_difference = sum(recomputed(e) - usd(e["cost"]) for e in gpt)
-    assert result == {"adjusted": 10, "difference": format_usd(wanted_difference)}
+    assert result == {
+        "adjusted": 10,
+        "difference": format_usd(wanted_difference),
+        "over_limit": [],
+    }
 
     # The ledger: originals unchanged, one adjustment per corrected event.
     after = all_events(api, team_id=team["id"])
@@ -201,7 +205,8 @@ def test_a_wrong_price_corrected_agrees_everywhere(own_server):
     assert body["summary"]["differs"] == 0
 
     # Twice: nothing more, through the API and the command line.
-    assert api.ok("POST", "/v1/rerate", json=rerate) == {"adjusted": 0, "difference": "0"}
+    nothing = {"adjusted": 0, "difference": "0", "over_limit": []}
+    assert api.ok("POST", "/v1/rerate", json=rerate) == nothing
     cli = subprocess.run(
         [sys.executable, "-m", "metering.cli", "rerate", "--provider", "sim-openai"]
         + ["--model", "gpt-sim", "--start", start, "--end", end, "--reason", "again"],
@@ -211,7 +216,7 @@ def test_a_wrong_price_corrected_agrees_everywhere(own_server):
         check=False,
     )
     assert cli.returncode == 0, cli.stderr
-    assert json.loads(cli.stdout) == {"adjusted": 0, "difference": "0"}
+    assert json.loads(cli.stdout) == nothing
     assert len(all_events(api, team_id=team["id"])) == len(after)
 
 
