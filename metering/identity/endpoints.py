@@ -263,7 +263,9 @@ async def patch_token(
     services: Services = Depends(get_services),
     session: AsyncSession = Session,
 ) -> TokenOut:
-    """A user's own credential may tighten its token's limits, not raise or remove them."""
+    """A user's own credential may tighten its token's limits, not raise or remove them, and
+    may set or shorten its expiry (`expires_at`, `expires_in`), not extend or remove it: 403
+    `forbidden` naming the field. The admin key may change anything."""
     await _own_token(session, principal, token_id)
     _limits(body, services)
     token = await service.update_token(

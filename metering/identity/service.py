@@ -17,6 +17,7 @@ from metering.errors import Forbidden, InvalidRequest, MeteringError, NotFound
 from metering.limits import allows, dump_models, parse_models
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import usd_to_pico
+from metering.timefmt import rfc3339
 
 MAX_ACTIVE_TOKENS = 10
 
@@ -359,7 +360,9 @@ def check_tightening(token: ApiToken, fields: dict) -> None:
             continue
         current, new = getattr(token, name), fields[name]
         if current is not None and (new is None or new > current):
-            raise Forbidden(f"{name}: only the admin key may raise or remove a token's limit")
+            raise Forbidden(
+                f"{name}: only the admin key may raise or remove a token's limit", param=name
+            )
     if "allowed_models" in fields and token.allowed_models is not None:
         current = parse_models(token.allowed_models) or ()
         new = fields["allowed_models"]
@@ -368,7 +371,29 @@ def check_tightening(token: ApiToken, fields: dict) -> None:
             or any(n not in current and not allows(current, n) for n in new)
             or any(any(c in n for c in "*?") and n not in current for n in new)
         ):
-            raise Forbidden("allowed_models: only the admin key may widen a token's list")
+            raise Forbidden(
+                "allowed_models: only the admin key may widen a token's list",
+                param="allowed_models",
+            )
+
+
+def check_shortening(token: ApiToken, fields: dict, now: datetime) -> None:
+    """A user's own credential may give its token an expiry or bring it closer, never push it
+    out or remove it (`expires_in` counts from now; null removes), as with its limits."""
+    if "expires_at" not in fields and "expires_in" not in fields:
+        return
+    if fields.get("expires_in") is not None:
+        name, wanted = "expires_in", now + timedelta(seconds=fields["expires_in"])
+    else:
+        name = "expires_at" if "expires_at" in fields else "expires_in"
+        wanted = fields.get("expires_at")
+    current = token.expires_at
+    if current is not None and (wanted is None or wanted > current):
+        raise Forbidden(
+            f"{name}: only the admin key may extend or remove a token's expiry (this one "
+            f"expires at {rfc3339(current)})",
+            param=name,
+        )
 
 
 async def update_token(
@@ -380,8 +405,10 @@ async def update_token(
     tighten_only: bool = False,
 ) -> ApiToken:
     token = await get_token(session, token_id)
+    now = utcnow()
     if tighten_only:
         check_tightening(token, fields)
+        check_shortening(token, fields, now)
     if fields.get("name") is not None:
         token.name = fields["name"]
     if "allowed_models" in fields:
@@ -391,7 +418,7 @@ async def update_token(
     changed = set_limits(token, fields)
     if "expires_at" in fields or "expires_in" in fields:
         token.expires_at = token_expiry(
-            utcnow(), fields.get("expires_at"), fields.get("expires_in"), max_lifetime_s
+            now, fields.get("expires_at"), fields.get("expires_in"), max_lifetime_s
         )
         changed = True
     if changed:
