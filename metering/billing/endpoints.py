@@ -50,8 +50,10 @@ async def post_events(
     principal: Principal = Depends(ingesting_principal),
     services: Services = Depends(get_services),
 ) -> EventsOut:
-    run = run_of(request.headers, principal.team_id, services.settings.run_idle_s)
-    if run is not None and principal.charged_in_full:
+    run = None
+    if not principal.charged_in_full:
+        run = run_of(request.headers, principal.team_id, services.settings.run_idle_s)
+    elif RUN in request.headers:
         raise InvalidRequest(
             f"{RUN} applies to usage a user's own credential reports; the admin key and "
             "ingestion keys report usage charged in full",
@@ -166,7 +168,7 @@ async def create_ingest_key(
 
 @router.get(
     "/teams/{team_id}/ingest-keys",
-    responses=error_responses(404, *RULE_ERRORS["admin"]),
+    responses=error_responses(400, 404, *RULE_ERRORS["admin"]),
     description="The team's ingestion keys, never their secrets.",
 )
 async def list_ingest_keys(
@@ -182,7 +184,7 @@ async def list_ingest_keys(
 @router.delete(
     "/teams/{team_id}/ingest-keys/{key_id}",
     status_code=204,
-    responses=error_responses(404, *RULE_ERRORS["admin"]),
+    responses=error_responses(400, 404, *RULE_ERRORS["admin"]),
     description="Revoke an ingestion key: its next use, on any replica, is a 401.",
 )
 async def revoke_ingest_key(

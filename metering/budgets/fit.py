@@ -31,12 +31,8 @@ from metering.budgets.service import (
     roll,
 )
 from metering.models import BudgetWindow
-from metering.money import format_usd
+from metering.money import COUNTER_CEILING, format_usd
 from metering.timefmt import rfc3339
-
-# The most any counter of money (a budget's spent plus reserved, a closed window's total, a
-# run's) may hold after a charge that can be refused: 9,000,000 USD in picodollars.
-COUNTER_CEILING = 9 * 10**18
 
 BUDGET_EXCEEDED = "budget_exceeded"
 COUNTER_CEILING_REACHED = "counter_ceiling"

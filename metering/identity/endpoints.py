@@ -121,7 +121,7 @@ async def delete_team(
     return Response(status_code=204)
 
 
-@router.get("/me", responses=error_responses(401, 429, 503))
+@router.get("/me", responses=error_responses(401, 403, 429, 503))
 async def whoami(principal: Principal = Depends(any_principal)) -> PrincipalOut:
     """Who this credential is: what a script or the dashboard needs to find its own objects."""
     return PrincipalOut(

@@ -34,6 +34,7 @@ from metering.models import (
     SpendHourlyModel,
     SpendHourlyToken,
 )
+from metering.money import COUNTER_CEILING
 
 KEY = ("hour", "team_id", "user_id", "token_id", "model", "provider")
 SUMS = (
@@ -421,9 +422,9 @@ def derive_statement(rollup: Rollup, dialect: str, *where):
     return insert(rollup.table).from_select([*rollup.key, "requests", *SUMS], query)
 
 
-# The most a rollup's sum may hold after an append that can be refused (ingested usage): the
-# columns keep 2**63 - 1; the rest is headroom for live requests settling meanwhile.
-SUM_CEILING = 9 * 10**18
+# The most a rollup's sum may hold after an append that can be refused (ingested usage), in
+# picodollars and in tokens alike (metering.money.COUNTER_CEILING).
+SUM_CEILING = COUNTER_CEILING
 # The rollups whose rows sum the most events of a day: every other rollup row is a part of one
 # of theirs (spend_daily by every key, and each hourly row, sum fewer events).
 _WIDEST = (_rollup(SpendDailyToken, "day"), _rollup(SpendDailyModel, "day"))

@@ -1,4 +1,5 @@
-"""Schemathesis over the server's own /openapi.json, as the admin and as a user: no request it
+"""Schemathesis over the server's own /openapi.json, as the admin, as a user and as a team's
+ingestion key: no request it
 generates gets a 5xx, every status it gets is one the route declares, and every response
 matches the schema declared for its status.
 
@@ -28,7 +29,7 @@ CHECKS = [not_a_server_error, status_code_conformance, response_schema_conforman
 )
 def fuzzed(request, sim):
     """A server of the module's own (the fuzzer creates and deletes at random), its admin API,
-    and a user's token."""
+    a user's token and an ingestion key of the user's team."""
     if request.param == "sqlite":
         url = f"sqlite:///{request.getfixturevalue('tmp_path_factory').mktemp('fuzz')}/m.db"
     else:
@@ -42,8 +43,9 @@ def fuzzed(request, sim):
     )
     server = metering_server(settings_, catalog)
     api = Api(server.url, request.param, settings_)
-    _, _, token = api.principal(token_limit="5", user_limit="5", team_limit="5")
-    yield api, token["token"]
+    team, _, token = api.principal(token_limit="5", user_limit="5", team_limit="5")
+    ingest = api.ok("POST", f"/v1/teams/{team['id']}/ingest-keys", 201, json={"name": "fuzz"})
+    yield api, {"user": token["token"], "ingest": ingest["key"], "admin": ADMIN_KEY}
     server.stop()
 
 
@@ -83,10 +85,10 @@ def _failures(operation, mode: GenerationMode, api: Api, key: str) -> list[str]:
 
 # Nothing is excluded: the admin key cannot be revoked through the API, the fuzzer never holds
 # a refresh token to log out with, and the user's token id is never guessed by a generated path.
-@pytest.mark.parametrize("role", ["admin", "user"])
+@pytest.mark.parametrize("role", ["admin", "user", "ingest"])
 def test_openapi_fuzz(api_schema, fuzzed, role):
-    api, user_key = fuzzed
-    key = ADMIN_KEY if role == "admin" else user_key
+    api, keys = fuzzed
+    key = keys[role]
     failures, operations = [], 0
     for result in api_schema.get_all_operations():
         operation = result.ok()
