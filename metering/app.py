@@ -43,6 +43,7 @@ from metering.reports.endpoints import router as reports_router
 from metering.requestid import RequestId
 from metering.services import Services, get_services
 from metering.settings import Catalog, Settings, load_catalog
+from metering.text import valid_parameters
 
 log = logging.getLogger("metering")
 
@@ -236,6 +237,8 @@ def create_app(
         docs_url="/docs" if openapi else None,
         openapi_url="/openapi.json" if openapi else None,
         redoc_url=None,
+        # Every query parameter, on every route: no control character reaches a query.
+        dependencies=[Depends(valid_parameters)],
     )
     install_error_handlers(app)
     for error in (

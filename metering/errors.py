@@ -114,9 +114,24 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+def _sendable(text: str | None) -> str | None:
+    """Text as an answer can carry it: a lone surrogate a client sent, echoed in a message or a
+    param, is written as its escape (\\ud800) instead of failing the answer."""
+    if text is None or text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, code: str, message: str, param: str | None = None) -> dict:
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
+    return {
+        "error": {
+            "message": _sendable(message),
+            "type": kind,
+            "code": code,
+            "param": _sendable(param),
+        }
+    }
 
 
 def error_response(
@@ -125,16 +140,42 @@ def error_response(
     return JSONResponse(error_body(status, code, message, param), status, headers=headers)
 
 
+# pydantic's own words ahead of a validator's message: not for the person reading it.
+_FRAMEWORK_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+
+def _param(loc) -> str | None:
+    """A field's place as a client writes it: `events[3].idempotency_key`."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    from metering.text import NOT_UNICODE, InvalidText  # metering.text raises these errors
+
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
-    loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
+    param = _param(first.get("loc", ()))
+    message = str(first.get("msg", "invalid value"))
+    for prefix in _FRAMEWORK_PREFIXES:
+        message = message.removeprefix(prefix)
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, InvalidText):
+        where = cause.where
+        if param and where:
+            where = f"{param}{where}" if where.startswith("[") else f"{param}.{where}"
+        param, message = (where or param), cause.problem
+    elif first.get("type") == "string_unicode":
+        message = NOT_UNICODE
     return (f"{param}: {message}" if param else message), param
 
 

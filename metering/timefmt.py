@@ -1,6 +1,21 @@
-"""RFC 3339 UTC timestamps in and out."""
+"""RFC 3339 UTC timestamps in and out.
+
+Every moment read from text is between 2000-01-01T00:00:00Z and 2999-12-31T23:59:59.999999Z
+(UTC): parse_rfc3339, the one parser, refuses any other, so a client's year 9999 never reaches
+the arithmetic of windows and hours (where it would overflow Python's datetime)."""
 
 from datetime import UTC, datetime
+
+EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
+END = datetime(3000, 1, 1, tzinfo=UTC)  # the first moment after the bound
+BOUNDS = "between 2000-01-01T00:00:00Z and 2999-12-31T23:59:59Z"
+
+
+class OutOfBounds(ValueError):
+    """A well-formed moment outside the years 2000 to 2999 (UTC)."""
+
+    def __init__(self) -> None:
+        super().__init__(f"must be {BOUNDS}")
 
 
 def rfc3339(value: datetime | None) -> str | None:
@@ -10,8 +25,37 @@ def rfc3339(value: datetime | None) -> str | None:
     return value.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+def bounded(value: datetime) -> datetime:
+    """An aware moment in UTC, within the bounds; OutOfBounds otherwise."""
+    try:
+        value = value.astimezone(UTC)
+    except OverflowError:  # e.g. 9999-12-31T23:00:00-01:00 is past year 9999 in UTC
+        raise OutOfBounds() from None
+    if not EARLIEST <= value < END:
+        raise OutOfBounds()
+    return value
+
+
 def parse_rfc3339(text: str) -> datetime:
+    """An RFC 3339 timestamp with its zone, in UTC, within the bounds. ValueError otherwise
+    (OutOfBounds, a ValueError, when only the bounds refuse it)."""
     value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
     if value.tzinfo is None:
         raise ValueError("timestamp needs a time zone (e.g. 2026-01-01T00:00:00Z)")
-    return value.astimezone(UTC)
+    return bounded(value)
+
+
+def client_moment(value: str | None) -> str | None:
+    """A body field's RFC 3339 text, checked (pydantic validator: ValueError names the
+    problem); the text itself is kept for the service that reads it."""
+    if value is None:
+        return None
+    try:
+        parse_rfc3339(value)
+    except OutOfBounds:
+        raise
+    except ValueError:
+        raise ValueError(
+            "must be an RFC 3339 timestamp with its time zone, e.g. 2026-01-01T00:00:00Z"
+        ) from None
+    return value

@@ -4,9 +4,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from metering.text import RequestBody
 
-class _Body(BaseModel):
+
+class _Body(RequestBody):
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+    free_text = frozenset({"password"})
 
 
 class Login(_Body):

@@ -12,7 +12,8 @@ from metering.alerts.record import DEFAULT_THRESHOLDS, thresholds_of
 from metering.budgets.windows import InvalidInterval, parse_interval
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import MoneyError, format_usd, parse_usd
-from metering.timefmt import rfc3339
+from metering.text import RequestBody
+from metering.timefmt import BOUNDS, bounded, rfc3339
 
 
 def _limit(value: object) -> Decimal | None:
@@ -33,16 +34,9 @@ def _interval(value: object) -> str:
         raise ValueError(str(exc)) from None
 
 
-class _Body(BaseModel):
+class _Body(RequestBody):
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
-
-    @field_validator("*")
-    @classmethod
-    def _no_nul(cls, value: object) -> object:
-        # PostgreSQL cannot store NUL in text; refuse it on every backend alike.
-        if isinstance(value, str) and "\x00" in value:
-            raise ValueError("must not contain NUL characters")
-        return value
+    free_text = frozenset({"password"})
 
 
 MAX_THRESHOLDS = 10
@@ -148,7 +142,8 @@ MAX_LIFETIME_S = 100 * 365 * 86400
 
 class _Expiring(_Body):
     expires_at: AwareDatetime | None = Field(
-        default=None, description="When the token stops working (RFC 3339); null: never"
+        default=None,
+        description=f"When the token stops working (RFC 3339, {BOUNDS}); null: never",
     )
     expires_in: Annotated[
         int | None,
@@ -160,6 +155,8 @@ class _Expiring(_Body):
             "both are capped by METERING_TOKEN_MAX_LIFETIME_S when it is set",
         ),
     ] = None
+
+    _bounded = field_validator("expires_at")(lambda v: None if v is None else bounded(v))
 
     @model_validator(mode="after")
     def _one_expiry(self):

@@ -9,6 +9,7 @@ import orjson
 from fastapi import Request
 
 from metering.errors import InvalidRequest, TooLarge
+from metering.text import first_problem
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_MESSAGES = 100_000
@@ -74,6 +75,11 @@ def parse_json(raw: bytes) -> dict:
         raise InvalidRequest("request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    # JSON's escapes can spell a lone surrogate (\ud800), which the fast parser refuses: no
+    # text to look up, record or send upstream. Refused here, naming the field, before any hold.
+    bad = first_problem(body, controls=False)
+    if bad is not None:
+        raise InvalidRequest(str(bad), param=bad.where or None)
     return body
 
 

@@ -28,7 +28,7 @@ from metering.ledger.rollup import day_text
 from metering.models import LedgerEvent, LedgerEventArchive, Reconciliation
 from metering.money import PICO, format_usd
 from metering.numbers import NumberError, parse_count, parse_decimal
-from metering.timefmt import parse_rfc3339, rfc3339
+from metering.timefmt import EARLIEST, END, parse_rfc3339, rfc3339
 
 REQUIRED = ("date", "provider", "model", "prompt_tokens", "completion_tokens", "cost")
 STATUSES = ("matched", "differs", "missing_in_ledger", "missing_in_provider")
@@ -104,7 +104,7 @@ def parse_tolerance(value: str | None) -> Decimal:
         raise InvalidRequest("tolerance must be a number from 0 to 1", param="tolerance") from None
 
 
-FIRST_DAY, LAST_DAY = date(1970, 1, 1), date(9999, 12, 30)  # the day after must exist too
+FIRST_DAY, LAST_DAY = EARLIEST.date(), (END - timedelta(days=1)).date()  # the moments' bounds
 
 
 def _day(value: str) -> date:

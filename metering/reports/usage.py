@@ -12,6 +12,7 @@ from operator import attrgetter
 
 from sqlalchemy import Boolean, Select, and_, or_, select
 
+from metering import text
 from metering.auth.service import Principal
 from metering.db import Database, UTCDateTime
 from metering.errors import Forbidden, InvalidRequest
@@ -20,7 +21,7 @@ from metering.models import LedgerEvent
 from metering.money import format_price, format_usd
 from metering.reports.cells import row as csv_cells
 from metering.reports.labels import LABEL_KEYS, LABELS, label_rows, lookup
-from metering.timefmt import parse_rfc3339, rfc3339
+from metering.timefmt import OutOfBounds, parse_rfc3339, rfc3339
 
 CSV_COLUMNS = PUBLIC  # the event's public columns, the detail objects flattened
 
@@ -97,15 +98,16 @@ def parse_time(value: str | None, name: str) -> datetime | None:
         return None
     try:
         return parse_rfc3339(value)
-    except (ValueError, OverflowError):  # OverflowError: a valid text beyond year 1..9999 in UTC
+    except OutOfBounds as exc:
+        raise InvalidRequest(f"{name}: {exc}", param=name) from None
+    except ValueError:
         raise InvalidRequest(f"{name} must be an RFC 3339 timestamp", param=name) from None
 
 
 def check_text(value: str | None, name: str) -> None:
     """A filter is compared with stored text: NUL (which PostgreSQL refuses in a parameter)
-    and other control characters are in no id or name."""
-    if value is not None and any(c < " " or c == "\x7f" for c in value):
-        raise InvalidRequest(f"{name} must not contain control characters", param=name)
+    and other control characters are in no id or name (metering.text)."""
+    text.check(value, name)
 
 
 def check_range(start: datetime | None, end: datetime | None) -> None:

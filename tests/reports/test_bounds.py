@@ -49,7 +49,8 @@ def upload(api, name: str, lines: list[str], **params):
         ("2025-01-01,{p},m," + "9" * 5000 + ",5,0.001,a", "prompt_tokens", "at most"),
         ("2025-01-01,{p},m,10,1" + "0" * 15 + "1,0.001,a", "completion_tokens", "at most"),
         ("2025-01-01,{p},m,-10,5,0.001,a", "prompt_tokens", "whole number >= 0"),
-        ("9999-12-31,{p},m,10,5,0.001,a", "date", "from 1970-01-01 to 9999-12-30"),
+        ("3000-01-01,{p},m,10,5,0.001,a", "date", "from 2000-01-01 to 2999-12-31"),
+        ("1999-12-31,{p},m,10,5,0.001,a", "date", "from 2000-01-01 to 2999-12-31"),
         ("2025-01-01,{p},m\x00,10,5,0.001,a", "model", "control characters"),
         ("2025-01-01,{p},m,10,5,0.001,a\x00b", "upstream_id", "control characters"),
         ("2025-01-01,{p}," + "m" * 201 + ",10,5,0.001,a", "model", "longer than 200"),
@@ -69,12 +70,12 @@ def test_an_unbounded_value_in_an_export_is_400_naming_field_and_line(
 
 def test_exact_bounds_of_an_export_are_accepted(api, provider):
     row = f"2025-01-01,{{p}},m,{10**15},0,{10**12},{'i' * 200}"
-    response = upload(api, provider, [row, "9999-12-30,{p},m,0,0,1e-6,"])
+    response = upload(api, provider, [row, "2999-12-31,{p},m,0,0,1e-6,"])
     assert response.status_code == 201, response.text
     [first, last] = response.json()["rows"]
     assert first["provider_side"]["prompt_tokens"] == 10**15
     assert Decimal(first["provider_side"]["cost"]) == Decimal(10**12)
-    assert (last["day"], Decimal(last["provider_side"]["cost"])) == ("9999-12-30", Decimal("1e-6"))
+    assert (last["day"], Decimal(last["provider_side"]["cost"])) == ("2999-12-31", Decimal("1e-6"))
 
 
 @pytest.mark.parametrize(

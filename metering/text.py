@@ -1,0 +1,123 @@
+"""Text from clients, checked in one place: every request body (RequestBody, the base of every
+request model, walks what was sent, the raw events of POST /v1/events included), every query
+parameter (`valid_parameters`, a dependency of the whole application) and the proxy's own body
+(`first_problem`, on the rare body its fast JSON parser refused).
+
+Text must be valid Unicode: JSON's `\\ud800` escape makes a lone UTF-16 surrogate, which no
+UTF-8 column, driver or answer can carry. Control characters mean nothing in an id, a name, a
+key, an email or a URL (none is taken there); free text (a reason) may hold tab, newline and
+carriage return, no other C0 control and no DEL."""
+
+import re
+from typing import Any, ClassVar
+
+from fastapi import Request
+from pydantic import BaseModel, model_validator
+
+from metering.errors import InvalidRequest
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_FREE_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+# What pydantic's str_strip_whitespace takes off both ends before a value is kept.
+_EDGE_SPACE = "\t\n\x0b\x0c\r "
+
+NOT_UNICODE = "must be valid Unicode text (it holds a lone UTF-16 surrogate such as \\ud800)"
+CONTROL = "must not contain control characters"
+FREE_CONTROL = "must not contain control characters other than tab, newline and carriage return"
+
+
+class InvalidText(ValueError):
+    """A text field a client sent that cannot be taken; `where` names it inside the body."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}" if where else problem)
+        self.where, self.problem = where, problem
+
+
+def problem(value: str, *, free: bool = False, controls: bool = True) -> str | None:
+    """Why `value` is not text this service takes, or None (`controls` false: only whether it
+    is valid Unicode, for text that is passed on, such as a chat message)."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return NOT_UNICODE
+    if controls and (_FREE_CONTROL if free else _CONTROL).search(value):
+        return FREE_CONTROL if free else CONTROL
+    return None
+
+
+def check(value: str | None, name: str, *, free: bool = False) -> None:
+    """A query parameter, a header or a body field checked by hand: 400 naming it."""
+    if value is None:
+        return
+    found = problem(value, free=free)
+    if found is not None:
+        raise InvalidRequest(f"{name}: {found}", param=name)
+
+
+def first_problem(
+    value: Any,
+    where: str = "",
+    *,
+    free: bool = False,
+    strip: bool = False,
+    controls: bool = True,
+) -> InvalidText | None:
+    """The first string of a JSON value (its keys included) that is not valid text, by its
+    path (`events[3].idempotency_key`); None when every string is. `strip`: leading and
+    trailing whitespace is not looked at (the model strips it before keeping the value)."""
+
+    # Iterative, in document order: a body nested as deep as the JSON reader allows is walked
+    # without recursion.
+    pending: list[tuple[Any, str]] = [(value, where)]
+    while pending:
+        item, at = pending.pop()
+        if isinstance(item, str):
+            found = problem(
+                item.strip(_EDGE_SPACE) if strip else item, free=free, controls=controls
+            )
+            if found is not None:
+                return InvalidText(at, found)
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                if isinstance(key, str) and (found := problem(key, controls=controls)):
+                    return InvalidText(at, f"a field name {found}")
+                children.append((child, f"{at}.{key}" if at else str(key)))
+            pending.extend(reversed(children))
+        elif isinstance(item, list):
+            pending.extend((item[i], f"{at}[{i}]") for i in reversed(range(len(item))))
+    return None
+
+
+class RequestBody(BaseModel):
+    """The base of every request body: each string it holds, nested and keys included, is
+    valid text (400 naming the field otherwise), checked before any field is read.
+    `free_text` names the fields whose text may hold tab, newline and carriage return."""
+
+    free_text: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        strip = bool(cls.model_config.get("str_strip_whitespace"))
+        for name, value in data.items():
+            if isinstance(name, str) and (found := problem(name)) is not None:
+                raise InvalidText("", f"a field name {found}")
+            bad = first_problem(value, str(name), free=name in cls.free_text, strip=strip)
+            if bad is not None:
+                raise bad
+        return data
+
+
+async def valid_parameters(request: Request) -> None:
+    """Every query parameter is an id, a name, a time, a number or a word: control characters
+    are in none (a 400 naming it, before it reaches a query). A dependency of the whole app."""
+    for name, value in request.query_params.multi_items():
+        found = problem(name)
+        if found is not None:
+            raise InvalidRequest(f"a query parameter's name {found}")
+        check(value, name)
