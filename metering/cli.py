@@ -22,10 +22,26 @@ from metering.metrics import MULTIPROC_ENV
 from metering.server import server_config
 from metering.settings import Settings
 
+# The admin key .env.example shows: every reader of the repository knows it.
+PLACEHOLDER_ADMIN_KEY = "change-me-to-a-random-key-of-32-characters-or-more"
+
+
+def placeholder_admin_key(key: str | None) -> bool:
+    """A key left as an example wrote it (any key with `change-me` in it): never served with."""
+    return key is not None and (key == PLACEHOLDER_ADMIN_KEY or "change-me" in key.lower())
+
 
 def serve(args: argparse.Namespace) -> int:
     settings = load_settings()
     if settings is None:
+        return 2
+    if placeholder_admin_key(settings.admin_key):
+        print(
+            "metering: METERING_ADMIN_KEY is still the example's placeholder (it contains "
+            "`change-me`): anyone who has read .env.example could use the admin API. Set a "
+            "random key of at least 32 characters: `openssl rand -hex 32`",
+            file=sys.stderr,
+        )
         return 2
     migrate.upgrade(settings.database_url)
     config = server_config(

@@ -25,6 +25,7 @@ import uvicorn
 
 from metering import migrate
 from metering.app import create_app
+from metering.money import format_usd, parse_usd, usd_to_pico
 from metering.server import server_config
 from metering.settings import Settings, parse_catalog
 from metering.sim.app import SimServer
@@ -313,7 +314,8 @@ def describe(statuses: Counter) -> str:
 DELIBERATE = {
     400: "the upstream's own 400 (helpdesk, sim:fault=http400), passed on with its status; "
     "a ledger event at cost 0",
-    402: "budget_exceeded: the notebook token's daily limit of 0.010 USD cannot cover a 5th "
+    402: "budget_exceeded: the notebook token's daily limit of "
+    f"{format_usd(usd_to_pico(parse_usd(DEMO_TOKENS['notebook'][1])))} USD cannot cover a 5th "
     "request of up to 1,800 tokens; nothing reached the upstream, see GET /v1/refusals",
     403: "model_not_allowed: the scripts token may only use gpt-* (its allowed_models)",
     429: "rate_limit_exceeded: the scripts token's rpm_limit of 2 requests a minute",

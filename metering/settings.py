@@ -7,8 +7,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from metering.money import MoneyError, parse_usd, price_to_micro
 from metering.timefmt import parse_rfc3339
@@ -21,6 +23,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="METERING_", env_file=".env", extra="ignore")
 
     database_url: str = "sqlite:///./metering.db"
+    # The database's password, quoted into database_url (any character: @ : / % too), replacing
+    # the URL's own; docker-compose.yml passes POSTGRES_PASSWORD here. None: the URL's own.
+    database_password: str | None = Field(default=None, repr=False)
     admin_key: str | None = None
     admin_key_min_chars: ClassVar[int] = ADMIN_KEY_MIN_CHARS
     config: str | None = None
@@ -104,6 +109,20 @@ class Settings(BaseSettings):
                 f"(it has {len(value)}): make one with `openssl rand -hex 32`"
             )
         return value
+
+    @model_validator(mode="after")
+    def _password_into_url(self) -> "Settings":
+        if self.database_password:
+            try:
+                url = make_url(self.database_url)
+            except ArgumentError:
+                raise ValueError(
+                    "METERING_DATABASE_URL is not a database URL (sqlite:///PATH or "
+                    "postgresql://user@host:port/db)"
+                ) from None
+            url = url.set(password=self.database_password)
+            self.database_url = url.render_as_string(hide_password=False)
+        return self
 
     def config_path(self) -> Path | None:
         if self.config:

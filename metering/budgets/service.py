@@ -334,9 +334,15 @@ _INSERT_HOLD = insert(Hold.__table__)
 
 @dataclass(frozen=True, slots=True)
 class Shortfall:
-    """The budget that could not cover a request, as it stood."""
+    """The budget that could not cover a request, as it stood; what the request needed to
+    hold (picodollars: for the client's max_tokens, or, when it set none, for the smallest
+    answer, one output token); and, when the client set max_tokens, the largest that would
+    fit (None: none would, or it set none)."""
 
     budget: BudgetView
+    needed: int | None = None
+    max_tokens: int | None = None
+    fits: int | None = None
 
 
 class BudgetShortfall(Exception):
@@ -456,6 +462,17 @@ def run_view(run, now: datetime) -> BudgetView:
     )
 
 
+def shortfall(spec: HoldSpec, budget: BudgetView) -> BudgetShortfall:
+    """The refusal of `spec` by `budget`, with its figures: worked out only when refused."""
+    needed = spec.amount(spec.max_tokens if spec.max_tokens is not None else 1)
+    fits = None
+    if spec.max_tokens is not None and spec.token_cost and budget.remaining is not None:
+        largest = (budget.remaining - spec.prompt_cost) // spec.token_cost
+        if 1 <= largest < spec.max_tokens:
+            fits = largest
+    return BudgetShortfall(Shortfall(budget, needed, spec.max_tokens, fits))
+
+
 def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
     """The output allowance to hold for, and whether it was lowered to fit the credit left
     (`views`: the budgets', and the request's own and its run's when it has them)."""
@@ -465,11 +482,11 @@ def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
     if tightest is None or spec.amount(wanted) <= tightest.remaining:
         return wanted, False
     if spec.max_tokens is not None:
-        raise BudgetShortfall(Shortfall(tightest))
+        raise shortfall(spec, tightest)
     left = tightest.remaining - spec.amount(0)
     affordable = left // spec.token_cost if spec.token_cost else wanted
     if affordable < 1:
-        raise BudgetShortfall(Shortfall(tightest))
+        raise shortfall(spec, tightest)
     return min(affordable, wanted), True
 
 
@@ -643,7 +660,7 @@ async def _reserve(
         # Only unlimited budgets, yet every conditional write missed: the rows moved under us
         # (a window rolled or a budget was deleted) on every try. Not the client's fault.
         raise LedgerUnavailable("could not reserve credit for this request; retry")
-    raise BudgetShortfall(Shortfall(min(limited, key=lambda v: v.remaining)))
+    raise shortfall(spec, min(limited, key=lambda v: v.remaining))
 
 
 async def settle(db: Database, event: Event, reservation: Reservation | None = None) -> bool:

@@ -173,20 +173,30 @@ async def _flush_unique(session: AsyncSession, taken: MeteringError) -> None:
 
 
 async def _team_name_free(session: AsyncSession, name: str, except_id: str | None = None) -> None:
-    """Team names are unique among live teams, compared without case (409 names the holder)."""
-    query = select(Team.id).where(func.lower(Team.name) == name.lower(), Team.deleted_at.is_(None))
-    existing = await session.scalar(query.limit(1))
-    if existing is not None and existing != except_id:
-        raise TeamNameTaken(f"a team named {name!r} already exists (id {existing})", param="name")
+    """Team names are unique among live teams, compared without case (409 names the holder as
+    it is spelled)."""
+    query = select(Team.id, Team.name).where(
+        func.lower(Team.name) == name.lower(), Team.deleted_at.is_(None), Team.id != except_id
+    )
+    existing = (await session.execute(query.limit(1))).first()
+    if existing is not None:
+        raise TeamNameTaken(
+            f"a team named {existing.name!r} already exists (id {existing.id})", param="name"
+        )
 
 
 async def _email_free(session: AsyncSession, email: str, except_id: str | None = None) -> None:
-    query = select(User.id).where(
-        func.lower(User.email) == email.lower(), User.deleted_at.is_(None)
+    """Emails are unique among live users, compared without case (409 names the holder as it
+    is spelled)."""
+    query = select(User.id, User.email).where(
+        func.lower(User.email) == email.lower(), User.deleted_at.is_(None), User.id != except_id
     )
-    existing = await session.scalar(query)
-    if existing is not None and existing != except_id:
-        raise EmailTaken(f"a user with email {email} already exists")
+    existing = (await session.execute(query.limit(1))).first()
+    if existing is not None:
+        raise EmailTaken(
+            f"a user with email {existing.email!r} already exists (id {existing.id})",
+            param="email",
+        )
 
 
 async def create_user(

@@ -23,7 +23,14 @@ from metering.auth.principal import (
 from metering.budgets.ceilings import MAX_COST, run_of, unknown_run, usd_header
 from metering.budgets.rates import release_claim
 from metering.budgets.refusals import Refused
-from metering.budgets.service import BudgetShortfall, HoldSpec, RunKey, UnknownRun, reserve
+from metering.budgets.service import (
+    BudgetShortfall,
+    HoldSpec,
+    RunKey,
+    Shortfall,
+    UnknownRun,
+    reserve,
+)
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
 from metering.money import format_usd
@@ -50,16 +57,34 @@ class BudgetExceeded(MeteringError):
     refused: Refused | None = None  # what refused it, for the refusals table
 
 
+def _hold(shortfall: Shortfall) -> str:
+    """What the refused request needed to hold, as its message says it."""
+    if shortfall.needed is None:
+        return "this request"
+    if shortfall.max_tokens is None:
+        return (
+            f"this request's smallest hold of {format_usd(shortfall.needed)} USD (its prompt "
+            "and one output token)"
+        )
+    return (
+        f"this request's hold of {format_usd(shortfall.needed)} USD (its prompt and "
+        f"max_tokens {shortfall.max_tokens})"
+    )
+
+
 def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
-    budget = exc.shortfall.budget
+    shortfall = exc.shortfall
+    budget = shortfall.budget
     metrics.budget_rejected(budget.scope)
     resets = rfc3339(budget.resets_at)
     when = f"resets at {resets}" if resets else "never resets"
     message = (
-        f"{budget.scope} budget {budget.subject_id} cannot cover this request: limit "
+        f"{budget.scope} budget {budget.subject_id} cannot cover {_hold(shortfall)}: limit "
         f"{format_usd(budget.credit_limit)} USD, spent {format_usd(budget.spent)}, reserved "
         f"{format_usd(budget.reserved)}, remaining {format_usd(budget.remaining)}; {when}"
     )
+    if shortfall.fits is not None:
+        message += f"; max_tokens {shortfall.fits} or less would fit"
     headers = {"x-budget-scope": budget.scope}
     if resets:
         headers["x-budget-resets-at"] = resets

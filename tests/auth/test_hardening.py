@@ -53,6 +53,32 @@ def test_metering_serve_refuses_to_start_with_a_short_admin_key(tmp_path):
     assert not (tmp_path / "m.db").exists()  # refused before touching the database
 
 
+@pytest.mark.parametrize(
+    "key", ["change-me-to-a-random-key-of-32-characters-or-more", "ours-CHANGE-ME-" + "k" * 32]
+)
+def test_metering_serve_refuses_to_start_with_the_example_admin_key(tmp_path, key):
+    env = {
+        **os.environ,
+        "METERING_ADMIN_KEY": key,
+        "METERING_DATABASE_URL": f"sqlite:///{tmp_path / 'm.db'}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "metering.cli", "serve", "--port", "1"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "metering: METERING_ADMIN_KEY is still the example's placeholder (it contains "
+        "`change-me`): anyone who has read .env.example could use the admin API. Set a random "
+        "key of at least 32 characters: `openssl rand -hex 32`"
+    )
+    assert not (tmp_path / "m.db").exists()  # refused before touching the database
+
+
 def server_with(request, backend, sim, **settings):
     url = database_url(request, backend)
     migrate.upgrade(url)

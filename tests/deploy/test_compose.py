@@ -9,9 +9,14 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
+from sqlalchemy.engine import make_url
 
+from metering.cli import PLACEHOLDER_ADMIN_KEY, placeholder_admin_key
+from metering.db import async_url
 from metering.demo import demo_catalog
+from metering.migrate import alembic_config
 from metering.settings import Settings, parse_catalog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,13 +105,25 @@ def test_the_env_example_is_valid_settings(monkeypatch):
     assert settings.admin_key and settings.db_pool_size == 20
 
 
+def service_settings(env: dict[str, str]) -> Settings:
+    """The metering service's settings as compose gives them (its environment, interpolated)."""
+    given = {
+        name.removeprefix("METERING_").lower(): interpolate(str(value), env)
+        for name, value in SERVICES["metering"]["environment"].items()
+    }
+    return Settings(_env_file=None, **given)
+
+
 def test_compose_needs_only_what_env_example_sets():
     env = set_in_env_example()
     assert references(COMPOSE) <= set(env)
-    url = interpolate(SERVICES["metering"]["environment"]["METERING_DATABASE_URL"], env)
-    assert url == (
-        f"postgresql://{env['POSTGRES_USER']}:{env['POSTGRES_PASSWORD']}"
-        f"@postgres:5432/{env['POSTGRES_DB']}"
+    url = make_url(service_settings(env).database_url)
+    assert (url.username, url.password, url.host, url.port, url.database) == (
+        env["POSTGRES_USER"],
+        env["POSTGRES_PASSWORD"],
+        "postgres",
+        5432,
+        env["POSTGRES_DB"],
     )
     grafana = {k: interpolate(str(v), env) for k, v in SERVICES["grafana"]["environment"].items()}
     reader = {
@@ -116,6 +133,32 @@ def test_compose_needs_only_what_env_example_sets():
     assert grafana["GRAFANA_DB_PASSWORD"] == reader["GRAFANA_DB_PASSWORD"]
     assert grafana["GRAFANA_DB_NAME"] == reader["PGDATABASE"] == env["POSTGRES_DB"]
     assert grafana["GRAFANA_DB_HOST"] == f"{reader['PGHOST']}:5432"
+
+
+PASSWORDS = ["p@ss", "a:b", "x/y", "100%", "%25", "a@b:c/d%e f#g?h", "pässwörd", "plain"]
+
+
+@pytest.mark.parametrize("use", ["engine", "migrations"])
+def test_any_database_password_reaches_the_driver_exactly(use):
+    for password in PASSWORDS:
+        env = {**set_in_env_example(), "POSTGRES_PASSWORD": password}
+        url = service_settings(env).database_url
+        if use == "engine":
+            url = async_url(url)
+        else:  # Alembic's config reads it through configparser (% doubled)
+            url = alembic_config(url).get_main_option("sqlalchemy.url")
+        parsed = make_url(url)
+        assert (parsed.username, parsed.password, parsed.host, parsed.database) == (
+            env["POSTGRES_USER"],
+            password,
+            "postgres",
+            env["POSTGRES_DB"],
+        ), password
+
+
+def test_the_example_admin_key_is_one_serve_refuses():
+    assert env_example()["METERING_ADMIN_KEY"] == PLACEHOLDER_ADMIN_KEY
+    assert placeholder_admin_key(set_in_env_example()["METERING_ADMIN_KEY"])
 
 
 def test_the_service_migrates_serves_and_is_checked_on_readyz():
@@ -177,14 +220,21 @@ def test_the_readme_table_lists_the_services_and_ports():
 
 def test_the_image_installs_the_package_as_the_readme_does(tmp_path):
     assert "`pip install .`" in README
-    [run] = re.findall(r"^RUN pip install (.+?)(?: &&.*)?$", DOCKERFILE, re.M)
-    assert shlex.split(run) == ["."]
+    # The package after its locked dependencies (tests/deploy/test_pins.py), resolving nothing.
+    *_, run = re.findall(r"^RUN pip install (.+?)(?: &&.*)?$", DOCKERFILE, re.M)
+    assert shlex.split(run) == ["--no-deps", "--no-build-isolation", "."]
     copied = [
         src
         for line in re.findall(r"^COPY (.+)$", DOCKERFILE, re.M)
         for src in shlex.split(line)[:-1]
     ]
-    assert sorted(copied) == ["README.md", "metering", "migrations", "pyproject.toml"]
+    assert sorted(copied) == [
+        "README.md",
+        "metering",
+        "migrations",
+        "pyproject.toml",
+        "requirements.lock",
+    ]
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not set(copied) & set(ignored)
     # Build from exactly what the image copies (setuptools' build_py, the step that chooses a

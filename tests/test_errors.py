@@ -1,0 +1,52 @@
+"""Messages a person can act on: a validation message carries the field and what is wrong with
+it, never the framework's own words; every amount in a message is in the one money format."""
+
+import re
+from decimal import Decimal
+
+import pytest
+
+from metering.budgets.windows import parse_interval
+from metering.demo import DELIBERATE
+from metering.money import PICO, format_usd
+
+
+def interval_problem(text: str) -> str:
+    try:
+        parse_interval(text)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(text)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"reset_interval": "fortnightly"}, "reset_interval", interval_problem("fortnightly")),
+        (
+            {"alert_thresholds": [0]},
+            "alert_thresholds",
+            "alert_thresholds entries must be whole numbers from 1 to 100",
+        ),
+    ],
+)
+def test_a_validation_message_has_no_framework_prefix(api, body, param, says):
+    response = api.request("POST", "/v1/teams", json={"name": "t", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["message"]) == (param, f"{param}: {says}")
+
+
+def test_a_token_expiry_refused_says_why_without_prefix(api):
+    user = api.user(api.team()["id"])
+    body = {"name": "t", "expires_at": "2030-01-01T00:00:00Z", "expires_in": 60}
+    response = api.request("POST", f"/v1/users/{user['id']}/tokens", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"] == "give expires_at or expires_in, not both"
+
+
+def test_every_amount_the_demo_explains_is_in_the_money_format():
+    amounts = [a for text in DELIBERATE.values() for a in re.findall(r"([0-9.]+) USD", text)]
+    assert amounts  # the 402's limit
+    for amount in amounts:
+        assert amount == format_usd(int(Decimal(amount) * PICO)), amount
