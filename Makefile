@@ -4,13 +4,31 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test lint bench postgres chromium
+.PHONY: demo test lint bench postgres chromium lock
 
-$(BIN)/metering: pyproject.toml
+# Installed from the lock, every version exact and every file checked against its hash; then the
+# package alone, built by the locked setuptools (nothing resolved, nothing fetched).
+$(BIN)/metering: pyproject.toml requirements-test.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --require-hashes -r requirements-test.lock
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
+
+# The locks, made from pyproject.toml by uv: requirements.lock, the runtime dependencies and the
+# build backend (the image installs it); requirements-test.lock, those at the same versions and
+# the test extra (the virtualenv above installs it). A version already locked stays while
+# pyproject.toml allows it; LOCK_FLAGS=--upgrade takes the newest allowed of everything,
+# LOCK_FLAGS="--upgrade-package NAME" of one package.
+UV_VERSION := 0.13.9
+LOCK_FLAGS ?=
+COMPILE = $(BIN)/uv pip compile pyproject.toml --universal --generate-hashes --quiet \
+	--custom-compile-command "make lock" $(LOCK_FLAGS)
+
+lock:
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q uv==$(UV_VERSION)
+	$(COMPILE) --group build -o requirements.lock
+	$(COMPILE) --extra test -c requirements.lock -o requirements-test.lock
 
 demo: $(BIN)/metering
 	$(BIN)/metering demo
