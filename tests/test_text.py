@@ -203,11 +203,23 @@ def test_a_lone_surrogate_in_a_credential_is_400_naming_it(api, path, body, para
         ("url", "https://hooks.example/" + LONE, "url"),
         ("team_id", LONE, "team_id"),
         ("secret", "s" * 16 + LONE, "secret"),
+        ("events", ["budget.exhausted", LONE], "events[1]"),
     ],
 )
 def test_a_lone_surrogate_in_a_webhook_is_400_naming_it(api, field, value, param):
     body = {"url": "https://hooks.example/in", "events": ["budget.exhausted"], field: value}
     assert_names(send(api, "POST", "/v1/webhooks", body), param)
+
+
+def test_a_nul_in_a_webhooks_team_is_400_naming_it(api):
+    body = {"url": "https://hooks.example/in", "events": ["budget.exhausted"], "team_id": "t\x00x"}
+    assert_names(send(api, "POST", "/v1/webhooks", body), "team_id", CONTROL)
+
+
+def test_a_lone_surrogate_in_an_ingestion_keys_name_is_400_naming_it(api):
+    team = api.team()
+    response = send(api, "POST", f"/v1/teams/{team['id']}/ingest-keys", {"name": "k" + LONE})
+    assert_names(response, "name")
 
 
 # --- query parameters -------------------------------------------------------------------------

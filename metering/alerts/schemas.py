@@ -5,11 +5,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metering.alerts.record import TYPES
+from metering.text import RequestBody
 
 MAX_URL_CHARS = 2048
 
 
-class WebhookCreate(BaseModel):
+class WebhookCreate(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     url: str = Field(

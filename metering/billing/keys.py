@@ -15,12 +15,13 @@ from metering.auth.tokens import digest, new_ingest_key
 from metering.db import utcnow
 from metering.errors import MeteringError, NotFound
 from metering.models import IngestKey, Team
+from metering.text import RequestBody
 from metering.timefmt import rfc3339
 
 MAX_ACTIVE = 20  # live keys per team: enough to rotate every collector, bounded
 
 
-class IngestKeyCreate(BaseModel):
+class IngestKeyCreate(RequestBody):
     name: str = Field(min_length=1, max_length=200, description="what the key is for")
 
 
