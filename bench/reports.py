@@ -39,7 +39,7 @@ from bench.procs import Process, free_port, metering_command, rss_kib
 from metering import migrate
 from metering.db import sync_url
 from metering.ledger.rollup import DERIVED, derive_statement, rebuild_statement
-from metering.models import LedgerEvent
+from metering.ledger.tables import LedgerEvent
 from metering.reports.spend import (
     GROUPS,
     bound_query,

@@ -50,7 +50,7 @@ from metering.ids import time_ordered
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.event import Event
 from metering.ledger.outcome import Billing, Outcome, event_for
-from metering.models import LedgerEvent
+from metering.ledger.tables import LedgerEvent
 from metering.money import usd_to_pico
 
 # The settle statement whole, then without parts of it (each named by what it leaves out).

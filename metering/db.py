@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
 import asyncpg
-from sqlalchemy import DateTime, MetaData, event
+from sqlalchemy import BigInteger, DateTime, MetaData, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -31,6 +31,9 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+Pico = BigInteger  # a money column: integer picodollars (1e-12 USD)
 
 
 class UTCDateTime(TypeDecorator):

@@ -1,24 +1,13 @@
-"""All tables. Money columns are integer picodollars; prices are integer micro-USD per 1M tokens."""
+"""The tables of teams, users, credentials, budgets, holds, alerts and the rest of the schema;
+the ledger's own tables are metering.ledger.tables. Money columns are integer picodollars;
+prices are integer micro-USD per 1M tokens."""
 
 from datetime import datetime
 
-from sqlalchemy import (
-    BigInteger,
-    Boolean,
-    Column,
-    ForeignKey,
-    Index,
-    Integer,
-    String,
-    Table,
-    Text,
-    text,
-)
+from sqlalchemy import BigInteger, Boolean, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
-from metering.db import Base, UTCDateTime
-from metering.ledger.event import Pico
-from metering.ledger.event import columns as ledger_columns
+from metering.db import Base, Pico, UTCDateTime
 
 
 class Team(Base):
@@ -187,21 +176,6 @@ class RateCounter(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
-class LedgerEvent(Base):
-    """One request that reached an upstream: the columns declared by metering.ledger.event."""
-
-    __table__ = Table(
-        "ledger_events",
-        Base.metadata,
-        *ledger_columns(),
-        Index("ix_ledger_events_created", "created_at", "id"),
-        Index("ix_ledger_events_token_created", "token_id", "created_at"),
-        Index("ix_ledger_events_user_created", "user_id", "created_at"),
-        Index("ix_ledger_events_team_created", "team_id", "created_at"),
-        Index("ix_ledger_events_corrects", "corrects_event_id"),
-    )
-
-
 class AuthReplica(Base):
     """A process serving requests with a credential cache: its heartbeat and the last change
     to credentials it has applied (metering.auth.invalidation)."""
@@ -276,133 +250,6 @@ class LoginThrottle(Base):
     failures: Mapped[int] = mapped_column(Integer)
     last_failure_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
     locked_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
-
-
-class SpendHourly(Base):
-    """Ledger totals per UTC hour and attribution: written by settle in the same transaction as
-    the ledger event, so it always equals the ledger's sums (token_id '' stands for none)."""
-
-    __tablename__ = "spend_hourly"
-    __table_args__ = (
-        Index("ix_spend_hourly_user_hour", "user_id", "hour"),
-        Index("ix_spend_hourly_token_hour", "token_id", "hour"),
-    )
-
-    hour: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)
-    team_id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    user_id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    token_id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    model: Mapped[str] = mapped_column(String(200), primary_key=True)
-    provider: Mapped[str] = mapped_column(String(100), primary_key=True)
-    requests: Mapped[int] = mapped_column(BigInteger)
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
-    cached_tokens: Mapped[int] = mapped_column(BigInteger)
-    completion_tokens: Mapped[int] = mapped_column(BigInteger)
-    reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
-    cost: Mapped[int] = mapped_column(Pico)
-    uncharged: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
-    # The part of cost made by adjustment events (corrections, credits): spend without them
-    # is cost - adjustments.
-    adjustments: Mapped[int] = mapped_column(Pico, default=0, server_default="0")
-
-
-class RollupPending(Base):
-    """Hourly rollup increments not yet added to the rollups: the one-statement settle on
-    PostgreSQL writes its events' increments here, in the statement that appends them (one
-    row per key and statement), and a job folds them into every rollup
-    (metering.ledger.rollup.fold). The rollups plus these rows equal the ledger's sums at every
-    instant; the spend report reads both."""
-
-    __tablename__ = "rollup_pending"
-
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
-    hour: Mapped[datetime] = mapped_column(UTCDateTime)
-    team_id: Mapped[str] = mapped_column(String(40))
-    user_id: Mapped[str] = mapped_column(String(40))
-    token_id: Mapped[str] = mapped_column(String(40))
-    model: Mapped[str] = mapped_column(String(200))
-    provider: Mapped[str] = mapped_column(String(100))
-    requests: Mapped[int] = mapped_column(BigInteger)
-    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
-    cached_tokens: Mapped[int] = mapped_column(BigInteger)
-    completion_tokens: Mapped[int] = mapped_column(BigInteger)
-    reasoning_tokens: Mapped[int] = mapped_column(BigInteger)
-    cost: Mapped[int] = mapped_column(Pico)
-    uncharged: Mapped[int] = mapped_column(Pico)
-    adjustments: Mapped[int] = mapped_column(Pico)
-
-
-# The coarser read models: the same sums as spend_hourly over fewer keys or whole UTC days
-# (the day stored as its midnight). settle adds each event to every one of them in the
-# transaction that appends it (metering.ledger.rollup.ROLLUPS); a report reads the coarsest
-# that answers its question exactly.
-_KEY_COLUMNS = {"team_id": 40, "user_id": 40, "token_id": 40, "model": 200, "provider": 100}
-_SUM_COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
-
-
-def _rollup_table(name: str, grain: str, keys: tuple[str, ...], indexed: tuple[str, ...]):
-    """A rollup table: its grain and keys the primary key (the grain first, so a time range is
-    an index range), an index (key, grain) for each key a report filters on."""
-    return Table(
-        name,
-        Base.metadata,
-        Column(grain, UTCDateTime, primary_key=True),
-        *(Column(key, String(_KEY_COLUMNS[key]), primary_key=True) for key in keys),
-        *(Column(column, BigInteger, nullable=False) for column in _SUM_COLUMNS),
-        Column("reasoning_tokens", BigInteger, nullable=False),
-        Column("cost", Pico, nullable=False),
-        Column("uncharged", Pico, nullable=False, server_default="0"),
-        Column("adjustments", Pico, nullable=False, server_default="0"),
-        *(Index(f"ix_{name}_{key}_{grain}", key, grain) for key in indexed),
-    )
-
-
-WHO = ("team_id", "user_id", "token_id")
-WHAT = ("team_id", "model", "provider")
-EVERY_KEY = ("team_id", "user_id", "token_id", "model", "provider")
-
-
-class SpendHourlyToken(Base):
-    """spend_hourly by team, user and token only."""
-
-    __table__ = _rollup_table("spend_hourly_token", "hour", WHO, ("team_id", "user_id", "token_id"))
-
-
-class SpendHourlyModel(Base):
-    """spend_hourly by team, model and provider only."""
-
-    __table__ = _rollup_table("spend_hourly_model", "hour", WHAT, ("team_id", "model"))
-
-
-class SpendDaily(Base):
-    """spend_hourly summed over whole UTC days, every key kept."""
-
-    __table__ = _rollup_table("spend_daily", "day", EVERY_KEY, ("user_id", "token_id"))
-
-
-class SpendDailyToken(Base):
-    """spend_daily by team, user and token only."""
-
-    __table__ = _rollup_table("spend_daily_token", "day", WHO, ("team_id", "user_id", "token_id"))
-
-
-class SpendDailyModel(Base):
-    """spend_daily by team, model and provider only."""
-
-    __table__ = _rollup_table("spend_daily_model", "day", WHAT, ("team_id", "model"))
-
-
-class LedgerEventArchive(Base):
-    """Ledger events the retention job moved out of the hot ledger: the very same columns."""
-
-    __table__ = Table(
-        "ledger_events_archive",
-        Base.metadata,
-        *ledger_columns(),
-        Index("ix_ledger_events_archive_created", "created_at", "id"),
-    )
 
 
 class Reconciliation(Base):

@@ -3,8 +3,10 @@
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from metering import models  # noqa: F401  (registers every table on Base.metadata)
+# Every table on Base.metadata: the ledger's and the rest of the schema's.
+from metering import models  # noqa: F401
 from metering.db import Base, sync_url
+from metering.ledger import tables  # noqa: F401
 from metering.settings import Settings
 
 config = context.config

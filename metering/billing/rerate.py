@@ -43,7 +43,8 @@ from metering.ledger.bounds import past_ceiling
 from metering.ledger.event import ADJUSTMENT, UNSETTLED, USAGE, Event, bounded
 from metering.ledger.prices import PriceBook
 from metering.ledger.records import MANUAL, RERATED, adjustment_event
-from metering.models import ApiToken, LedgerEvent, Team, User
+from metering.ledger.tables import LedgerEvent
+from metering.models import ApiToken, Team, User
 from metering.money import MAX_USD, MoneyError, cost_pico, format_usd, parse_usd, usd_to_pico
 from metering.numbers import NumberError, parse_decimal
 from metering.timefmt import parse_rfc3339, rfc3339

@@ -2,7 +2,7 @@
 
 `Event` declares every column once: its name, its Python type (`| None`: the column is
 nullable), its SQL type and length, and how GET /v1/usage shows it. The ORM table
-(metering.models), the insert (metering.ledger.writer), the rollup, the JSON and CSV readers
+(metering.ledger.tables), the insert (metering.ledger.writer), the rollup, the JSON and CSV readers
 (metering.reports.usage) and the tests all take the columns from here.
 
 Money is integer picodollars (cost, uncharged); prices are micro-USD per 1M tokens, which is
@@ -17,9 +17,8 @@ from typing import get_args
 from sqlalchemy import BigInteger, Boolean, Column, Integer, String, Text
 from sqlalchemy.types import TypeEngine
 
-from metering.db import UTCDateTime
+from metering.db import Pico, UTCDateTime
 
-Pico = BigInteger  # 1e-12 USD
 PROMPT_DETAILS = "prompt_tokens_details"
 COMPLETION_DETAILS = "completion_tokens_details"
 # The reported usage's cost above the charge kept per event: 1,000 USD, far above any real

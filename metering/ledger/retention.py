@@ -15,7 +15,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from metering.db import Database, utcnow
-from metering.models import LedgerEvent, LedgerEventArchive
+from metering.ledger.tables import LedgerEvent, LedgerEventArchive
 
 log = logging.getLogger("metering.retention")
 

@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.db import Database, dialect_name
 from metering.ledger.event import ADJUSTMENT, Event
-from metering.models import (
+from metering.ledger.tables import (
     RollupPending,
     SpendDaily,
     SpendDailyModel,

@@ -13,7 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.ledger import rollup
 from metering.ledger.event import NAMES, SPECS, UNSETTLED, Event
-from metering.models import LedgerEvent
+from metering.ledger.tables import LedgerEvent
 
 # Built once, on the table (not the ORM class, whose statements take the ORM's bulk paths):
 # building a statement costs more than running it.

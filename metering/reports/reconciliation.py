@@ -25,7 +25,8 @@ from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
 from metering.ledger.event import ADJUSTMENT
 from metering.ledger.rollup import day_text
-from metering.models import LedgerEvent, LedgerEventArchive, Reconciliation
+from metering.ledger.tables import LedgerEvent, LedgerEventArchive
+from metering.models import Reconciliation
 from metering.money import PICO, format_usd
 from metering.numbers import NumberError, parse_count, parse_decimal
 from metering.timefmt import EARLIEST, END, parse_rfc3339, rfc3339

@@ -46,7 +46,7 @@ from metering.ledger.rollup import (
     hour_text,
     hour_value,
 )
-from metering.models import (
+from metering.ledger.tables import (
     WHO,
     LedgerEvent,
     LedgerEventArchive,

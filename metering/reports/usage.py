@@ -17,7 +17,7 @@ from metering.auth.service import Principal
 from metering.db import Database, UTCDateTime
 from metering.errors import Forbidden, InvalidRequest
 from metering.ledger.event import PUBLIC, SPECS
-from metering.models import LedgerEvent
+from metering.ledger.tables import LedgerEvent
 from metering.money import format_price, format_usd
 from metering.reports.cells import row as csv_cells
 from metering.reports.labels import LABEL_KEYS, LABELS, label_rows, lookup

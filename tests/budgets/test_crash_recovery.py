@@ -18,7 +18,8 @@ from metering.jobs import close_windows, expire_holds, sweep_interval_s
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.event import Event
 from metering.ledger.outcome import Billing, Outcome, event_for
-from metering.models import Budget, BudgetWindow, Hold, LedgerEvent
+from metering.ledger.tables import LedgerEvent
+from metering.models import Budget, BudgetWindow, Hold
 from metering.money import usd_to_pico
 from metering.timefmt import parse_rfc3339
 from tests.budgets.conftest import (

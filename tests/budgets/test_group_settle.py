@@ -13,7 +13,8 @@ from metering.budgets.service import reserve, settle, settle_queue
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.ledger import rollup
-from metering.models import AlertEvent, Budget, Hold, LedgerEvent, SpendHourly
+from metering.ledger.tables import LedgerEvent, SpendHourly
+from metering.models import AlertEvent, Budget, Hold
 from tests.budgets.conftest import budget, chat_body, marker, usd
 from tests.budgets.test_crash_recovery import (
     _add_budgets,

@@ -9,7 +9,8 @@ from metering import migrate
 from metering.budgets.leases import LeaseBook, give_back
 from metering.budgets.service import reserve, settle, settle_queue
 from metering.db import Database, utcnow
-from metering.models import Hold, LedgerEvent
+from metering.ledger.tables import LedgerEvent
+from metering.models import Hold
 from tests.budgets.conftest import fresh_pg  # noqa: F401
 from tests.budgets.test_crash_recovery import (
     _add_budgets,

@@ -22,7 +22,8 @@ from metering.budgets.leases import MIN_REQUESTS, LeaseBook, expire_leases
 from metering.budgets.service import BudgetShortfall, lease_slack, reserve, settle
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds, sweep_interval_s
-from metering.models import BudgetLease, Hold, LedgerEvent
+from metering.ledger.tables import LedgerEvent
+from metering.models import BudgetLease, Hold
 from tests.budgets.conftest import (
     budget,
     chat,

@@ -173,7 +173,7 @@ def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(fresh_
 
     from metering.budgets.service import RunKey, reserve, settle
     from metering.jobs import expire_holds
-    from metering.models import LedgerEvent
+    from metering.ledger.tables import LedgerEvent
     from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects
 
     async def scenario() -> None:

@@ -12,7 +12,8 @@ from metering.jobs import close_windows, expire_holds
 from metering.ledger import rollup
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.outcome import Outcome, event_for
-from metering.models import Budget, BudgetWindow, LedgerEvent, SpendHourly
+from metering.ledger.tables import LedgerEvent, SpendHourly
+from metering.models import Budget, BudgetWindow
 from tests.budgets.test_crash_recovery import _add_budgets, _budgets, _count, _spec, _subjects
 
 

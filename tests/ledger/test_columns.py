@@ -26,7 +26,7 @@ from metering.ledger.event import (
     Event,
     bounded,
 )
-from metering.models import LedgerEvent, LedgerEventArchive, SpendHourly
+from metering.ledger.tables import LedgerEvent, LedgerEventArchive, SpendHourly
 
 # The types each declared SQL type may reflect as (SQLite and PostgreSQL name them their way).
 REFLECTED = {

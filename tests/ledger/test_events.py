@@ -12,7 +12,8 @@ from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.ledger.charge import Limits, Usage
 from metering.ledger.outcome import Billing, Outcome, event_for
-from metering.models import Hold, LedgerEvent
+from metering.ledger.tables import LedgerEvent
+from metering.models import Hold
 from metering.money import usd_to_pico
 
 CHOICES = 3

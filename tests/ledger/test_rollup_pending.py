@@ -15,7 +15,7 @@ from metering.db import Database, utcnow
 from metering.ledger import rollup
 from metering.ledger.event import NAMES, Event
 from metering.ledger.rollup import PENDING, ROLLUPS
-from metering.models import LedgerEvent, RollupPending
+from metering.ledger.tables import LedgerEvent, RollupPending
 from metering.reports import spend
 from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite, wait_for  # noqa: F401
 from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects

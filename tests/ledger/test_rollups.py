@@ -17,7 +17,7 @@ from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
 from metering.ledger.retention import archive_old_events
 from metering.ledger.rollup import ROLLUPS, fold
-from metering.models import LedgerEvent, LedgerEventArchive
+from metering.ledger.tables import LedgerEvent, LedgerEventArchive
 from tests.budgets.test_crash_recovery import _add_budgets, _spec, _subjects
 from tests.budgets.test_settle_after_sweep import _real
 from tests.reports.test_spend import ROUTES, as_event, hold_spec, ledger_event

@@ -12,7 +12,8 @@ from metering.budgets.service import new_budget, reserve
 from metering.db import Database, utcnow
 from metering.ledger.charge import Usage
 from metering.ledger.outcome import Outcome
-from metering.models import Budget, Hold, LedgerEvent
+from metering.ledger.tables import LedgerEvent
+from metering.models import Budget, Hold
 from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
 from metering.proxy.live import LiveHolds

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from metering import jobs, migrate
 from metering.db import Database
 from metering.ledger.retention import archive_old_events
-from metering.models import LedgerEvent, LedgerEventArchive
+from metering.ledger.tables import LedgerEvent, LedgerEventArchive
 from metering.settings import Settings, parse_catalog
 from metering.testing import metering_server
 from tests.conftest import ADMIN_KEY, Api, catalog_for

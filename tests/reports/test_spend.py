@@ -429,7 +429,7 @@ def test_usage_csv_streams_100k_rows_in_flat_memory(own_pg):
     import psycopg
     from sqlalchemy import select
 
-    from metering.models import LedgerEvent
+    from metering.ledger.tables import LedgerEvent
     from metering.reports import usage
 
     with psycopg.connect(own_pg) as conn:
@@ -476,7 +476,7 @@ def test_the_migration_backfills_the_rollup_and_settle_continues_it(request, bac
     from metering import migrate
     from metering.db import sync_url
     from metering.ledger.rollup import row_for
-    from metering.models import SpendHourly
+    from metering.ledger.tables import SpendHourly
 
     if backend == "postgresql":
         url = request.getfixturevalue("own_pg_empty")
