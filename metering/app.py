@@ -32,7 +32,6 @@ from metering.db import Database
 from metering.encoding import ContentEncoding
 from metering.errors import error_response, error_responses, install_error_handlers
 from metering.identity.endpoints import router as identity_router
-from metering.metrics import router as metrics_router
 from metering.proxy.endpoints import DirectChat
 from metering.proxy.endpoints import router as proxy_router
 from metering.proxy.live import LiveHolds
@@ -40,6 +39,7 @@ from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
 from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reports_router
+from metering.reports.prometheus import router as metrics_router
 from metering.requestid import RequestId
 from metering.services import Services, get_services
 from metering.settings import Catalog, Settings, load_catalog

@@ -1,38 +1,19 @@
-"""Prometheus metrics: GET /metrics, and the hooks the proxy calls after each settle.
+"""Prometheus series and the hooks that count: the proxy calls them after each settle and
+refusal, the jobs after each sweep. A leaf: it imports nothing of the domains, so whatever
+counts may import it; the scrape, GET /metrics, is metering.reports.prometheus.
 
 With several uvicorn workers (`metering serve --workers N`) each worker is its own process:
 `metering serve` then points PROMETHEUS_MULTIPROC_DIR at a fresh directory before the workers
 start, every worker writes its samples there, and a scrape (answered by any one worker) sums
-them all. The open-holds gauge is read from the database at scrape time, so it is the same
-whichever worker answers. Metrics are floats, for dashboards; the ledger stays the exact record.
-
-Without METERING_METRICS_KEY the scrape is open and carries aggregate series only: no label holds
-a team, user or token id. With the key (as a Bearer token) it also carries the per-subject ones
-(metering_budget_used_ratio{scope, subject_id}).
+them all. Metrics are floats, for dashboards; the ledger stays the exact record.
 """
 
 import logging
-import os
+from typing import Protocol
 
-from fastapi import APIRouter, Depends, Request, Response
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    generate_latest,
-    multiprocess,
-)
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import Counter, Histogram
 
-from metering.auth.principal import open_access
-from metering.auth.tokens import digest, same
-from metering.budgets import queries
-from metering.errors import Unauthorized
-from metering.ledger.event import Event
 from metering.money import pico_to_usd
-from metering.services import Services, get_services
 
 log = logging.getLogger("metering.metrics")
 
@@ -40,6 +21,8 @@ log = logging.getLogger("metering.metrics")
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 ROUTE = ("model", "provider")
+# Served by the scrape, per team, user and token, behind METERING_METRICS_KEY only.
+BUDGET_USED_RATIO = "metering_budget_used_ratio"
 
 REQUESTS = Counter(
     "metering_requests",
@@ -140,7 +123,38 @@ def _route(model: str, provider: str) -> _Route:
     return route
 
 
-def observe_event(event: Event) -> None:
+class Counted(Protocol):
+    """What is counted of a settled ledger event (a metering.ledger.event.Event)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def provider(self) -> str: ...
+    @property
+    def status(self) -> str: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def reasoning_tokens(self) -> int | None: ...
+    @property
+    def cost(self) -> int: ...
+    @property
+    def uncharged(self) -> int: ...
+    @property
+    def usage_anomaly(self) -> str | None: ...
+    @property
+    def latency_ms(self) -> int | None: ...
+    @property
+    def ttft_ms(self) -> int | None: ...
+
+
+def observe_event(event: Counted) -> None:
     """Count one settled ledger event. Never raises: metrics must not fail a request."""
     try:
         route = _route(event.model, event.provider)
@@ -181,80 +195,3 @@ def refusal_dropped(reason: str) -> None:
 
 def limit_rejected(scope: str, kind: str) -> None:
     LIMIT_REJECTIONS.labels(scope, kind).inc()
-
-
-class _Gauges:
-    """Values read at scrape time."""
-
-    def __init__(self, open_holds: int | None, used: list | None = None) -> None:
-        self.open_holds = open_holds
-        self.used = used
-
-    def collect(self):
-        if self.open_holds is not None:
-            yield GaugeMetricFamily(
-                "metering_open_holds",
-                "Holds of requests in flight (or of crashed replicas, until they expire)",
-                value=self.open_holds,
-            )
-        if self.used is not None:
-            family = GaugeMetricFamily(
-                BUDGET_USED_RATIO,
-                "Spent / credit_limit of a budget in its current window (the "
-                f"{queries.USED_RATIOS_SHOWN} most used limited budgets); alert rules: "
-                "dashboards/prometheus",
-                labels=["scope", "subject_id"],
-            )
-            for scope, subject_id, ratio in self.used:
-                family.add_metric([scope, subject_id], ratio)
-            yield family
-
-
-BUDGET_USED_RATIO = "metering_budget_used_ratio"
-
-
-def render(open_holds: int | None, used: list | None = None) -> bytes:
-    if os.environ.get(MULTIPROC_ENV):
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-    else:
-        registry = REGISTRY
-    gauges = CollectorRegistry()
-    gauges.register(_Gauges(open_holds, used))
-    return generate_latest(registry) + generate_latest(gauges)
-
-
-router = APIRouter()
-
-
-def _check_key(request: Request, key: str | None) -> None:
-    if not key:
-        return
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    # Digests first: equal lengths, so not even the key's length leaks through timing.
-    if scheme.lower() != "bearer" or not same(digest(value.strip()), digest(key)):
-        raise Unauthorized("/metrics wants Authorization: Bearer <METERING_METRICS_KEY>")
-
-
-@router.get("/metrics", include_in_schema=False)
-async def metrics(
-    request: Request,
-    _: None = Depends(open_access),
-    services: Services = Depends(get_services),
-) -> Response:
-    """Open unless METERING_METRICS_KEY is set (then that key, as a Bearer token). The series
-    that name a team, user or token are served behind the key only."""
-    key = services.settings.metrics_key
-    _check_key(request, key)
-    try:
-        open_holds: int | None = await queries.open_holds(services.db)
-    except Exception:
-        log.warning("open holds unavailable: the database cannot be reached", exc_info=True)
-        open_holds = None
-    used: list | None = None  # per team, user and token: behind the key only
-    if key:
-        try:
-            used = await queries.used_ratios(services.db)
-        except Exception:
-            log.warning("budget use unavailable: the database cannot be reached", exc_info=True)
-    return Response(render(open_holds, used), media_type=CONTENT_TYPE_LATEST)
