@@ -38,7 +38,7 @@ class _Flight:
     """A lookup in flight: the epoch it began in, and its value and expiry when it ends."""
 
     epoch: int
-    done: asyncio.Future
+    done: asyncio.Future[tuple[Any, datetime | None]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ workers) an address may fail up to N times the limit before every one of them re
 
 import math
 import time
+from collections.abc import Callable
 
 from metering.errors import MeteringError
 
@@ -21,7 +22,7 @@ class CredentialsThrottled(MeteringError):
 
 
 class FailedCredentials:
-    def __init__(self, per_minute: int, clock=time.monotonic) -> None:
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = per_minute
         self.clock = clock
         self.window_start = clock()

@@ -28,6 +28,7 @@ import uuid
 import asyncpg
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.cache import CredentialCache
 from metering.db import Database, dialect_name
@@ -63,7 +64,7 @@ def subject(kind: str, ident: str) -> str:
     return f"{kind}:{ident}"
 
 
-async def record(session, *subjects: str) -> None:
+async def record(session: AsyncSession, *subjects: str) -> None:
     """Inside the changing transaction: what changed, sent to every replica at commit."""
     if not subjects:
         return
@@ -75,8 +76,9 @@ async def record(session, *subjects: str) -> None:
     session.info.setdefault(PENDING, []).append((seq, frozenset(subjects)))
 
 
-def pending(session) -> list[tuple[int, frozenset[str]]]:
-    return session.info.pop(PENDING, [])
+def pending(session: AsyncSession) -> list[tuple[int, frozenset[str]]]:
+    changes: list[tuple[int, frozenset[str]]] = session.info.pop(PENDING, [])
+    return changes
 
 
 def _dsn(url: str) -> str:
@@ -103,7 +105,7 @@ class Listener:
         self.trust_s = trust_s
         self.handled = 0
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._up = True
 
     def start(self) -> None:
@@ -119,14 +121,14 @@ class Listener:
         with contextlib.suppress(Exception):
             await self._execute("DELETE FROM auth_replicas WHERE id = $1", self.replica_id)
 
-    async def _execute(self, statement: str, *args) -> None:
+    async def _execute(self, statement: str, *args: object) -> None:
         conn = await asyncio.wait_for(asyncpg.connect(self.dsn), 2)
         try:
             await asyncio.wait_for(conn.execute(statement, *args), 2)
         finally:
             conn.terminate()
 
-    def _notified(self, _conn, _pid, _channel, payload: str) -> None:
+    def _notified(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
         seq_text, *subjects = payload.split(" ")
         self.cache.drop(frozenset(subjects))
         seq = int(seq_text)
@@ -134,7 +136,7 @@ class Listener:
             self.handled = seq
         self._wake.set()
 
-    def _lost(self, _conn) -> None:
+    def _lost(self, _conn: object) -> None:
         self.cache.distrust()
         self._wake.set()
 

@@ -10,6 +10,8 @@ Failed credentials are counted per client address (metering.auth.failures): past
 every credential from that address gets 429 until the minute ends.
 """
 
+from typing import Any
+
 from fastapi import Depends, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -121,7 +123,7 @@ async def open_access() -> None:
     """Declares a route that anyone may call, with no credential."""
 
 
-def refreshed_headers(state: dict) -> list[tuple[bytes, bytes]]:
+def refreshed_headers(state: dict[str, Any]) -> list[tuple[bytes, bytes]]:
     """The headers of the pair a `refresh-token` header made for this request, if any."""
     pair = state.get("refreshed_pair")
     if pair is None:

@@ -15,6 +15,7 @@ tests/auth/test_rules.py walks every route of the app: a route without a rule fa
 """
 
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from starlette.routing import BaseRoute
 
@@ -22,13 +23,15 @@ RULES = ("open", "admin", "self", "user", "ingest")
 # Path parameters by which a *self* route names what it acts on.
 SUBJECT_PARAMS = ("user_id", "token_id", "team_id")
 
+Dependency = TypeVar("Dependency", bound=Callable[..., Any])
 
-def rule(name: str) -> Callable:
+
+def rule(name: str) -> Callable[[Dependency], Dependency]:
     """Marks a dependency as the one that enforces rule `name`."""
     if name not in RULES:
         raise ValueError(f"unknown rule {name!r}: one of {', '.join(RULES)}")
 
-    def mark(dependency: Callable) -> Callable:
+    def mark(dependency: Dependency) -> Dependency:
         dependency.auth_rule = name  # type: ignore[attr-defined]
         return dependency
 

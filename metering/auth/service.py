@@ -3,13 +3,17 @@ dependencies and the /v1/auth routes (no FastAPI here)."""
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from datetime import datetime
+from typing import Any, Literal
 
 import anyio
 from sqlalchemy import bindparam, func, select
+from sqlalchemy.orm import InstrumentedAttribute
 
 from metering.auth import sessions, throttle
+from metering.auth.cache import Loaded
 from metering.auth.invalidation import subject
 from metering.auth.passwords import Passwords
 from metering.auth.tokens import (
@@ -66,11 +70,11 @@ class Authenticated:
     refreshed: sessions.TokenPair | None = None
 
 
-def limit_columns(table) -> tuple:
+def limit_columns(table: type[ApiToken | User | Team]) -> tuple[InstrumentedAttribute[Any], ...]:
     return (table.rpm_limit, table.tpm_limit, table.max_parallel_requests, table.allowed_models)
 
 
-def limits_of(row, token_id: str, user_id: str, team_id: str) -> Limits | None:
+def limits_of(row: Sequence[Any], token_id: str, user_id: str, team_id: str) -> Limits | None:
     """The limits of a row ending with limit_columns() of token, user and team."""
     values = tuple(row)[-12:]
     return Limits.of(
@@ -80,7 +84,7 @@ def limits_of(row, token_id: str, user_id: str, team_id: str) -> Limits | None:
     )
 
 
-def expired(expires_at) -> Unauthorized:
+def expired(expires_at: datetime) -> Unauthorized:
     return Unauthorized(f"this API token expired at {rfc3339(expires_at)}")
 
 
@@ -114,15 +118,17 @@ async def _api_token_principal(services: Services, hashed: str) -> Principal:
     if hit is not None:
         if hit.expires_at is not None and hit.expires_at <= now:
             raise expired(hit.expires_at)
-        return hit.value
+        cached: Principal = hit.value
+        return cached
     # A miss: misses of this token arriving together share one lookup (CredentialCache.load).
+    principal: Principal
     principal, expires_at = await cache.load(key, lambda: _lookup_api_token(services, hashed))
     if expires_at is not None and expires_at <= utcnow():
         raise expired(expires_at)
     return principal
 
 
-async def _lookup_api_token(services: Services, hashed: str):
+async def _lookup_api_token(services: Services, hashed: str) -> Loaded:
     """An API token's principal read from the database, with the subjects a change to it names
     and its expiry; raises Unauthorized when it is not valid now."""
     async with services.db.sessions() as session:
@@ -153,13 +159,15 @@ async def _session_user(services: Services, session_id: str) -> sessions.Session
     key = "s:" + session_id
     hit = cache.get(key)
     if hit is not None:
-        return hit.value
+        cached: sessions.SessionUser = hit.value
+        return cached
     # A miss: misses of this session arriving together share one read (CredentialCache.load).
+    user: sessions.SessionUser
     user, _ = await cache.load(key, lambda: _lookup_session(services, session_id))
     return user
 
 
-async def _lookup_session(services: Services, session_id: str):
+async def _lookup_session(services: Services, session_id: str) -> Loaded:
     """A session's live user read from the database, with the subjects a change to it names;
     raises Unauthorized when the session is not valid now."""
     user = await sessions.user_of(services.db, session_id)
@@ -287,6 +295,7 @@ async def login(services: Services, email: str, password: str) -> sessions.Token
     if not ok:
         log.info("login refused: wrong email or password")
         raise Unauthorized(WRONG_CREDENTIALS)
+    assert user is not None and password_hash is not None  # a right password has both
     signing_key = await services.signer.key(db)
     async with db.transaction() as s:
         await throttle.clear(s, key)

@@ -13,12 +13,15 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, cast
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import Row, Select, delete, insert, select, update
+from sqlalchemy.engine import CursorResult
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth import invalidation
 from metering.auth.tokens import Signer, digest, new_refresh_token, password_stamp, same
-from metering.db import utcnow
+from metering.db import Database, utcnow
 from metering.errors import Unauthorized
 from metering.limits import Limits, scope_limits
 from metering.models import AuthSession, RefreshToken, Team, User
@@ -28,6 +31,8 @@ log = logging.getLogger("metering.auth")
 
 REUSE_GRACE_S = 10
 ENDED = "this session has ended: log in again"
+# A row of _session_query() (and _find()'s refresh token), read by column name.
+SessionRow = Row[*tuple[Any, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +42,7 @@ class TokenPair:
     expires_in: int
     user_id: str
 
-    def out(self) -> dict:
+    def out(self) -> dict[str, str | int]:
         return {
             "access_token": self.access_token,
             "refresh_token": self.refresh_token,
@@ -65,14 +70,16 @@ def _ttls(services: Services) -> tuple[int, int]:
 
 
 def _pair(
-    services: Services, key: bytes, session_id: str, user_id: str, refresh: str, now
+    services: Services, key: bytes, session_id: str, user_id: str, refresh: str, now: datetime
 ) -> TokenPair:
     access_ttl, _ = _ttls(services)
     access = Signer.issue(key, session_id, now + timedelta(seconds=access_ttl))
     return TokenPair(access, refresh, access_ttl, user_id)
 
 
-def _refresh_row(session_id: str, refresh: str, generation: int, now: datetime, ttl: int) -> dict:
+def _refresh_row(
+    session_id: str, refresh: str, generation: int, now: datetime, ttl: int
+) -> dict[str, Any]:
     return {
         "token_hash": digest(refresh),
         "session_id": session_id,
@@ -84,7 +91,7 @@ def _refresh_row(session_id: str, refresh: str, generation: int, now: datetime, 
 
 
 async def start(
-    services: Services, db_session, key: bytes, user_id: str, password_hash: str
+    services: Services, db_session: AsyncSession, key: bytes, user_id: str, password_hash: str
 ) -> TokenPair:
     """A new session for a user who just proved their password (inside the caller's unit of
     work; `key`, the signing key, is loaded before it: SQLite has one pooled connection)."""
@@ -107,7 +114,7 @@ async def start(
     return _pair(services, key, session_id, user_id, refresh, now)
 
 
-def _session_user(row) -> SessionUser:
+def _session_user(row: SessionRow) -> SessionUser:
     limits = Limits.of(
         scope_limits(
             "user", row.user_id, row.user_rpm, row.user_tpm, row.user_parallel, row.user_models
@@ -119,7 +126,7 @@ def _session_user(row) -> SessionUser:
     return SessionUser(row.user_id, row.team_id, limits)
 
 
-def _live_user(row, stamp: str) -> None:
+def _live_user(row: SessionRow, stamp: str) -> None:
     """The session's user and team still exist and the password has not changed since login."""
     if row.user_deleted is not None or row.team_deleted is not None:
         raise Unauthorized("this credential's user or team has been deleted")
@@ -127,7 +134,7 @@ def _live_user(row, stamp: str) -> None:
         raise Unauthorized("the password has changed since this session began: log in again")
 
 
-def _session_query():
+def _session_query() -> Select[*tuple[Any, ...]]:
     return (
         select(
             AuthSession.id,
@@ -153,7 +160,7 @@ def _session_query():
     )
 
 
-async def user_of(db, session_id: str) -> SessionUser:
+async def user_of(db: Database, session_id: str) -> SessionUser:
     """The principal of a valid access token: its session must still be live (one indexed read)."""
     async with db.sessions() as s:
         row = (await s.execute(_session_query().where(AuthSession.id == session_id))).first()
@@ -163,7 +170,7 @@ async def user_of(db, session_id: str) -> SessionUser:
     return _session_user(row)
 
 
-async def revoke(db_session, session_id: str, reason: str) -> None:
+async def revoke(db_session: AsyncSession, session_id: str, reason: str) -> None:
     """Inside the caller's transaction; once it commits, pass invalidation.pending(db_session)
     to services.credentials.changed() so no replica still accepts the session's access tokens."""
     await db_session.execute(
@@ -174,7 +181,7 @@ async def revoke(db_session, session_id: str, reason: str) -> None:
     await invalidation.record(db_session, invalidation.subject("session", session_id))
 
 
-async def _find(db_session, presented: str):
+async def _find(db_session: AsyncSession, presented: str) -> SessionRow:
     hashed = digest(presented)
     row = (
         await db_session.execute(
@@ -195,7 +202,7 @@ async def _find(db_session, presented: str):
     return row
 
 
-def _within_grace(row, now: datetime) -> bool:
+def _within_grace(row: SessionRow, now: datetime) -> bool:
     return (
         row.generation == row.session_generation - 1
         and row.spent_at is not None
@@ -222,10 +229,13 @@ async def rotate(
         user = _session_user(row)
         if row.expires_at <= now:
             raise Unauthorized("this refresh token has expired: log in again")
-        spent = await s.execute(
-            update(RefreshToken)
-            .where(RefreshToken.token_hash == row.token_hash, RefreshToken.spent_at.is_(None))
-            .values(spent_at=now)
+        spent = cast(
+            CursorResult[Any],
+            await s.execute(
+                update(RefreshToken)
+                .where(RefreshToken.token_hash == row.token_hash, RefreshToken.spent_at.is_(None))
+                .values(spent_at=now)
+            ),
         )
         if row.spent_at is not None or spent.rowcount != 1:
             if leeway and (row.spent_at is None or _within_grace(row, now)):
@@ -233,10 +243,13 @@ async def rotate(
             await revoke(s, row.id, "reuse")
             reused = row.id
         else:
-            advanced = await s.execute(
-                update(AuthSession)
-                .where(AuthSession.id == row.id, AuthSession.revoked_at.is_(None))
-                .values(generation=row.generation + 1, refreshed_at=now)
+            advanced = cast(
+                CursorResult[Any],
+                await s.execute(
+                    update(AuthSession)
+                    .where(AuthSession.id == row.id, AuthSession.revoked_at.is_(None))
+                    .values(generation=row.generation + 1, refreshed_at=now)
+                ),
             )
             if advanced.rowcount != 1:
                 raise Unauthorized(ENDED)

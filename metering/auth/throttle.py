@@ -18,8 +18,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.tokens import digest
+from metering.db import Database
 from metering.errors import MeteringError
 from metering.models import LoginThrottle
 
@@ -49,7 +51,8 @@ def lock_seconds(failures: int) -> int:
     """How long the email is locked once it has `failures` failures in a row."""
     if failures < FREE_FAILURES:
         return 0
-    return min(LOCK_BASE_S * 2 ** min(failures - FREE_FAILURES, 32), LOCK_MAX_S)
+    doublings: int = 2 ** min(failures - FREE_FAILURES, 32)
+    return min(LOCK_BASE_S * doublings, LOCK_MAX_S)
 
 
 def count_attempt(
@@ -69,7 +72,7 @@ def count_attempt(
     return Count(failures, now + timedelta(seconds=lock) if lock else None)
 
 
-async def admit(db, key: str, now: datetime) -> None:
+async def admit(db: Database, key: str, now: datetime) -> None:
     """Count one login attempt for this email, or raise LoginThrottled (one short transaction)."""
     insert = pg_insert if db.dialect == "postgresql" else sqlite_insert
     async with db.transaction() as s:
@@ -100,7 +103,7 @@ async def admit(db, key: str, now: datetime) -> None:
     await _forget_old(db, now)
 
 
-async def _forget_old(db, now: datetime) -> None:
+async def _forget_old(db: Database, now: datetime) -> None:
     """Rows of emails nobody has tried for a while (unknown ones included) go away. Rows another
     transaction holds are skipped, so this never waits on, or deadlocks with, a login."""
     old = (
@@ -113,6 +116,6 @@ async def _forget_old(db, now: datetime) -> None:
         await s.execute(delete(LoginThrottle).where(LoginThrottle.email_hash.in_(old)))
 
 
-async def clear(db_session, key: str) -> None:
+async def clear(db_session: AsyncSession, key: str) -> None:
     """The password was right: the email starts again with no failures."""
     await db_session.execute(delete(LoginThrottle).where(LoginThrottle.email_hash == key))

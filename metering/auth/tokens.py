@@ -17,6 +17,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from metering.db import Database
 from metering.errors import Unauthorized
@@ -134,7 +135,8 @@ async def load_or_create_secret(db: Database) -> str:
         _READ_SECRET.format(key=SECRET_KEY),
     )
     async with db.engine.connect() as conn:
-        driver = (await conn.get_raw_connection()).driver_connection
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        value: str | None
         if db.dialect == "postgresql":
             await driver.execute(create)
             value = await driver.fetchval(read)

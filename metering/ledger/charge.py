@@ -93,8 +93,13 @@ class Usage:
 class Held(Protocol):
     """What was reserved for a request (a budgets Reservation)."""
 
-    amount: int  # picodollars held
-    max_tokens: int  # the max_tokens sent upstream, per choice
+    @property
+    def amount(self) -> int:
+        """Picodollars held."""
+
+    @property
+    def max_tokens(self) -> int:
+        """The max_tokens sent upstream, per choice."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@ whole by the relay loop and answered as one `chat.completion` assembled from its
 
 import json
 import time
+from typing import Any
 
 from starlette.responses import Response
 
@@ -43,11 +44,11 @@ async def answer_from_stream(attempt: Attempt) -> Response:
 
 class CompletionAssembler:
     def __init__(self) -> None:
-        self.head: dict = {}
-        self.choices: dict[int, dict] = {}
-        self.usage: dict | None = None
+        self.head: dict[str, Any] = {}
+        self.choices: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] | None = None
 
-    def add(self, chunk: dict) -> None:
+    def add(self, chunk: dict[str, Any]) -> None:
         if not self.head:
             self.head = {
                 k: chunk[k] for k in ("id", "created", "model", "system_fingerprint") if k in chunk
@@ -58,12 +59,14 @@ class CompletionAssembler:
             if isinstance(choice, dict):
                 self._add_choice(choice)
 
-    def _add_choice(self, choice: dict) -> None:
+    def _add_choice(self, choice: dict[str, Any]) -> None:
         index = choice.get("index", 0) if isinstance(choice.get("index"), int) else 0
         state = self.choices.setdefault(
             index, {"message": {"role": "assistant"}, "finish_reason": None, "tools": {}}
         )
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            delta = {}
         message = state["message"]
         for key, value in delta.items():
             if key == "tool_calls" and isinstance(value, list):
@@ -78,7 +81,7 @@ class CompletionAssembler:
             state["finish_reason"] = choice["finish_reason"]
 
     @staticmethod
-    def _add_tool_calls(tools: dict, calls: list) -> None:
+    def _add_tool_calls(tools: dict[Any, dict[str, Any]], calls: list[Any]) -> None:
         for call in calls:
             if not isinstance(call, dict):
                 continue
@@ -86,13 +89,15 @@ class CompletionAssembler:
             for key in ("id", "type"):
                 if call.get(key):
                     slot[key] = call[key]
-            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            function = call.get("function")
+            if not isinstance(function, dict):
+                function = {}
             if function.get("name"):
                 slot["function"]["name"] = function["name"]
             if isinstance(function.get("arguments"), str):
                 slot["function"]["arguments"] += function["arguments"]
 
-    def completion(self) -> dict:
+    def completion(self) -> dict[str, Any]:
         choices = []
         for index in sorted(self.choices):
             state = self.choices[index]

@@ -11,14 +11,17 @@ the database cannot be reached; a hold that still cannot end is left to the swee
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime
+from types import TracebackType
 
 import anyio
 from sqlalchemy import exc as sa_exc
 
 from metering import metrics
-from metering.budgets import service as budgets
-from metering.budgets.service import HoldSpec, Reservation
+from metering.budgets.release import release
+from metering.budgets.reserve import HoldSpec, Reservation
+from metering.budgets.settle_queue import settle
 from metering.db import utcnow
 from metering.errors import MeteringError
 from metering.ledger.charge import Limits
@@ -88,7 +91,12 @@ class Attempt:
         self.services.live_holds.add(self.spec.hold_id)
         return self
 
-    async def __aexit__(self, kind, exc, tb) -> None:
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc is not None and self.outcome is None and self.sent and not expected(exc):
             # A bug or a shutdown cancelling the request after it went out: the upstream may
             # have answered, so the request is one estimated event, never a silent release.
@@ -122,7 +130,7 @@ class Attempt:
                         self.services,
                         "release",
                         hold_id,
-                        lambda: budgets.release(self.services.db, hold_id, self.reservation),
+                        lambda: release(self.services.db, hold_id, self.reservation),
                     )
                 else:
                     await self._settle(self.outcome)
@@ -146,7 +154,7 @@ class Attempt:
             self.services,
             "settle",
             self.spec.hold_id,
-            lambda: budgets.settle(self.services.db, event, self.reservation),
+            lambda: settle(self.services.db, event, self.reservation),
         )
         if settled:
             metrics.observe_event(event)
@@ -184,7 +192,9 @@ def database_unreachable(exc: BaseException) -> bool:
 _UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
 
 
-async def _retrying(services: Services, what: str, hold_id: str, write) -> bool | None:
+async def _retrying(
+    services: Services, what: str, hold_id: str, write: Callable[[], Awaitable[bool | None]]
+) -> bool | None:
     """Run `write` until it commits, retrying while the database cannot be reached (for at
     most settings.settle_retry_s); None when it never could."""
     deadline = time.monotonic() + services.settings.settle_retry_s

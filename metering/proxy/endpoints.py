@@ -5,9 +5,10 @@ import json
 import logging
 import time
 from dataclasses import replace
+from typing import Any
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,14 +24,8 @@ from metering.auth.principal import (
 from metering.budgets.ceilings import MAX_COST, run_of, unknown_run, usd_header
 from metering.budgets.rates import release_claim
 from metering.budgets.refusals import Refused
-from metering.budgets.service import (
-    BudgetShortfall,
-    HoldSpec,
-    RunKey,
-    Shortfall,
-    UnknownRun,
-    reserve,
-)
+from metering.budgets.reserve import BudgetShortfall, HoldSpec, Shortfall, reserve
+from metering.budgets.runs import RunKey, UnknownRun
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
 from metering.money import format_usd
@@ -39,12 +34,12 @@ from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
 from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_bound
 from metering.proxy.forward import forward
-from metering.proxy.request import parse_json, read_body, validate
-from metering.proxy.routing import candidates, parse_model
+from metering.proxy.request import ChatRequest, parse_json, read_body, validate
+from metering.proxy.routing import Target, candidates, parse_model
 from metering.proxy.transport import FailedBeforeAnswer
 from metering.requestid import new_request_id, request_id_header
 from metering.services import Services, get_services
-from metering.settings import ModelRoute
+from metering.settings import Catalog, ModelRoute
 from metering.timefmt import rfc3339
 
 log = logging.getLogger("metering")
@@ -97,13 +92,16 @@ def budget_exceeded(exc: BudgetShortfall) -> BudgetExceeded:
 REFUSALS = (BudgetExceeded, admission.RateLimitExceeded, admission.ModelNotAllowed)
 
 
-def ceilings(request: Request, principal, idle_s: int) -> tuple[int | None, RunKey | None]:
+def ceilings(
+    request: Request, principal: Principal, idle_s: int
+) -> tuple[int | None, RunKey | None]:
     """x-metering-max-cost, and the run (x-metering-run, x-metering-run-budget), if sent."""
     headers = request.headers
+    assert principal.team_id is not None  # a user's credential: the proxy's only caller
     return usd_header(headers, MAX_COST), run_of(headers, principal.team_id, idle_s)
 
 
-def _encode(body: dict) -> bytes:
+def _encode(body: dict[str, Any]) -> bytes:
     try:
         return orjson.dumps(body)
     except orjson.JSONEncodeError:
@@ -157,7 +155,9 @@ async def chat_completions(
         raise
 
 
-async def serve(request: Request, principal: Principal, services: Services, chat, t0) -> Response:
+async def serve(
+    request: Request, principal: Principal, services: Services, chat: ChatRequest, t0: float
+) -> Response:
     """The request's routes tried in turn (the next one when an attempt fails before any byte
     reached the client)."""
     max_cost, run = ceilings(request, principal, services.settings.run_idle_s)
@@ -190,9 +190,12 @@ async def serve(request: Request, principal: Principal, services: Services, chat
     raise last.answer
 
 
-def usable_routes(routes: list[ModelRoute], catalog, chat, target) -> list[ModelRoute]:
+def usable_routes(
+    routes: list[ModelRoute], catalog: Catalog, chat: ChatRequest, target: Target
+) -> list[ModelRoute]:
     """The routes whose provider accepts this request as it is; the first refusal if none does."""
-    usable, refusal = [], None
+    usable: list[ModelRoute] = []
+    refusal: InvalidRequest | None = None
     for route in routes:
         dialect = dialect_for(catalog.providers[route.provider].dialect)
         try:
@@ -213,19 +216,20 @@ def usable_routes(routes: list[ModelRoute], catalog, chat, target) -> list[Model
             continue
         usable.append(route)
     if not usable:
+        assert refusal is not None  # there was a route, and it was refused
         raise refusal
     return usable
 
 
 async def try_route(
     services: Services,
-    principal,
-    chat,
-    catalog,
-    route,
-    target,
-    attempt_id,
-    t0,
+    principal: Principal,
+    chat: ChatRequest,
+    catalog: Catalog,
+    route: ModelRoute,
+    target: Target,
+    attempt_id: str,
+    t0: float,
     max_cost: int | None = None,
     run: RunKey | None = None,
 ) -> Response:
@@ -235,6 +239,7 @@ async def try_route(
     dialect = dialect_for(provider.dialect)
     if target.endpoint:
         route = replace(route, upstream_model=f"{route.upstream_model}/ep/{target.endpoint}")
+    assert principal.user_id is not None and principal.team_id is not None  # a user's credential
     billing = Billing(
         id=attempt_id,
         token_id=principal.token_id,
@@ -271,6 +276,7 @@ async def try_route(
         if isinstance(exc, BudgetShortfall):
             raise budget_exceeded(exc) from None
         if isinstance(exc, UnknownRun):
+            assert run is not None  # only a run named in the request is unknown
             raise unknown_run(run) from None
         raise
     metrics.reserved(reservation.claim is not None)
@@ -286,7 +292,7 @@ async def try_route(
 @router.get("/models", responses=error_responses(*RULE_ERRORS["self"]))
 async def list_models(
     principal: Principal = Depends(any_principal), services: Services = Depends(get_services)
-) -> dict:
+) -> dict[str, Any]:
     """The catalog's models this credential may call (its allow-lists applied)."""
     catalog = services.catalog
     names = admission.visible_models(principal, sorted(catalog.models))
@@ -322,7 +328,7 @@ class DirectChat:
     `app`: the application's general stack, for every other request; `application`: the
     application itself (its state and its exception handlers are the ones used)."""
 
-    def __init__(self, app: ASGIApp, application=None) -> None:
+    def __init__(self, app: ASGIApp, application: FastAPI) -> None:
         self.app = app
         self.application = application
 
@@ -362,7 +368,9 @@ class DirectChat:
                 raise  # the answer has begun: the server closes the connection
             await self._answer_error(request, exc, send, send_with_headers)
 
-    async def _answer_error(self, request: Request, exc: Exception, send, send_with_headers):
+    async def _answer_error(
+        self, request: Request, exc: Exception, send: Send, send_with_headers: Send
+    ) -> None:
         """As the application's exception middleware would: its handler for the exception's
         class; the last resort (a bug) is logged and answered outside the header layers, as
         Starlette's server error middleware answers it."""

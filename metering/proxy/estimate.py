@@ -148,7 +148,7 @@ class TextTokens:
         self._extra_chars = 0
         # Parts not counted yet: counted when the estimate is asked for (most answers report a
         # usage that is used, and their text is never counted) or once they hold _HELD_CHARS.
-        self._pending: list = []  # text, or (source, parts) to take text from
+        self._pending: list[Any] = []  # text, or (source, parts) to take text from
         self._held = 0
 
     def add(self, text: str) -> None:
@@ -249,14 +249,14 @@ def estimate_text_tokens(text: str) -> int:
     return tokens.total()
 
 
-def _messages(body: Any) -> list[dict]:
+def _messages(body: Any) -> list[dict[str, Any]]:
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
         return []
     return [m for m in messages if isinstance(m, dict)]
 
 
-def _parts(content: Any) -> list:
+def _parts(content: Any) -> list[Any]:
     return content if isinstance(content, list) else []
 
 
@@ -292,7 +292,7 @@ def _json_text(value: Any) -> str:
         return ""
 
 
-def estimate_prompt_tokens(body: dict, exact_chars: int = EXACT_PROMPT_CHARS) -> int:
+def estimate_prompt_tokens(body: dict[str, Any], exact_chars: int = EXACT_PROMPT_CHARS) -> int:
     """Estimated prompt tokens of a chat completion request body (bounded work: see the module
     docstring)."""
     text = _PromptCost(exact_chars)
@@ -311,7 +311,7 @@ def estimate_prompt_tokens(body: dict, exact_chars: int = EXACT_PROMPT_CHARS) ->
     return _round(overhead + text.cost()) + _media_parts(body) * MEDIA_PART_ESTIMATE
 
 
-def prompt_tokens_upper_bound(body_bytes_len: int, body: dict) -> int:
+def prompt_tokens_upper_bound(body_bytes_len: int, body: dict[str, Any]) -> int:
     """An upper bound on the prompt tokens of a request (see the module docstring).
 
     ``body_bytes_len`` is the length of the decoded (not compressed) request body.

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import anyio
 
 from metering.errors import MeteringError
+from metering.settings import Settings
 
 # Above this size the text of a cut body is read off the event loop.
 THREAD_ABOVE_BYTES = 1024 * 1024
@@ -21,8 +22,9 @@ class Limit:
     setting: str  # the setting that sets the bound
     what: str
 
-    def bound(self, settings) -> float:
-        return getattr(settings, self.setting)
+    def bound(self, settings: Settings) -> float:
+        bound: float = getattr(settings, self.setting)
+        return bound
 
     def message(self, provider: str, bound: float) -> str:
         return f"provider {provider}: {self.what.format(bound=bound)}"
@@ -63,10 +65,10 @@ _CUT_ESCAPE = re.compile(r"\\(u[0-9a-fA-F]{0,3})?$")
 
 def _unescape(value: str) -> str:
     try:
-        return json.loads(f'"{value}"')
+        return str(json.loads(f'"{value}"'))
     except ValueError:
         try:
-            return json.loads(f'"{_CUT_ESCAPE.sub("", value)}"')
+            return str(json.loads(f'"{_CUT_ESCAPE.sub("", value)}"'))
         except ValueError:
             return value
 

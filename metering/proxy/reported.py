@@ -121,7 +121,7 @@ _LONG_TEXT = re.compile(r"[0-9]{19}")
 _LONG_BYTES = re.compile(rb"[0-9]{19}")
 
 
-def parse_json_object(data: str | bytes) -> dict | None:
+def parse_json_object(data: str | bytes) -> dict[str, Any] | None:
     """The JSON object in ``data``; None if it is not valid JSON or not an object.
 
     Bytes that are not valid UTF-8 are read with the bad bytes replaced (U+FFFD): the usage of
@@ -130,8 +130,11 @@ def parse_json_object(data: str | bytes) -> dict | None:
     """
     # The fast parser reads strict UTF-8 JSON; anything else takes the path below, and so does
     # a run of 19 digits or more (the fast parser reads an integer beyond 64 bits as a float).
-    long_digits = _LONG_TEXT if isinstance(data, str) else _LONG_BYTES
-    if isinstance(data, str | bytes) and long_digits.search(data) is None:
+    if (
+        _LONG_TEXT.search(data) is None
+        if isinstance(data, str)
+        else isinstance(data, bytes) and _LONG_BYTES.search(data) is None
+    ):
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -141,6 +144,7 @@ def parse_json_object(data: str | bytes) -> dict | None:
     try:
         obj = json.loads(data)
     except UnicodeDecodeError:
+        assert not isinstance(data, str)  # only bytes are decoded
         return parse_json_object(data.decode("utf-8", "replace"))
     except (ValueError, TypeError, RecursionError):
         try:
@@ -150,7 +154,7 @@ def parse_json_object(data: str | bytes) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-def is_usage_only_chunk(obj: dict) -> bool:
+def is_usage_only_chunk(obj: dict[str, Any]) -> bool:
     """The trailing chunk that only carries usage (``stream_options.include_usage``).
 
     A client that did not ask for it must not receive it: OpenAI SDKs index
@@ -173,7 +177,7 @@ def _block_text(content: Any) -> str:
     return ""
 
 
-def _output_text(message: dict) -> list[str]:
+def _output_text(message: dict[str, Any]) -> list[str]:
     """Generated text of a message or delta: what completion tokens pay for.
 
     Beyond content and reasoning this includes refusals and tool-call names and
@@ -198,14 +202,14 @@ def _output_text(message: dict) -> list[str]:
     return [p for p in parts if p]
 
 
-def _choices(obj: dict) -> list[dict]:
+def _choices(obj: dict[str, Any]) -> list[dict[str, Any]]:
     choices = obj.get("choices")
     if not isinstance(choices, list):
         return []
     return [c for c in choices if isinstance(c, dict)]
 
 
-def _error(obj: dict) -> dict | None:
+def _error(obj: dict[str, Any]) -> dict[str, Any] | None:
     error = obj.get("error")
     if isinstance(error, dict):
         return error
@@ -239,7 +243,7 @@ def _event_text(data: str) -> list[str]:
     return _delta_text(obj) if obj is not None else []
 
 
-def _delta_text(obj: dict) -> list[str]:
+def _delta_text(obj: dict[str, Any]) -> list[str]:
     parts: list[str] = []
     for choice in _choices(obj):
         delta = choice.get("delta")
@@ -267,11 +271,11 @@ class StreamObserver:
         self.usage: Usage | None = None  # the last non-null usage seen
         self.finish_reason: str | None = None  # the last non-null finish_reason seen
         self.upstream_id: str | None = None  # the first non-empty id seen
-        self.error: dict | None = None  # the error object, if an error event came
+        self.error: dict[str, Any] | None = None  # the error object, if an error event came
         self.lazy = lazy
         self._tokens = TextTokens()
 
-    def observe(self, data: str | None) -> dict | None:
+    def observe(self, data: str | None) -> dict[str, Any] | None:
         """Take one event's data; returns the parsed object so callers parse it once (None for
         an event read lazily).
 
@@ -320,7 +324,7 @@ def summarize_completion(body: bytes) -> tuple[Usage | None, str | None, str | N
 
 
 def summarize_object(
-    obj: dict | None, *, count: bool = True
+    obj: dict[str, Any] | None, *, count: bool = True
 ) -> tuple[Usage | None, str | None, str | None, int]:
     """summarize_completion of a body already parsed (parse_json_object); without `count`, the
     generated text's tokens are not estimated (0): only an answer whose usage cannot be used

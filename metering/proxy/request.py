@@ -4,6 +4,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import orjson
 from fastapi import Request
@@ -22,7 +23,7 @@ _LONG_DIGITS = re.compile(rb"[0-9]{19}")
 
 @dataclass(slots=True)
 class ChatRequest:
-    body: dict
+    body: dict[str, Any]
     size: int  # bytes of the body as received
     model: str
     stream: bool
@@ -44,11 +45,11 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _reject_constant(name: str):
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json(raw: bytes) -> dict:
+def parse_json(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise InvalidRequest("request body is empty: send a JSON object")
     # The fast parser reads strict RFC 8259 UTF-8 JSON. What it refuses (a BOM, NaN, a lone
@@ -83,7 +84,7 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def _int(body: dict, key: str, low: int, high: int) -> int | None:
+def _int(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
@@ -94,7 +95,7 @@ def _int(body: dict, key: str, low: int, high: int) -> int | None:
     return value
 
 
-def _number(body: dict, key: str, low: float, high: float) -> None:
+def _number(body: dict[str, Any], key: str, low: float, high: float) -> None:
     value = body.get(key)
     if value is None:
         return
@@ -108,7 +109,7 @@ def _number(body: dict, key: str, low: float, high: float) -> None:
         raise InvalidRequest(f"{key} must be between {low:g} and {high:g}", param=key)
 
 
-def _content(message: dict, i: int) -> None:
+def _content(message: dict[str, Any], i: int) -> None:
     content = message.get("content")
     if content is None or isinstance(content, str):
         return
@@ -125,7 +126,7 @@ def _content(message: dict, i: int) -> None:
             )
 
 
-def _messages(body: dict) -> None:
+def _messages(body: dict[str, Any]) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty array", param="messages")
@@ -145,7 +146,7 @@ def _messages(body: dict) -> None:
             raise InvalidRequest(f"messages[{i}].name must be a string", param=f"messages.{i}.name")
 
 
-def validate(body: dict, size: int) -> ChatRequest:
+def validate(body: dict[str, Any], size: int) -> ChatRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model.strip():
         raise InvalidRequest("model is required and must be a string", param="model")

@@ -11,6 +11,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from decimal import ROUND_FLOOR
+from typing import Any
+
+from sqlalchemy import String
 
 from metering.errors import InvalidRequest, ModelNotFound
 from metering.models import Hold
@@ -21,7 +24,9 @@ from metering.settings import Catalog, ModelRoute
 EXPECTED_OUTPUT = 256
 CAP_FIELDS = ("max_input_usd_per_mtok", "max_output_usd_per_mtok")
 # `<upstream model>/ep/<endpoint>` is stored with the hold and the ledger event.
-UPSTREAM_MODEL_CHARS = Hold.__table__.c.upstream_model.type.length
+_UPSTREAM_MODEL = Hold.__table__.c.upstream_model.type
+assert isinstance(_UPSTREAM_MODEL, String) and _UPSTREAM_MODEL.length is not None
+UPSTREAM_MODEL_CHARS = _UPSTREAM_MODEL.length
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +42,7 @@ def parse_model(model: str) -> Target:
     return Target(name=name, provider=provider or None, endpoint=endpoint or None)
 
 
-def price_cap(body: dict, key: str) -> int | None:
+def price_cap(body: dict[str, Any], key: str) -> int | None:
     """A price cap from the body, in micro-USD per 1M tokens: 0 to MAX_USD, checked as text
     before any arithmetic (a short "1e500000" would otherwise cost seconds of CPU)."""
     value = body.get(key)
@@ -76,7 +81,7 @@ def expected_cost(route: ModelRoute, prompt_tokens: int, output_tokens: int) -> 
 def candidates(
     catalog: Catalog,
     target: Target,
-    body: dict,
+    body: dict[str, Any],
     prompt_tokens: int | Callable[[], int],
     max_tokens: int | None,
 ) -> list[ModelRoute]:
@@ -114,7 +119,12 @@ class Breakers:
     """Per-provider circuit breakers: after `threshold` failures in a row a provider rests for
     `cooldown_s`, then one request may try it again (half-open)."""
 
-    def __init__(self, threshold: int = 3, cooldown_s: float = 30.0, clock=time.monotonic) -> None:
+    def __init__(
+        self,
+        threshold: int = 3,
+        cooldown_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.threshold, self.cooldown_s, self.clock = threshold, cooldown_s, clock
         self.failures: dict[str, int] = {}
         self.open_until: dict[str, float] = {}

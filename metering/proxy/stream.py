@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import httpx
@@ -21,7 +22,7 @@ from metering.ledger.outcome import Outcome
 from metering.proxy.attempt import Attempt
 from metering.proxy.limits import EVENT_TOO_LARGE, RESPONSE_TOO_LARGE, RESPONSE_TOO_LONG, Limit
 from metering.proxy.reported import StreamObserver, is_usage_only_chunk
-from metering.proxy.sse import SSEParser
+from metering.proxy.sse import SSEEvent, SSEParser
 from metering.proxy.transport import limit_message
 from metering.proxy.upstreams import failure_kind
 
@@ -52,7 +53,7 @@ class StreamRelay:
         attempt: Attempt,
         upstream: httpx.Response,
         withhold_usage: bool = False,
-        on_chunk: Callable[[dict], None] | None = None,
+        on_chunk: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.attempt, self.upstream = attempt, upstream
         # Every event is read when it comes only for a caller that is handed each one.
@@ -97,7 +98,7 @@ class StreamRelay:
         except (httpx.HTTPError, OSError) as exc:
             self.failure = exc
 
-    def _select(self, events) -> bytes:
+    def _select(self, events: list[SSEEvent]) -> bytes:
         out = []
         observer = self.observer
         for event in events:
@@ -216,7 +217,7 @@ class MeteredStream(Response):
                 return
             if relay.limit is not None:
                 # The answer is cut: an error event, and no [DONE], which would say it ended.
-                error = error_body(502, relay.limit.code, outcome.error)
+                error = error_body(502, relay.limit.code, outcome.error or "")
                 tail = b"data: " + json.dumps(error).encode() + b"\n\n"
             elif outcome.status in ("upstream_disconnected", "timeout"):
                 error = error_body(502, "upstream_error", "the upstream stream ended early")

@@ -41,7 +41,7 @@ class FailedBeforeAnswer(Chosen):  # a signal to try the next provider
         self.answer = answer
 
 
-def passed_headers(attempt: Attempt, upstream: httpx.Response) -> dict:
+def passed_headers(attempt: Attempt, upstream: httpx.Response) -> dict[str, str]:
     """The upstream's headers a client gets, with the attempt's own."""
     headers = {k: upstream.headers[k] for k in PASSED_HEADERS if k in upstream.headers}
     return {**headers, **attempt.headers}
@@ -104,7 +104,9 @@ async def _poll(attempt: Attempt, pending: httpx.Response) -> httpx.Response:
     return pending
 
 
-def _failed(attempt: Attempt, exc: BaseException, answered: int | None = None, text: str = ""):
+def _failed(
+    attempt: Attempt, exc: BaseException, answered: int | None = None, text: str = ""
+) -> FailedBeforeAnswer | UpstreamFailed:
     """The error for a connection that failed; the outcome recorded unless nothing went out.
     `answered`: the status the upstream had already sent when its body broke off; a 2xx answer
     was generated (and billed upstream), so it is metered at an estimate of the `text` that

@@ -7,7 +7,9 @@ is reused, and the request was never read.
 
 import asyncio
 import errno
+from collections.abc import Iterator
 from contextvars import ContextVar
+from typing import TYPE_CHECKING
 
 import aiohttp
 import httpx
@@ -15,7 +17,12 @@ from httpx._client import BoundAsyncStream
 from httpx_aiohttp import HttpxAiohttpClient
 from httpx_aiohttp.transport import AiohttpTransport
 
-from metering.settings import Catalog
+from metering.proxy.dialects.base import Dialect
+from metering.settings import Catalog, Provider
+
+if TYPE_CHECKING:
+    from aiohttp.client_reqrep import ConnectionKey
+    from aiohttp.tracing import Trace
 
 KEEPALIVE_S = 5.0  # how long an idle connection stays in the pool (httpx's default)
 _DROPPED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
@@ -38,7 +45,9 @@ class _Connector(aiohttp.TCPConnector):
     connection (the race `dropped_unanswered` retries is only possible on one). aiohttp's trace
     signals would tell the same, at the cost of a trace and its signals on every request."""
 
-    async def _get(self, key, traces):
+    async def _get(
+        self, key: "ConnectionKey", traces: list["Trace"]
+    ) -> aiohttp.connector.Connection | None:
         connection = await super()._get(key, traces)
         if connection is not None:
             current = _SEND.get()
@@ -83,7 +92,7 @@ class _UpstreamClient(HttpxAiohttpClient):
         return _NO_COOKIES
 
     @cookies.setter
-    def cookies(self, cookies) -> None:
+    def cookies(self, cookies: object) -> None:
         pass  # httpx's constructor sets an empty jar: there is none to set
 
 
@@ -115,7 +124,10 @@ class Upstreams:
         self.max_connections = max_connections
         self.clients: dict[str, httpx.AsyncClient] = {}
         self.fresh: dict[str, httpx.AsyncClient] = {}  # new connection per request: retries
-        self._made: dict[str, tuple] = {}  # per provider: what its chat requests share
+        # Per provider: what its chat requests share.
+        self._made: dict[
+            str, tuple[Provider, httpx.URL, httpx.Headers, dict[str, float | None]]
+        ] = {}
         self.ensure(catalog)
 
     def ensure(self, catalog: Catalog) -> None:
@@ -127,7 +139,7 @@ class Upstreams:
     def client(self, provider: str) -> httpx.AsyncClient:
         return self.clients[provider]
 
-    def chat_request(self, provider, dialect, content: bytes) -> httpx.Request:
+    def chat_request(self, provider: Provider, dialect: Dialect, content: bytes) -> httpx.Request:
         """A chat completion's request to `provider`, built as its client's build_request would
         build it (the client's default headers, the dialect's, the provider's timeouts) from
         parts made once per provider: only the body is the request's own."""
@@ -136,9 +148,11 @@ class Upstreams:
             headers = httpx.Headers(self.clients[provider.name].headers)
             headers.update(dialect.headers(provider))
             headers["accept-encoding"] = "identity"
-            timeout = httpx.Timeout(provider.timeout_s, connect=provider.connect_timeout_s)
+            timeout = httpx.Timeout(
+                provider.timeout_s, connect=provider.connect_timeout_s
+            ).as_dict()
             url = httpx.URL(dialect.url(provider))
-            made = self._made[provider.name] = (provider, url, headers, timeout.as_dict())
+            made = self._made[provider.name] = (provider, url, headers, timeout)
         _, url, headers, timeout = made
         return httpx.Request(
             "POST", url, content=content, headers=headers, extensions={"timeout": timeout}
@@ -164,8 +178,8 @@ class Upstreams:
         await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
 
-def _chain(exc: BaseException):
-    seen = exc
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: BaseException | None = exc
     while seen is not None:
         yield seen
         seen = seen.__cause__ or seen.__context__

@@ -7,6 +7,8 @@ from metering.proxy.dialects.nim import NimDialect
 from metering.proxy.dialects.openai import OpenAIDialect
 from metering.proxy.dialects.tokenchange import TokenChangeDialect
 
+__all__ = ["Dialect", "dialect_for"]
+
 _DIALECTS: dict[str, Dialect] = {
     d.name: d
     for d in (

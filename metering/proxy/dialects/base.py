@@ -1,6 +1,7 @@
 """A dialect says how to talk to one kind of upstream: URL, headers, request shape, errors."""
 
 import json
+from typing import Any
 
 from metering.settings import ModelRoute, Provider
 
@@ -8,7 +9,7 @@ OWN_FIELDS = frozenset({"max_input_usd_per_mtok", "max_output_usd_per_mtok"})
 OPENAI_ERROR_FIELDS = frozenset({"message", "type", "code", "param"})
 
 
-def developer_as_system(messages: list) -> list:
+def developer_as_system(messages: list[Any]) -> list[Any]:
     """The messages with `developer` turned into `system`, for an upstream that knows only the
     older name of the system prompt."""
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
@@ -38,7 +39,7 @@ class Dialect:
             return route.max_output_tokens
         return min(route.max_output_tokens, self.max_output_tokens)
 
-    def validate(self, body: dict) -> None:
+    def validate(self, body: dict[str, Any]) -> None:
         """Refuse, before anything is spent, what this upstream documents it refuses."""
 
     def url(self, provider: Provider) -> str:
@@ -50,7 +51,9 @@ class Dialect:
             headers["authorization"] = f"Bearer {provider.api_key}"
         return headers
 
-    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
+    def prepare(
+        self, body: dict[str, Any], route: ModelRoute, *, max_tokens: int | None
+    ) -> dict[str, Any]:
         """The body sent upstream: the client's, with the upstream's model name and our limits."""
         # Our own routing fields stay here; everything else goes on as the client sent it.
         upstream = {k: v for k, v in body.items() if k not in OWN_FIELDS}
@@ -66,11 +69,15 @@ class Dialect:
             # Meaningless without a stream, and refused by OpenAI itself.
             upstream.pop("stream_options", None)
         elif self.include_usage:
-            options = (
-                body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
-            )
+            options = body.get("stream_options")
+            if not isinstance(options, dict):
+                options = {}
             upstream["stream_options"] = {**options, "include_usage": True}
         return upstream
+
+    def status_url(self, provider: Provider, request_id: str) -> str:
+        """Where an upstream that `polls` serves the answer it deferred (a 202)."""
+        raise NotImplementedError(f"dialect {self.name} does not poll")
 
     def error_message(self, status: int, raw: bytes) -> tuple[str, str | None]:
         """(message, upstream code) from an upstream error body, whatever its shape."""

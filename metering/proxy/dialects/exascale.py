@@ -8,12 +8,14 @@ streams always end with a usage chunk, asked for or not; the proxy withholds it 
 clients that did not ask for include_usage.
 """
 
+from typing import Any
+
 from metering.errors import InvalidRequest
 from metering.proxy.dialects.base import Dialect
 from metering.settings import ModelRoute
 
 
-def _check_range(body: dict, key: str, low: float, high: float, integer: bool) -> None:
+def _check_range(body: dict[str, Any], key: str, low: float, high: float, integer: bool) -> None:
     value = body.get(key)
     if value is None:
         return
@@ -29,7 +31,7 @@ class ExascaleDialect(Dialect):
     name = "exascale"
     include_usage = True
 
-    def validate(self, body: dict) -> None:
+    def validate(self, body: dict[str, Any]) -> None:
         _check_range(body, "top_k", -1, 200, integer=True)
         _check_range(body, "repetition_penalty", 0.01, 2, integer=False)
         for i, message in enumerate(body["messages"]):
@@ -39,7 +41,9 @@ class ExascaleDialect(Dialect):
                     param=f"messages.{i}.content",
                 )
 
-    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
+    def prepare(
+        self, body: dict[str, Any], route: ModelRoute, *, max_tokens: int | None
+    ) -> dict[str, Any]:
         upstream = super().prepare(body, route, max_tokens=max_tokens)
         upstream["stream"] = bool(body.get("stream"))
         return upstream

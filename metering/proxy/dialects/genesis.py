@@ -6,6 +6,8 @@ metered from an estimate of the request and the delivered text
 (`usage_source: "estimated"`); its non-streamed answers report usage.
 """
 
+from typing import Any
+
 from metering.errors import InvalidRequest
 from metering.proxy.dialects.base import Dialect, developer_as_system
 from metering.settings import ModelRoute
@@ -17,7 +19,7 @@ class GenesisDialect(Dialect):
     name = "genesis"
     include_usage = False
 
-    def validate(self, body: dict) -> None:
+    def validate(self, body: dict[str, Any]) -> None:
         for i, message in enumerate(body["messages"]):
             role = message.get("role")
             if role not in (*ROLES, "developer"):
@@ -36,7 +38,9 @@ class GenesisDialect(Dialect):
                             param=f"messages.{i}.content.{j}.text",
                         )
 
-    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
+    def prepare(
+        self, body: dict[str, Any], route: ModelRoute, *, max_tokens: int | None
+    ) -> dict[str, Any]:
         upstream = super().prepare(body, route, max_tokens=max_tokens)
         upstream["messages"] = developer_as_system(upstream["messages"])
         upstream.pop("stream_options", None)

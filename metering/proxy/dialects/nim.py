@@ -15,6 +15,7 @@ Its 422 and 500 problem details become OpenAI-shaped errors.
 """
 
 import math
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from metering.errors import InvalidRequest
@@ -42,7 +43,9 @@ HANDLED = frozenset({"model", "messages", "stream", "max_tokens", "max_completio
 SYSTEM_ROLES = ("system", "developer")
 
 
-def _number(body: dict, key: str, low: float, high: float, low_open: bool = False) -> None:
+def _number(
+    body: dict[str, Any], key: str, low: float, high: float, low_open: bool = False
+) -> None:
     value = body.get(key)
     if value is None:
         return
@@ -62,7 +65,7 @@ def _left_out(key: str, value: object) -> bool:
     return key == "logprobs" and value is False
 
 
-def _check_fields(body: dict) -> None:
+def _check_fields(body: dict[str, Any]) -> None:
     for key, value in body.items():
         if key in HANDLED or key in PASSED or _left_out(key, value):
             continue
@@ -73,7 +76,7 @@ def _check_fields(body: dict) -> None:
         raise InvalidRequest("stop must be a string or a list of strings", param="stop")
 
 
-def _check_message(i: int, message: dict) -> None:
+def _check_message(i: int, message: dict[str, Any]) -> None:
     role = message.get("role")
     if role not in ("user", "assistant") and not (role in SYSTEM_ROLES and i == 0):
         raise InvalidRequest(
@@ -105,7 +108,7 @@ def _text(content: object) -> str | None:
     return content if isinstance(content, str) else None
 
 
-def _messages(messages: list[dict]) -> list[dict]:
+def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Role and content only; a first system message folded into the first user message."""
     out = [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
     out = developer_as_system(out)
@@ -127,15 +130,20 @@ class NimDialect(Dialect):
     polls = True
     max_output_tokens = MAX_TOKENS  # the catalog's maximum may be set higher than NIM takes
 
-    def validate(self, body: dict) -> None:
+    def validate(self, body: dict[str, Any]) -> None:
         _number(body, "temperature", 0, 1)
         _number(body, "top_p", 0, 1, low_open=True)
         _check_fields(body)
         for i, message in enumerate(body["messages"]):
             _check_message(i, message)
 
-    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
-        upstream = {"model": route.upstream_model, "messages": _messages(body["messages"])}
+    def prepare(
+        self, body: dict[str, Any], route: ModelRoute, *, max_tokens: int | None
+    ) -> dict[str, Any]:
+        upstream: dict[str, Any] = {
+            "model": route.upstream_model,
+            "messages": _messages(body["messages"]),
+        }
         upstream.update((key, body[key]) for key in PASSED if body.get(key) is not None)
         upstream["stream"] = bool(body.get("stream"))
         if max_tokens is not None:

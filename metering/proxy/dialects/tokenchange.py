@@ -9,6 +9,8 @@ after the stream started arrives as a `data: {"error": ...}` event and then
 pins one of its endpoints and passes through.
 """
 
+from typing import Any
+
 from metering.proxy.dialects.base import Dialect
 from metering.settings import ModelRoute
 
@@ -19,6 +21,8 @@ class TokenChangeDialect(Dialect):
     stream_only = True
     pins_endpoints = True
 
-    def prepare(self, body: dict, route: ModelRoute, *, max_tokens: int | None) -> dict:
+    def prepare(
+        self, body: dict[str, Any], route: ModelRoute, *, max_tokens: int | None
+    ) -> dict[str, Any]:
         upstream = super().prepare({**body, "stream": True}, route, max_tokens=max_tokens)
         return upstream
