@@ -26,6 +26,19 @@ ERROR_TYPES = {
 }
 
 
+# Text a client sent that is not valid Unicode (metering.text checks it; pydantic says it too).
+NOT_UNICODE = "must be valid Unicode text (it holds a lone UTF-16 surrogate such as \\ud800)"
+
+
+class InvalidText(ValueError):
+    """A text field a client sent that cannot be taken (raised by metering.text's checks inside
+    a request model's validation); `where` names it inside the body."""
+
+    def __init__(self, where: str, problem: str) -> None:
+        super().__init__(f"{where}: {problem}" if where else problem)
+        self.where, self.problem = where, problem
+
+
 class MeteringError(Exception):
     status = 400
     code = "invalid_request"
@@ -156,8 +169,6 @@ def _param(loc) -> str | None:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    from metering.text import NOT_UNICODE, InvalidText  # metering.text raises these errors
-
     errors = exc.errors()
     if not errors:
         return "invalid request", None

@@ -14,24 +14,15 @@ from typing import Any, ClassVar
 from fastapi import Request
 from pydantic import BaseModel, model_validator
 
-from metering.errors import InvalidRequest
+from metering.errors import NOT_UNICODE, InvalidRequest, InvalidText
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _FREE_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # What pydantic's str_strip_whitespace takes off both ends before a value is kept.
 _EDGE_SPACE = "\t\n\x0b\x0c\r "
 
-NOT_UNICODE = "must be valid Unicode text (it holds a lone UTF-16 surrogate such as \\ud800)"
 CONTROL = "must not contain control characters"
 FREE_CONTROL = "must not contain control characters other than tab, newline and carriage return"
-
-
-class InvalidText(ValueError):
-    """A text field a client sent that cannot be taken; `where` names it inside the body."""
-
-    def __init__(self, where: str, problem: str) -> None:
-        super().__init__(f"{where}: {problem}" if where else problem)
-        self.where, self.problem = where, problem
 
 
 def problem(value: str, *, free: bool = False, controls: bool = True) -> str | None:

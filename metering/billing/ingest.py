@@ -42,8 +42,8 @@ from metering.ids import time_ordered
 from metering.ledger import rollup, writer
 from metering.ledger.charge import CACHED_ABOVE_PROMPT, DETAILS_ABOVE_COMPLETION, Usage
 from metering.ledger.event import DETAIL_FIELDS, Event
+from metering.ledger.external import ingested_event
 from metering.ledger.prices import PriceBook
-from metering.ledger.records import ingested_event
 from metering.limits import Limits
 from metering.models import ApiToken, IngestedKey, Run, User
 from metering.settings import Catalog

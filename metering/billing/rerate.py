@@ -41,8 +41,8 @@ from metering.errors import InvalidRequest, NotFound
 from metering.ledger import writer
 from metering.ledger.bounds import past_ceiling
 from metering.ledger.event import ADJUSTMENT, UNSETTLED, USAGE, Event, bounded
+from metering.ledger.external import MANUAL, RERATED, adjustment_event
 from metering.ledger.prices import PriceBook
-from metering.ledger.records import MANUAL, RERATED, adjustment_event
 from metering.ledger.tables import LedgerEvent
 from metering.models import ApiToken, Team, User
 from metering.money import MAX_USD, MoneyError, cost_pico, format_usd, parse_usd, usd_to_pico

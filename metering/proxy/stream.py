@@ -19,8 +19,13 @@ from starlette.types import Receive, Scope, Send
 
 from metering.errors import error_body
 from metering.ledger.outcome import Outcome
+from metering.proxy.answer_bounds import (
+    EVENT_TOO_LARGE,
+    RESPONSE_TOO_LARGE,
+    RESPONSE_TOO_LONG,
+    AnswerBound,
+)
 from metering.proxy.attempt import Attempt
-from metering.proxy.limits import EVENT_TOO_LARGE, RESPONSE_TOO_LARGE, RESPONSE_TOO_LONG, Limit
 from metering.proxy.reported import StreamObserver, is_usage_only_chunk
 from metering.proxy.sse import SSEEvent, SSEParser
 from metering.proxy.transport import limit_message
@@ -61,7 +66,7 @@ class StreamRelay:
         self.withhold_usage = withhold_usage
         self.on_chunk = on_chunk
         self.done: bytes | None = None  # the raw [DONE] event, once it came
-        self.limit: Limit | None = None  # the bound the answer passed, if any
+        self.limit: AnswerBound | None = None  # the bound the answer passed, if any
         self.failure: BaseException | None = None  # the connection's failure, if any
         self.ttft_ms: int | None = None  # when the first bytes were passed on
 

@@ -17,8 +17,13 @@ from starlette.responses import Response
 
 from metering.errors import MeteringError, error_body
 from metering.ledger.outcome import Outcome
+from metering.proxy.answer_bounds import (
+    RESPONSE_TOO_LARGE,
+    RESPONSE_TOO_LONG,
+    AnswerBound,
+    text_of_cut_body,
+)
 from metering.proxy.attempt import Attempt, Chosen
-from metering.proxy.limits import RESPONSE_TOO_LARGE, RESPONSE_TOO_LONG, Limit, text_of_cut_body
 from metering.proxy.upstreams import failure_kind
 
 PASSED_HEADERS = ("content-type", "retry-after")
@@ -72,11 +77,11 @@ async def open_upstream(attempt: Attempt) -> httpx.Response:
     return response
 
 
-def limit_error(attempt: Attempt, limit: Limit) -> MeteringError:
+def limit_error(attempt: Attempt, limit: AnswerBound) -> MeteringError:
     return limit.error(attempt.provider.name, limit.bound(attempt.services.settings))
 
 
-def limit_message(attempt: Attempt, limit: Limit) -> str:
+def limit_message(attempt: Attempt, limit: AnswerBound) -> str:
     return limit.message(attempt.provider.name, limit.bound(attempt.services.settings))
 
 

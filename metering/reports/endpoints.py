@@ -1,4 +1,5 @@
-"""GET /v1/usage and /v1/spend (admin, or self) and /v1/reconciliations (admin)."""
+"""GET /v1/usage, /v1/spend, /v1/refusals and /v1/refusals/summary (admin, or self); GET
+/v1/exports/focus, POST /v1/reconciliations and GET /v1/reconciliations/{id} (admin)."""
 
 from collections.abc import AsyncIterator
 

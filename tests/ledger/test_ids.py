@@ -5,7 +5,7 @@ import re
 import time
 
 from metering.ids import time_ordered
-from metering.ledger.records import new_event_id
+from metering.ledger.external import new_event_id
 from metering.requestid import new_request_id
 
 SHAPE = re.compile(r"(req|evt)_([0-9a-f]{12})([0-9a-f]{20})")

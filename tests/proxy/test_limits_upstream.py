@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from metering.proxy.answer_bounds import partial_text
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
-from metering.proxy.limits import partial_text
 from metering.proxy.sse import SSEParser
 from metering.testing import ServerThread
 from tests.proxy.conftest import assert_error_shape, data_of, provider_entry, serving, sim_record

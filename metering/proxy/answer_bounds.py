@@ -1,5 +1,5 @@
 """The bounds on what one upstream answer may cost this process (settings max_sse_event_bytes,
-max_response_bytes, max_response_s), and the text of an answer cut short."""
+max_response_bytes, max_response_s), and the text of an answer cut short at one of them."""
 
 import json
 import re
@@ -15,7 +15,9 @@ THREAD_ABOVE_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
-class Limit:
+class AnswerBound:
+    """One bound on an upstream answer and what passing it makes of the request."""
+
     status: str  # the ledger event's status
     code: str  # the client's error code
     http_status: int  # what a non-streaming client gets
@@ -33,21 +35,21 @@ class Limit:
         return MeteringError(self.message(provider, bound), status=self.http_status, code=self.code)
 
 
-EVENT_TOO_LARGE = Limit(
+EVENT_TOO_LARGE = AnswerBound(
     "event_too_large",
     "upstream_event_too_large",
     502,
     "max_sse_event_bytes",
     "the answer has an event or line longer than {bound} bytes (METERING_MAX_SSE_EVENT_BYTES)",
 )
-RESPONSE_TOO_LARGE = Limit(
+RESPONSE_TOO_LARGE = AnswerBound(
     "response_too_large",
     "upstream_response_too_large",
     502,
     "max_response_bytes",
     "the answer is longer than {bound} bytes (METERING_MAX_RESPONSE_BYTES)",
 )
-RESPONSE_TOO_LONG = Limit(
+RESPONSE_TOO_LONG = AnswerBound(
     "response_too_long",
     "upstream_response_too_long",
     504,

@@ -1,6 +1,7 @@
-"""Events made outside the proxy's request path: usage recorded through POST /v1/events
-(`usage_source` ingested), and adjustments (`kind` adjustment) that correct another event's
-charge or credit a team, appended to the ledger while the rows they correct never change."""
+"""Events made outside the proxy's request path (those of an attempt: metering.ledger.outcome):
+usage recorded through POST /v1/events (`usage_source` ingested), and adjustments (`kind`
+adjustment) that correct another event's charge or credit a team, appended to the ledger while
+the rows they correct never change."""
 
 from dataclasses import replace
 from datetime import datetime
