@@ -186,7 +186,7 @@ def demo(args: argparse.Namespace) -> None:
     run_demo(host=args.host, port=args.port)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="metering", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -6,9 +6,10 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import asyncpg
-from sqlalchemy import BigInteger, DateTime, MetaData, event
+from sqlalchemy import BigInteger, DateTime, MetaData, Table, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -31,6 +32,8 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    if TYPE_CHECKING:  # every model maps a table (the declarative base says only FromClause)
+        __table__: ClassVar[Table]
 
 
 Pico = BigInteger  # a money column: integer picodollars (1e-12 USD)
@@ -224,7 +227,7 @@ class Database:
         )
         self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         # raw()'s idle connections, kept out of the pool: (the pool's connection, kept since).
-        self._kept: list[tuple[object, float]] = []
+        self._kept: list[tuple[Any, float]] = []
         self._keep = KEPT_WRITERS if pool_size >= KEPT_MIN_POOL and self.dialect != "sqlite" else 0
 
     @asynccontextmanager

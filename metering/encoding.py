@@ -87,6 +87,7 @@ class ContentEncoding:
             return
         try:
             if len(names) > 1 or names[0] not in DECODERS:
+                assert header is not None  # the names were read from it
                 raise BodyRefused(
                     415,
                     "unsupported_content_encoding",

@@ -100,7 +100,7 @@ class _Route:
     )
 
     def __init__(self, model: str, provider: str) -> None:
-        self.requests: dict[str, object] = {}
+        self.requests: dict[str, Counter] = {}
         self.prompt = TOKENS.labels(model, provider, "prompt")
         self.cached = TOKENS.labels(model, provider, "cached")
         self.completion = TOKENS.labels(model, provider, "completion")

@@ -6,6 +6,7 @@ picodollars: every cost is an exact integer, no rounding anywhere.
 """
 
 from decimal import Decimal
+from typing import overload
 
 from metering.numbers import NumberError, parse_decimal
 
@@ -55,6 +56,12 @@ def price_to_micro(price_per_mtok: Decimal) -> int:
     return int(price_per_mtok * MICRO)
 
 
+@overload
+def format_usd(pico: int) -> str: ...
+@overload
+def format_usd(pico: None) -> None: ...
+@overload
+def format_usd(pico: int | None) -> str | None: ...
 def format_usd(pico: int | None) -> str | None:
     """The one money format (JSON, CSV, messages): the exact amount in plain decimal notation,
     no exponent, no trailing zeros and no trailing point: 360000000 -> "0.00036", 10**13 ->

@@ -161,7 +161,8 @@ class JoinedCycle(RequestResponseCycle):
             and _has_length(message.get("headers", ()))
         ):
             held = _HeldHead(self, self.transport)
-            self.transport = held
+            # Not an asyncio.Transport: it has the methods the response cycle calls on one.
+            self.transport = held  # type: ignore[assignment]
             try:
                 await super().send(message)
             finally:
@@ -186,7 +187,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.header_bytes = 0
         self.refused = False
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.refused = len(self.connections) > self.limits.max_connections
         self.header_timer = self.loop.call_later(

@@ -52,6 +52,7 @@ async def post_events(
 ) -> EventsOut:
     run = None
     if not principal.charged_in_full:
+        assert principal.team_id is not None  # a user's credential
         run = run_of(request.headers, principal.team_id, services.settings.run_idle_s)
     elif RUN in request.headers:
         raise InvalidRequest(
@@ -69,6 +70,7 @@ async def post_events(
             run=run,
         )
     except UnknownRun:
+        assert run is not None  # only a run named in the request is unknown
         raise unknown_run(run) from None
     return EventsOut(data=data)
 

@@ -26,6 +26,7 @@ import json
 import logging
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from typing import Any, Literal, overload
 
 from sqlalchemy import bindparam, delete, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -100,7 +101,7 @@ class Item:
     scope: str | None = None  # whose limit rejected it
     subject_id: str | None = None
     refusal: str | None = None  # the refusals table's reason, when it records one
-    event: Event | None = None
+    event: Event = None  # type: ignore[assignment]  # set by _prepare, read only after it
     team_id: str | None = None
     digest: str | None = None
     stored: str | None = None  # the digest recorded under the key
@@ -121,6 +122,10 @@ class Item:
         return out
 
 
+@overload
+def _count(raw: dict, name: str, required: Literal[True] = ...) -> int: ...
+@overload
+def _count(raw: dict, name: str, required: bool) -> int | None: ...
 def _count(raw: dict, name: str, required: bool = True) -> int | None:
     value = raw.get(name)
     if value is None:
@@ -171,7 +176,7 @@ def _usage(raw: dict) -> Usage:
     unknown = set(details) - set(DETAIL_FIELDS)
     if unknown:
         raise Rejected(f"completion_tokens_details: unknown field {sorted(unknown)[0]!r}")
-    counts = {name: _count(details, name, required=False) for name in DETAIL_FIELDS}
+    counts: dict[str, Any] = {name: _count(details, name, required=False) for name in DETAIL_FIELDS}
     for name, count in counts.items():
         if count is not None and count > completion:
             raise Rejected(
@@ -489,10 +494,11 @@ async def _end(db: Database, principal: Principal, items: list[Item], refusals) 
     new request), and record the refused ones as refusals."""
     rated = _without_parallel(principal.limits)
     for item in items:
-        if item.claim is not None and item.status != "created":
+        if item.claim is not None and item.status != "created" and rated is not None:
             await rates.release_claim(db, item.claim, rated)
         item.claim = None
         if refusals is not None and item.refusal is not None and item.status == "rejected":
+            assert item.reason is not None and item.scope is not None  # set by reject()
             status, code = _REFUSALS[item.reason]
             await refusals.record(
                 time_ordered("evt"),
@@ -526,7 +532,7 @@ async def ingest(
         prices = await PriceBook.load(session, models)
     ctx = {"catalog": catalog, "principal": principal, "now": now, "owners": owners}
     ctx["prices"] = prices
-    firsts: dict[tuple[str, str], Item] = {}
+    firsts: dict[tuple[str | None, str | None], Item] = {}
     later: list[Item] = []
     for item, raw in zip(items, raws, strict=True):
         try:

@@ -30,6 +30,7 @@ are locked before the check, in the transaction that writes it.
 import hashlib
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import overload
 
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.exc import IntegrityError
@@ -107,6 +108,10 @@ def check_name(value: str | None, name: str) -> None:
         raise InvalidRequest(f"{name} must not contain NUL characters", param=name)
 
 
+@overload
+def parse_moment(value: str, name: str) -> datetime: ...
+@overload
+def parse_moment(value: str | None, name: str) -> datetime | None: ...
 def parse_moment(value: str | None, name: str) -> datetime | None:
     if value is None:
         return None

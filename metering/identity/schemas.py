@@ -171,9 +171,10 @@ class TeamCreate(_Limited, _RateLimited):
 
 class TeamPatch(_Limited, _RateLimited):
     name: str | None = Field(default=None, min_length=1, max_length=200)
-    reset_interval: str | None = None
+    # A patch may leave out what a create defaults: these fields and their checks take None.
+    reset_interval: str | None = None  # type: ignore[assignment]
 
-    _check_interval = field_validator("reset_interval", mode="before")(
+    _check_interval = field_validator("reset_interval", mode="before")(  # type: ignore[assignment]
         lambda v: None if v is None else _interval(v)
     )
 
@@ -192,9 +193,10 @@ class UserPatch(_Limited, _RateLimited):
     )
     team_id: str | None = Field(default=None, min_length=1, max_length=40)
     password: str | None = Field(default=None, min_length=8, max_length=1024)
-    reset_interval: str | None = None
+    # A patch may leave out what a create defaults: these fields and their checks take None.
+    reset_interval: str | None = None  # type: ignore[assignment]
 
-    _check_interval = field_validator("reset_interval", mode="before")(
+    _check_interval = field_validator("reset_interval", mode="before")(  # type: ignore[assignment]
         lambda v: None if v is None else _interval(v)
     )
 
@@ -205,9 +207,10 @@ class TokenCreate(_Limited, _RateLimited, _Expiring):
 
 class TokenPatch(_Limited, _RateLimited, _Expiring):
     name: str | None = Field(default=None, min_length=1, max_length=200)
-    reset_interval: str | None = None
+    # A patch may leave out what a create defaults: these fields and their checks take None.
+    reset_interval: str | None = None  # type: ignore[assignment]
 
-    _check_interval = field_validator("reset_interval", mode="before")(
+    _check_interval = field_validator("reset_interval", mode="before")(  # type: ignore[assignment]
         lambda v: None if v is None else _interval(v)
     )
 

@@ -248,15 +248,17 @@ async def create_token(
         raise NotFound(f"user {user_id} not found")
     expires_at = token_expiry(now, expires_at, expires_in, max_lifetime_s)
     await _narrows_user(session, user, limits.get("allowed_models"))
-    active = await session.scalar(
-        select(func.count())
-        .select_from(ApiToken)
-        .where(
-            ApiToken.user_id == user_id,
-            ApiToken.revoked_at.is_(None),
-            (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > now),
+    active = (
+        await session.execute(
+            select(func.count())
+            .select_from(ApiToken)
+            .where(
+                ApiToken.user_id == user_id,
+                ApiToken.revoked_at.is_(None),
+                (ApiToken.expires_at.is_(None)) | (ApiToken.expires_at > now),
+            )
         )
-    )
+    ).scalar_one()
     if active >= MAX_ACTIVE_TOKENS:
         raise TokenCapReached(
             f"user {user_id} already has {MAX_ACTIVE_TOKENS} active tokens: revoke one first"
@@ -392,6 +394,7 @@ def check_shortening(token: ApiToken, fields: dict, now: datetime) -> None:
     out or remove it (`expires_in` counts from now; null removes), as with its limits."""
     if "expires_at" not in fields and "expires_in" not in fields:
         return
+    wanted: datetime | None
     if fields.get("expires_in") is not None:
         name, wanted = "expires_in", now + timedelta(seconds=fields["expires_in"])
     else:

@@ -12,7 +12,7 @@ picodollars per token.
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
 from types import NoneType, UnionType
-from typing import get_args
+from typing import Any, get_args, overload
 
 from sqlalchemy import BigInteger, Boolean, Column, Integer, String, Text
 from sqlalchemy.types import TypeEngine
@@ -44,7 +44,7 @@ class Spec:
     server_default: str | None = None
 
 
-def column(sql: TypeEngine, *, default: object = MISSING, **spec) -> object:
+def column(sql: TypeEngine, *, default: object = MISSING, **spec) -> Any:
     return field(default=default, metadata={"spec": Spec(sql, **spec)})
 
 
@@ -160,6 +160,10 @@ def columns() -> list[Column]:
     ]
 
 
+@overload
+def bounded(name: str, value: str) -> str: ...
+@overload
+def bounded(name: str, value: str | None) -> str | None: ...
 def bounded(name: str, value: str | None) -> str | None:
     """Text from outside as its column can store it: no NUL (PostgreSQL refuses it), and no
     longer than the column, so a strange upstream can never make a settle fail."""

@@ -6,6 +6,7 @@ The event's columns are declared once, by metering.ledger.event; every table her
 metering.db's Base, with the rest of the schema (metering.models)."""
 
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import BigInteger, Column, Index, Integer, String, Table
 from sqlalchemy.orm import Mapped, mapped_column
@@ -27,6 +28,10 @@ class LedgerEvent(Base):
         Index("ix_ledger_events_team_created", "team_id", "created_at"),
         Index("ix_ledger_events_corrects", "corrects_event_id"),
     )
+    if TYPE_CHECKING:  # the columns named in queries, as mypy cannot read them off the table
+        id: Mapped[str]
+        created_at: Mapped[datetime]
+        user_id: Mapped[str]
 
 
 class LedgerEventArchive(Base):

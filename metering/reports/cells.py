@@ -17,8 +17,11 @@ def cell(value: object) -> object:
     """One CSV cell: None as empty, text neutralised when a spreadsheet would evaluate it."""
     if value is None:
         return ""
-    formula = isinstance(value, str) and value.startswith(FORMULA_START)
-    if formula and _PLAIN_NUMBER.fullmatch(value) is None:
+    if (
+        isinstance(value, str)
+        and value.startswith(FORMULA_START)
+        and _PLAIN_NUMBER.fullmatch(value) is None
+    ):
         return "'" + value
     return value
 

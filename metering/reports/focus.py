@@ -27,6 +27,7 @@ import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
@@ -174,7 +175,7 @@ class Rows:
             ("Cached Input Tokens", cached, prices[1]),
             ("Output Tokens", int(g.completion_tokens or 0), prices[2]),
         )
-        usage = []
+        usage: list[list[Any]] = []  # meter, quantity, unit price, listed, billed
         for meter, quantity, micro in kinds:
             if quantity <= 0:
                 continue

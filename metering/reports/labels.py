@@ -22,9 +22,9 @@ def label_keys(keys) -> list[str]:
     return [LABELS[k][0] for k in LABELS if k in keys]
 
 
-async def lookup(db: Database, ids: dict[str, set]) -> dict[str, dict[str, str]]:
+async def lookup(db: Database, ids: dict[str, set]) -> dict[str, dict[str | None, str]]:
     """id key -> {id: label} for the ids given (None and empty ids left out)."""
-    found: dict[str, dict[str, str]] = {}
+    found: dict[str, dict[str | None, str]] = {}
     async with db.reads() as session:
         for key, wanted in ids.items():
             wanted = {i for i in wanted if i}

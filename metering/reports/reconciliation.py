@@ -21,7 +21,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.alerts import record
-from metering.db import Database, utcnow
+from metering.db import Database, dialect_name, utcnow
 from metering.errors import InvalidRequest
 from metering.ledger.event import ADJUSTMENT
 from metering.ledger.rollup import day_text
@@ -246,7 +246,7 @@ async def ledger_rows(session: AsyncSession, provider: str, days: set[date]) -> 
     wanted = {d.isoformat() for d in days}
     out: dict[tuple[str, str], Sums] = defaultdict(Sums)
     for t in TABLES:
-        day = day_text(t.c.created_at, session.bind.dialect.name).label("day")
+        day = day_text(t.c.created_at, dialect_name(session)).label("day")
         query = (
             select(day, t.c.upstream_model, *_sums_columns(t))
             .where(
@@ -270,7 +270,7 @@ async def ledger_requests(
     wherever they fall (a request near midnight may be dated differently by the provider)."""
     start = datetime.combine(min(days), time(), UTC)
     end = datetime.combine(max(days), time(), UTC) + timedelta(days=1)
-    dialect = session.bind.dialect.name
+    dialect = dialect_name(session)
     wanted = {d.isoformat() for d in days}
     out: dict[str, Sums] = defaultdict(Sums)
     for t in TABLES:

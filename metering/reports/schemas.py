@@ -2,7 +2,7 @@
 of USD."""
 
 from dataclasses import fields
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -113,7 +113,7 @@ def _shown_type(name: str, annotation: object, spec: Spec) -> object:
     """A column's type in GET /v1/usage's JSON: money as a decimal USD string, times as RFC 3339
     text, everything else as the event declares it (nullable where the column is)."""
     if spec.money:
-        shown: object = Annotated[str, Field(description="USD, as an exact decimal string")]
+        shown: Any = Annotated[str, Field(description="USD, as an exact decimal string")]
     elif spec.price:
         shown = Annotated[str, Field(description="USD per 1M tokens, as an exact decimal string")]
     elif isinstance(spec.sql, UTCDateTime):
@@ -127,8 +127,8 @@ def _usage_event_model() -> type[BaseModel]:
     """One event of GET /v1/usage, built from the ledger event's declaration: its public
     columns in their order, the grouped ones nested (as in OpenAI's usage object) where the
     group's first column stands."""
-    top: dict[str, object] = {}
-    groups: dict[str, dict[str, object]] = {}
+    top: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
     for column in fields(Event):
         spec: Spec = column.metadata["spec"]
         if not spec.public:

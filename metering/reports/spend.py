@@ -25,9 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
+from typing import Any
 
 import orjson
-from sqlalchemy import case, func, literal, select, union_all
+from sqlalchemy import ColumnElement, Select, case, func, literal, select, union_all
 
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
@@ -128,7 +129,9 @@ def _plain(table, keys: list[str]) -> list:
     ]
 
 
-def _rollup_part(rollup: Rollup, dialect, keys, filters, start: datetime, end: datetime):
+def _rollup_part(
+    rollup: Rollup, dialect, keys, filters, start: datetime, end: datetime
+) -> Select[Any]:
     """The rollup's rows in [start, end), their keys as the report groups them (no sums here:
     the report sums every source once)."""
     t = rollup.table
@@ -143,7 +146,7 @@ def _rollup_part(rollup: Rollup, dialect, keys, filters, start: datetime, end: d
     )
 
 
-def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime):
+def _ledger_part(table, dialect, keys, filters, start: datetime, end: datetime) -> Select[Any]:
     t = table
     columns = _plain(t, keys)
     bucket = _bucket(t.c.created_at, dialect, keys)
@@ -201,12 +204,12 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
     group."""
     needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
     parts = []
-    for source, a, b in sources(keys, start, end):
-        if source == "ledger":
+    for name, a, b in sources(keys, start, end):
+        if name == "ledger":
             for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
                 parts.append(_ledger_part(table, dialect, keys, filters, a, b))
         else:
-            rollup = read_model(source, needed)
+            rollup = read_model(name, needed)
             parts.append(_rollup_part(rollup, dialect, keys, filters, a, b))
             # The increments not yet folded into the rollups (PostgreSQL's grouped settle).
             parts.append(_rollup_part(PENDING, dialect, keys, filters, a, b))
@@ -240,7 +243,7 @@ def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
     report's range holds, from the daily rollups by team, user and token and by team, model
     and provider (a few rows a day each); None for the part the report does not group by."""
     plain = [k for k in keys if k not in ("day", "hour")]
-    counts = []
+    counts: list[ColumnElement[Any]] = []
     for rollup_keys, model in ((WHO, SpendDailyToken), (("model", "provider"), SpendDailyModel)):
         grouped = [k for k in plain if k in rollup_keys]
         if not grouped:
@@ -443,7 +446,7 @@ async def spend_report(
     check_range(start_at, end_at)
     names = parse_group_by(group_by)
     keys = [GROUPS[n] for n in names]
-    given = {k: v for k, v in filters.items() if v is not None}
+    given: dict[str, str | None] = {k: v for k, v in filters.items() if v is not None}
     for name, value in given.items():
         check_text(value, name)
     own_user(principal, given.get("user_id"))

@@ -17,6 +17,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -270,7 +271,7 @@ def _has_bearer(request: Request) -> bool:
     return scheme.lower() == "bearer" and bool(token.strip())
 
 
-async def _read_json(request: Request) -> object:
+async def _read_json(request: Request) -> Any:
     try:
         return json.loads(await request.body())
     except ValueError:

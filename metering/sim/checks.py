@@ -9,15 +9,16 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 Check = Callable[[str, object], str | None]
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -5,6 +5,7 @@ per dialect the catalog knows (metering.settings.DIALECTS), keyed by that name i
 import time
 import uuid
 from dataclasses import dataclass, replace
+from typing import Any
 
 from starlette.responses import JSONResponse
 
@@ -206,7 +207,7 @@ class SimExascale(SimProvider):
         # has reasoning_details, and the last reasoning chunk already has a finish_reason.
         steps = []
         for index, text in enumerate(reasoning):
-            delta = {"role": "assistant", "reasoning_content": text}
+            delta: dict[str, Any] = {"role": "assistant", "reasoning_content": text}
             if index == 0:
                 delta["reasoning_details"] = [_reasoning_detail(text)]
             last = index == len(reasoning) - 1

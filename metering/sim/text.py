@@ -6,6 +6,7 @@ import math
 import random
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from metering.sim.tokenizer import count_prompt_tokens, count_tokens, message_text, tokenize
 
@@ -47,7 +48,7 @@ class Directives:
 
 def parse_directives(text: str) -> Directives:
     fields = {field.name: field for field in dataclasses.fields(Directives)}
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     for key, raw in _DIRECTIVE.findall(text):
         if key == "fault":
             values[key] = raw
