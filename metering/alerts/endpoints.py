@@ -96,7 +96,7 @@ async def list_alerts(
     principal: Principal = Depends(any_principal),
     services: Services = Depends(get_services),
     scope: Literal["token", "user", "team", "reconciliation"] | None = None,
-    type: EventType | None = None,  # noqa: A002 - the query parameter's name
+    type: EventType | None = None,  # the query parameter's name
     subject_id: str | None = Query(None, max_length=40),
     limit: int = Query(100, ge=1, le=1000),
 ) -> AlertList:

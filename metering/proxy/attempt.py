@@ -162,7 +162,7 @@ class Attempt:
 INTERRUPTED = "interrupted"
 
 
-class Chosen(Exception):  # noqa: N818 - a base for signals, not an error
+class Chosen(Exception):  # a base for signals, not an error
     """An ending the forwarding code chose and recorded itself (e.g. try the next provider)."""
 
 

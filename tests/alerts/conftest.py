@@ -56,7 +56,7 @@ class Receiver:
             def log_message(self, *args) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            def do_POST(self) -> None:  # the stdlib's name
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length)
                 with receiver.lock:

@@ -115,7 +115,7 @@ def tls_receiver(tmp_path_factory):
         def log_message(self, *args) -> None:
             pass
 
-        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_POST(self) -> None:  # the stdlib's name
             answer = f"{self.headers['host']} {names[-1]}".encode()
             self.send_response(200)
             self.send_header("content-length", str(len(answer)))

@@ -13,7 +13,7 @@ from metering.proxy.upstreams import _client
 class _SetsCookies(BaseHTTPRequestHandler):
     seen: list[str | None] = []
 
-    def do_POST(self) -> None:  # noqa: N802 - the standard library's name
+    def do_POST(self) -> None:  # the standard library's name
         self.seen.append(self.headers.get("cookie"))
         self.rfile.read(int(self.headers.get("content-length", 0)))
         body = b'{"ok": true}'
