@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import httpx
 import uvicorn
@@ -241,7 +241,7 @@ class Admin:
             for token in self.call("GET", f"/v1/users/{user_id}/tokens")["data"]:
                 if token["name"] == name:
                     self.call("DELETE", f"/v1/tokens/{token['id']}")
-            body = {"name": name, "credit_limit": limit, "reset_interval": interval}
+            body: dict[str, Any] = {"name": name, "credit_limit": limit, "reset_interval": interval}
             body.update(DEMO_TOKEN_LIMITS.get(name, {}))
             made = self.call("POST", f"/v1/users/{user_id}/tokens", json=body)
             secrets_by_name[name] = made["token"]
@@ -284,7 +284,9 @@ def generate_traffic(base_url: str, admin_key: str, demo_token: str | None = Non
         admin = Admin(http)
         teams = admin.teams()
         users = admin.users(teams)
-        tokens = {**admin.tokens(users), "demo": demo_token}
+        tokens = admin.tokens(users)
+        if demo_token:
+            tokens["demo"] = demo_token
         calls = [*demo_calls(), *(DEMO_TOKEN_CALLS if demo_token else ())]
         statuses: Counter = Counter()
         for call in calls:

@@ -13,7 +13,7 @@ MAX_UNCHARGED per event).
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from metering.ledger.event import MAX_UNCHARGED
 from metering.money import cost_pico
@@ -73,7 +73,7 @@ class Usage:
     def usable(self) -> bool:
         return self.anomaly not in UNUSABLE
 
-    def columns(self) -> dict[str, int | None]:
+    def columns(self) -> dict[str, Any]:
         """The event's token columns (metering.ledger.event.Event) these counts fill."""
         return {
             "prompt_tokens": self.prompt_tokens,

@@ -9,10 +9,12 @@ SKIP LOCKED, so two replicas move disjoint batches; SQLite has one writer at a t
 
 import logging
 from datetime import datetime, timedelta
+from typing import Any, cast
 
 from sqlalchemy import delete, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import CursorResult
 
 from metering.db import Database, utcnow
 from metering.ledger.tables import LedgerEvent, LedgerEventArchive
@@ -44,7 +46,9 @@ async def archive_batch(db: Database, cutoff: datetime, batch: int = BATCH) -> i
             .from_select(names, select(*(ledger.c[n] for n in names)).where(ledger.c.id.in_(ids)))
             .on_conflict_do_nothing()
         )
-        deleted = await session.execute(delete(ledger).where(ledger.c.id.in_(ids)))
+        deleted = cast(
+            CursorResult[Any], await session.execute(delete(ledger).where(ledger.c.id.in_(ids)))
+        )
     # What this batch moved: on SQLite another replica may have moved some of `ids` between the
     # SELECT and the writes; the INSERT then copied only the rows still there, as DELETE counts.
     return deleted.rowcount

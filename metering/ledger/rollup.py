@@ -17,11 +17,22 @@ ledger's sums at every instant, and the spend report reads both (PENDING) in one
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from sqlalchemy import String, Table, case, func, literal_column, select, text, tuple_
+from sqlalchemy import (
+    ColumnElement,
+    String,
+    Table,
+    case,
+    func,
+    literal_column,
+    select,
+    text,
+    tuple_,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.db import Database, dialect_name
 from metering.ledger.event import ADJUSTMENT, Event
@@ -323,7 +334,7 @@ def _statement_pg() -> str:
 _ALL_PG = text(_statement_pg())
 
 
-async def _add_rows(session: AsyncSession, rows: list[dict]) -> None:
+async def _add_rows(session: AsyncConnection | AsyncSession, rows: list[dict]) -> None:
     if dialect_name(session) == "postgresql":
         arrays = {name: [row[name] for row in rows] for name in (*KEY, *FIGURES)}
         await session.execute(_ALL_PG, arrays)
@@ -332,12 +343,12 @@ async def _add_rows(session: AsyncSession, rows: list[dict]) -> None:
         await session.execute(upsert, summed(rollup, rows))
 
 
-async def add(session: AsyncSession, event: Event, **override) -> None:
+async def add(session: AsyncConnection | AsyncSession, event: Event, **override) -> None:
     """Add one ledger event to its row in every rollup, in the caller's transaction."""
     await _add_rows(session, [row_for(event, **override)])
 
 
-async def add_many(session: AsyncSession, events: list[Event]) -> None:
+async def add_many(session: AsyncConnection | AsyncSession, events: list[Event]) -> None:
     """Add several events to their rows: each rollup's rows summed first (a row is written
     once however many of the events it counts); one statement on PostgreSQL, one per rollup
     on SQLite."""
@@ -384,6 +395,7 @@ def rebuild_statement(source, dialect: str, *, adjustments: bool = True):
         func.sum(source.c.uncharged),
     ]
     names = [*KEY, "requests", *SUMS]
+    requests: ColumnElement[Any]
     if adjustments:
         adjusting = source.c.kind == ADJUSTMENT
         requests = func.sum(case((adjusting, 0), else_=1))
@@ -452,7 +464,9 @@ async def _sums(session: AsyncSession, rollup: Rollup, keys: set[tuple]) -> dict
             found[tuple(row[: len(columns)])] = list(row[len(columns) :])
     if dialect_name(session) == "postgresql":
         pending = PENDING.table
-        day = func.date_trunc("day", pending.c.hour.op("AT TIME ZONE")(literal_column("'UTC'")))
+        day: ColumnElement[Any] = func.date_trunc(
+            "day", pending.c.hour.op("AT TIME ZONE")(literal_column("'UTC'"))
+        )
         day = day.op("AT TIME ZONE")(literal_column("'UTC'"))
         grouped = [day, *(pending.c[name] for name in rollup.keys)]
         days = sorted({key[0] for key in keys})

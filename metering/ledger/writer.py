@@ -6,9 +6,11 @@ together.
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, cast
 
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.ledger import rollup
@@ -101,7 +103,10 @@ async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) 
     event.cap(old.cost)
     params = event.params()
     values = {name: params[name] for name in _REPLACED}
-    replaced = await conn.execute(_REPLACE.values(values), {"placeholder_id": event.id})
+    replaced = cast(
+        CursorResult[Any],
+        await conn.execute(_REPLACE.values(values), {"placeholder_id": event.id}),
+    )
     if replaced.rowcount != 1:
         return None  # replaced meanwhile by a concurrent settle of the same request
     event.created_at = old.created_at

@@ -151,7 +151,7 @@ def pick(due: list, room: int, per_webhook: int, busy: dict[str, int]) -> list[s
     """Of the due (id, webhook_id) rows in order, the ones to send: at most `room` in all and
     at most `per_webhook` in flight to one webhook, counting the `busy` ones already sent."""
     taken: dict[str, int] = {}
-    ids = []
+    ids: list[str] = []
     for row in due:
         if len(ids) >= room:
             break
