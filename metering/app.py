@@ -27,6 +27,7 @@ from metering.budgets.endpoints import router as budgets_router
 from metering.budgets.leases import LeaseBook
 from metering.budgets.refusals import RefusalLog
 from metering.catalog import CatalogStore, record_prices
+from metering.clock import SYSTEM, Clock, reset_current, set_current
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
 from metering.encoding import ContentEncoding
@@ -124,12 +125,19 @@ class Application(FastAPI):
     `send` each, for work DirectChat does itself; it hands every other request to `stack`."""
 
     direct: DirectChat | None = None
+    # The container's clock, made the current one of each request and of the lifespan (whose
+    # background work inherits it): metering.clock.
+    clock: Clock = SYSTEM
 
     async def __call__(self, scope, receive, send) -> None:
-        if self.direct is not None:
-            await self.direct(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
+        token = set_current(self.clock)
+        try:
+            if self.direct is not None:
+                await self.direct(scope, receive, send)
+            else:
+                await super().__call__(scope, receive, send)
+        finally:
+            reset_current(token)
 
     async def stack(self, scope, receive, send) -> None:
         """The application as FastAPI builds it: middleware, router, handlers."""
@@ -137,7 +145,11 @@ class Application(FastAPI):
 
 
 def create_app(
-    settings: Settings | None = None, catalog: Catalog | None = None, *, run_jobs: bool = True
+    settings: Settings | None = None,
+    catalog: Catalog | None = None,
+    *,
+    run_jobs: bool = True,
+    clock: Clock = SYSTEM,
 ) -> FastAPI:
     settings = settings or Settings()
     config_path = settings.config_path()
@@ -172,6 +184,7 @@ def create_app(
             leases=leases,
             catalog=catalog,
             refusals=RefusalLog(db, metrics.refusal_dropped),
+            clock=clock,
         )
         app.state.services = services
         services.credentials.start()
@@ -279,4 +292,5 @@ def create_app(
     # Ahead of the whole stack, FastAPI's own layers included: the proxy's own route (it does
     # the part of those layers it needs itself).
     app.direct = DirectChat(app.stack, application=app)
+    app.clock = clock
     return app

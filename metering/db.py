@@ -21,6 +21,8 @@ from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.types import TypeDecorator
 from sqlalchemy.util import greenlet_spawn
 
+from metering import clock
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -60,7 +62,8 @@ class UTCDateTime(TypeDecorator):
 
 
 def utcnow() -> datetime:
-    return datetime.now(UTC)
+    """Now, on the current clock (metering.clock): the app's, or the system's outside one."""
+    return clock.now()
 
 
 def async_url(url: str) -> str:

@@ -1,7 +1,7 @@
 """Background jobs (APScheduler). Every replica runs them: each one is idempotent SQL."""
 
 import logging
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from sqlalchemy import select
@@ -78,7 +78,8 @@ def start_scheduler(
     run_idle_s: int | None = None,
 ) -> AsyncIOScheduler:
     scheduler = AsyncIOScheduler(timezone="UTC")
-    first = utcnow() + timedelta(seconds=1)
+    # The scheduler keeps the wall clock's time, whatever the clock the jobs read.
+    first = datetime.now(UTC) + timedelta(seconds=1)
 
     def every(seconds: float, job_id: str, job, *args) -> None:
         """Run `job(*args)` every `seconds`, the first time a second from now; never two at once."""

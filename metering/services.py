@@ -17,6 +17,7 @@ from metering.auth.passwords import Passwords
 from metering.auth.tokens import Signer
 from metering.budgets.leases import LeaseBook
 from metering.budgets.refusals import RefusalLog
+from metering.clock import SYSTEM, Clock
 from metering.db import Database
 from metering.settings import Catalog, Settings
 
@@ -47,6 +48,8 @@ class Services:
     refusals: RefusalLog
     # The webhook delivery worker of this process (None when background work is off).
     outbox: "Outbox | None" = None
+    # The time of windows, rate minutes, expiries and holds' TTL (metering.clock).
+    clock: Clock = SYSTEM
 
 
 async def get_services(connection: HTTPConnection) -> Services:

@@ -3,12 +3,14 @@ the real metering server on loopback for each backend."""
 
 import os
 import uuid
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import psycopg
 import pytest
 
 from metering import migrate
+from metering.clock import MovableClock, using
 from metering.settings import Settings, parse_catalog
 from metering.sim.app import SimServer
 from metering.testing import metering_server
@@ -93,6 +95,20 @@ def catalog_for(sim: SimServer) -> dict:
 
 
 @pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """The event loop of the tests marked `anyio` (anyio's pytest plugin): asyncio's."""
+    return "asyncio"
+
+
+@pytest.fixture
+async def task_clock() -> AsyncIterator[MovableClock]:
+    """A clock of the test's own, current in its task: for an anyio test that calls services
+    and jobs directly (metering.db.utcnow() reads it), to move forward instead of waiting."""
+    with using(MovableClock()) as moved:
+        yield moved
+
+
+@pytest.fixture(scope="session")
 def sim():
     server = SimServer().start()
     yield server
@@ -126,8 +142,12 @@ def backend(request):
 class Api:
     """The admin's view of one running server, plus helpers that make teams, users and tokens."""
 
-    def __init__(self, url: str, backend: str, settings: Settings) -> None:
+    def __init__(
+        self, url: str, backend: str, settings: Settings, clock: MovableClock | None = None
+    ) -> None:
         self.url, self.backend, self.settings = url, backend, settings
+        # The server's clock, when it runs in this process (the `clock` fixture moves it).
+        self.clock = clock
         self.http = httpx.Client(
             base_url=url, timeout=30, headers={"authorization": f"Bearer {ADMIN_KEY}"}
         )
@@ -209,6 +229,16 @@ def api(request, backend, sim):
     catalog = parse_catalog(
         catalog_for(sim), environ={"SIM_EXASCALE_KEY": "sim-key", "SIM_OPENAI_KEY": "sim-key"}
     )
-    server = metering_server(settings, catalog)
-    yield Api(server.url, backend, settings)
+    clock = MovableClock()
+    server = metering_server(settings, catalog, clock=clock)
+    yield Api(server.url, backend, settings, clock)
     server.stop()
+
+
+@pytest.fixture
+def clock(api) -> Iterator[MovableClock]:
+    """The api server's clock, for a test to move forward instead of waiting on the wall clock;
+    back on the wall clock when the test ends."""
+    assert api.clock is not None
+    yield api.clock
+    api.clock.reset()

@@ -122,7 +122,8 @@ def expired_twin(database_url: str, access_token: str) -> str:
 
 @pytest.fixture
 def replica(api, sim):
-    """Factory: another server on the api's database, with its own settings overrides."""
+    """Factory: another server on the api's database, with its own settings overrides, on the
+    api's clock (the `clock` fixture moves both)."""
     started = []
 
     def start(**overrides):
@@ -133,7 +134,10 @@ def replica(api, sim):
             **overrides,
         )
         server = metering_server(
-            settings, parse_catalog(catalog_for(sim), environ=SIM_KEYS), run_jobs=False
+            settings,
+            parse_catalog(catalog_for(sim), environ=SIM_KEYS),
+            run_jobs=False,
+            clock=api.clock,
         )
         started.append(server)
         return Client(server.url)

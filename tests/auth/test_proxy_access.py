@@ -1,7 +1,6 @@
 """The proxy with an access token, and with the `refresh-token` header once it has expired."""
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -60,11 +59,12 @@ def short(replica):
     return replica(access_token_ttl_s=1)
 
 
-def expired_pair(short, account) -> dict:
-    """A pair whose access token has really expired, on the one-second server."""
+def expired_pair(short, account, clock) -> dict:
+    """A pair whose access token has really expired, on the one-second server: its clock moved
+    past the expiry."""
     pair = short.tokens(account.email, account.password)
     assert pair["expires_in"] == 1
-    time.sleep(2.1)  # expiry has a resolution of one second
+    clock.advance(2.1)  # expiry has a resolution of one second
     return pair
 
 
@@ -76,8 +76,8 @@ def expired(api, client, account) -> dict:
     return {**pair, "access_token": expired_twin(api.settings.database_url, pair["access_token"])}
 
 
-def test_an_expired_access_token_alone_is_401(short, account):
-    pair = expired_pair(short, account)
+def test_an_expired_access_token_alone_is_401(short, account, clock):
+    pair = expired_pair(short, account, clock)
     response = short.chat(pair["access_token"])
     assert response.status_code == 401
     assert error_code(response) == "invalid_api_key"
@@ -85,9 +85,9 @@ def test_an_expired_access_token_alone_is_401(short, account):
 
 
 def test_an_expired_access_token_with_a_refresh_header_is_served_with_a_new_pair(
-    api, short, account
+    api, short, account, clock
 ):
-    pair = expired_pair(short, account)
+    pair = expired_pair(short, account, clock)
     response = short.chat(pair["access_token"], **{"refresh-token": pair["refresh_token"]})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 3

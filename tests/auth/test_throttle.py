@@ -1,7 +1,6 @@
 """Login throttling per email: a few failures are free, then locks that grow, end by themselves,
 and hold across replicas (the count is in the database)."""
 
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -88,13 +87,13 @@ def test_a_right_password_clears_the_count(client, api):
     assert client.login(account.email, account.password).status_code == 200
 
 
-def test_the_lock_ends_by_itself(client, api, monkeypatch):
+def test_the_lock_ends_by_itself(client, api, monkeypatch, clock):
     monkeypatch.setattr(throttle, "LOCK_BASE_S", 1)
     account = new_account(api)
     for _ in range(FREE_FAILURES):
         assert client.login(account.email, "wrong-password").status_code == 401
     assert client.login(account.email, account.password).status_code == 429
-    time.sleep(1.5)
+    clock.advance(1.5)
     assert client.login(account.email, account.password).status_code == 200
 
 

@@ -182,107 +182,101 @@ async def _count(db: Database, model, *where) -> int:
         return await session.scalar(select(func.count()).select_from(model).where(*where))
 
 
-def test_expire_holds_charges_each_hold_once(fresh_db):
-    async def scenario() -> None:
-        # Three "replicas": three engines on one database, sweeping at the same moment.
-        replicas = [Database(fresh_db, 4) for _ in range(3)]
-        db = replicas[0]
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            expired = [await reserve(db, _spec(subjects), ttl_s=0) for _ in range(5)]
-            live = await reserve(db, _spec(subjects), ttl_s=3600)
-            amounts = {r.hold_id: r.amount for r in expired}
-            held = sum(amounts.values()) + live.amount
-            assert {b.reserved for b in (await _budgets(db, subjects)).values()} == {held}
+@pytest.mark.anyio
+async def test_expire_holds_charges_each_hold_once(fresh_db):
+    # Three "replicas": three engines on one database, sweeping at the same moment.
+    replicas = [Database(fresh_db, 4) for _ in range(3)]
+    db = replicas[0]
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        expired = [await reserve(db, _spec(subjects), ttl_s=0) for _ in range(5)]
+        live = await reserve(db, _spec(subjects), ttl_s=3600)
+        amounts = {r.hold_id: r.amount for r in expired}
+        held = sum(amounts.values()) + live.amount
+        assert {b.reserved for b in (await _budgets(db, subjects)).values()} == {held}
 
-            results = await asyncio.gather(*(expire_holds(r) for r in replicas))
-            assert sum(results) == len(expired)
-            assert await asyncio.gather(*(expire_holds(r) for r in replicas)) == [0, 0, 0]
+        results = await asyncio.gather(*(expire_holds(r) for r in replicas))
+        assert sum(results) == len(expired)
+        assert await asyncio.gather(*(expire_holds(r) for r in replicas)) == [0, 0, 0]
 
-            async with db.sessions() as session:
-                events = list(await session.scalars(select(LedgerEvent)))
-            assert {e.id: e.cost for e in events} == amounts
-            assert {e.usage_source for e in events} == {"unsettled"}
-            assert {e.status for e in events} == {"unsettled"}
-            for row in (await _budgets(db, subjects)).values():
-                assert row.spent == sum(amounts.values())
-                assert row.reserved == live.amount
-            assert await _count(db, Hold) == 1  # the live one is left alone
+        async with db.sessions() as session:
+            events = list(await session.scalars(select(LedgerEvent)))
+        assert {e.id: e.cost for e in events} == amounts
+        assert {e.usage_source for e in events} == {"unsettled"}
+        assert {e.status for e in events} == {"unsettled"}
+        for row in (await _budgets(db, subjects)).values():
+            assert row.spent == sum(amounts.values())
+            assert row.reserved == live.amount
+        assert await _count(db, Hold) == 1  # the live one is left alone
 
-            # A late settle of a charged hold replaces its unsettled charge: still one event.
-            late = _event(_spec(subjects), 3, id=expired[0].hold_id)
-            assert await settle(db, late) is True
-            assert await settle(db, replace(late)) is False
-            assert await _count(db, LedgerEvent) == len(expired)
-            for row in (await _budgets(db, subjects)).values():
-                assert row.spent == sum(amounts.values()) - amounts[late.id] + late.cost
-        finally:
-            for replica in replicas:
-                await replica.dispose()
-
-    asyncio.run(scenario())
+        # A late settle of a charged hold replaces its unsettled charge: still one event.
+        late = _event(_spec(subjects), 3, id=expired[0].hold_id)
+        assert await settle(db, late) is True
+        assert await settle(db, replace(late)) is False
+        assert await _count(db, LedgerEvent) == len(expired)
+        for row in (await _budgets(db, subjects)).values():
+            assert row.spent == sum(amounts.values()) - amounts[late.id] + late.cost
+    finally:
+        for replica in replicas:
+            await replica.dispose()
 
 
-def test_close_windows_records_a_closed_window_once(fresh_db):
-    async def scenario() -> None:
-        replicas = [Database(fresh_db, 4) for _ in range(3)]
-        db = replicas[0]
-        try:
-            subjects = _subjects()
-            # 1m windows, the 6th current with 30 s to go: a slow machine cannot cross a boundary.
-            created = utcnow() - timedelta(minutes=5.5)
-            await _add_budgets(db, subjects, "1", "1m", created)
-            never = {"token": f"tok_{uuid.uuid4().hex[:12]}"}
-            await _add_budgets(db, never, "1", "never", created)
-            async with db.transaction() as session:
-                await session.execute(
-                    Budget.__table__.update()
-                    .where(Budget.subject_id.in_([*subjects.values(), never["token"]]))
-                    .values(spent=1234)
-                )
+@pytest.mark.anyio
+async def test_close_windows_records_a_closed_window_once(fresh_db):
+    replicas = [Database(fresh_db, 4) for _ in range(3)]
+    db = replicas[0]
+    try:
+        subjects = _subjects()
+        # 1m windows, the 6th current with 30 s to go: a slow machine cannot cross a boundary.
+        created = utcnow() - timedelta(minutes=5.5)
+        await _add_budgets(db, subjects, "1", "1m", created)
+        never = {"token": f"tok_{uuid.uuid4().hex[:12]}"}
+        await _add_budgets(db, never, "1", "never", created)
+        async with db.transaction() as session:
+            await session.execute(
+                Budget.__table__.update()
+                .where(Budget.subject_id.in_([*subjects.values(), never["token"]]))
+                .values(spent=1234)
+            )
 
-            await asyncio.gather(*(close_windows(r) for r in replicas))
-            assert await close_windows(db) == 0
+        await asyncio.gather(*(close_windows(r) for r in replicas))
+        assert await close_windows(db) == 0
 
-            async with db.sessions() as session:
-                windows = list(await session.scalars(select(BudgetWindow)))
-            assert sorted(w.subject_id for w in windows) == sorted(subjects.values())
-            for window in windows:
-                assert window.window_start == created
-                assert window.window_end == created + timedelta(minutes=1)
-                assert window.spent == 1234
-                assert window.credit_limit == usd_to_pico(Decimal(1))
-            for row in (await _budgets(db, subjects)).values():
-                assert row.spent == 0
-                assert row.window_start == created + timedelta(minutes=5)
-            assert (await _budgets(db, never))["token"].spent == 1234
-        finally:
-            for replica in replicas:
-                await replica.dispose()
-
-    asyncio.run(scenario())
+        async with db.sessions() as session:
+            windows = list(await session.scalars(select(BudgetWindow)))
+        assert sorted(w.subject_id for w in windows) == sorted(subjects.values())
+        for window in windows:
+            assert window.window_start == created
+            assert window.window_end == created + timedelta(minutes=1)
+            assert window.spent == 1234
+            assert window.credit_limit == usd_to_pico(Decimal(1))
+        for row in (await _budgets(db, subjects)).values():
+            assert row.spent == 0
+            assert row.window_start == created + timedelta(minutes=5)
+        assert (await _budgets(db, never))["token"].spent == 1234
+    finally:
+        for replica in replicas:
+            await replica.dispose()
 
 
-def test_expired_hold_after_settle_is_not_charged(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "daily", utcnow())
-            spec = _spec(subjects)
-            await reserve(db, spec, ttl_s=0)
-            event = _event(spec, 7)
-            assert event.cost == 10 * 150_000 + 7 * 600_000
-            assert await settle(db, event) is True
-            assert await expire_holds(db) == 0
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (event.cost, 0)
-            assert await _count(db, LedgerEvent) == 1
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_expired_hold_after_settle_is_not_charged(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "daily", utcnow())
+        spec = _spec(subjects)
+        await reserve(db, spec, ttl_s=0)
+        event = _event(spec, 7)
+        assert event.cost == 10 * 150_000 + 7 * 600_000
+        assert await settle(db, event) is True
+        assert await expire_holds(db) == 0
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (event.cost, 0)
+        assert await _count(db, LedgerEvent) == 1
+    finally:
+        await db.dispose()
 
 
 def _event(spec: HoldSpec, completion_tokens: int, **overrides) -> Event:
@@ -302,64 +296,62 @@ def _event(spec: HoldSpec, completion_tokens: int, **overrides) -> Event:
     return replace(event, **overrides)
 
 
-def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
+@pytest.mark.anyio
+async def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
     """A window closed (by the job, on another replica) while a settle for that window is in
     flight: the closed window's total includes the settle's cost, none of it is lost."""
 
-    async def scenario() -> None:
-        settler, closer = Database(fresh_db, 2), Database(fresh_db, 2)
-        try:
-            subjects = _subjects()
-            created = utcnow() - timedelta(seconds=1.5)  # 1s windows: the first has ended
-            await _add_budgets(settler, subjects, "1", "1s", created)
-            spec = _spec(subjects)
-            amount = spec.amount(50)
-            async with settler.transaction() as session:
-                session.add(
-                    Hold(
-                        id=spec.hold_id,
-                        token_id=spec.billing.token_id,
-                        user_id=spec.billing.user_id,
-                        team_id=spec.billing.team_id,
-                        amount=amount,
-                        model=spec.billing.model,
-                        provider=spec.billing.provider,
-                        upstream_model=spec.billing.upstream_model,
-                        stream=False,
-                        input_price=spec.billing.input_price,
-                        cached_price=spec.billing.cached_price,
-                        output_price=spec.billing.output_price,
-                        created_at=created,
-                        expires_at=created + timedelta(hours=1),
-                    )
+    settler, closer = Database(fresh_db, 2), Database(fresh_db, 2)
+    try:
+        subjects = _subjects()
+        created = utcnow() - timedelta(seconds=1.5)  # 1s windows: the first has ended
+        await _add_budgets(settler, subjects, "1", "1s", created)
+        spec = _spec(subjects)
+        amount = spec.amount(50)
+        async with settler.transaction() as session:
+            session.add(
+                Hold(
+                    id=spec.hold_id,
+                    token_id=spec.billing.token_id,
+                    user_id=spec.billing.user_id,
+                    team_id=spec.billing.team_id,
+                    amount=amount,
+                    model=spec.billing.model,
+                    provider=spec.billing.provider,
+                    upstream_model=spec.billing.upstream_model,
+                    stream=False,
+                    input_price=spec.billing.input_price,
+                    cached_price=spec.billing.cached_price,
+                    output_price=spec.billing.output_price,
+                    created_at=created,
+                    expires_at=created + timedelta(hours=1),
                 )
-                await session.execute(
-                    Budget.__table__.update()
-                    .where(Budget.subject_id.in_(list(subjects.values())))
-                    .values(reserved=amount)
-                )
-            # The request finished inside the first window; its settle is not committed yet.
-            event = _event(spec, 11, created_at=created + timedelta(seconds=0.5))
-            session = settler.sessions()
-            transaction = await session.begin()
-            assert await settle_in(session, event) is True
-            job = asyncio.create_task(close_windows(closer))
-            await asyncio.sleep(0.5)  # the job is now waiting for the settle's row locks
-            await transaction.commit()
-            await session.close()
-            await asyncio.wait_for(job, 30)
+            )
+            await session.execute(
+                Budget.__table__.update()
+                .where(Budget.subject_id.in_(list(subjects.values())))
+                .values(reserved=amount)
+            )
+        # The request finished inside the first window; its settle is not committed yet.
+        event = _event(spec, 11, created_at=created + timedelta(seconds=0.5))
+        session = settler.sessions()
+        transaction = await session.begin()
+        assert await settle_in(session, event) is True
+        job = asyncio.create_task(close_windows(closer))
+        await asyncio.sleep(0.5)  # the job is now waiting for the settle's row locks
+        await transaction.commit()
+        await session.close()
+        await asyncio.wait_for(job, 30)
 
-            async with closer.sessions() as s:
-                windows = {w.subject_id: w for w in await s.scalars(select(BudgetWindow))}
-            assert set(windows) == set(subjects.values())
-            for window in windows.values():
-                assert window.window_start == created
-                assert window.spent == event.cost > 0
-            for row in (await _budgets(closer, subjects)).values():
-                assert (row.spent, row.reserved) == (0, 0)
-                assert row.window_start == created + timedelta(seconds=1)
-        finally:
-            await settler.dispose()
-            await closer.dispose()
-
-    asyncio.run(scenario())
+        async with closer.sessions() as s:
+            windows = {w.subject_id: w for w in await s.scalars(select(BudgetWindow))}
+        assert set(windows) == set(subjects.values())
+        for window in windows.values():
+            assert window.window_start == created
+            assert window.spent == event.cost > 0
+        for row in (await _budgets(closer, subjects)).values():
+            assert (row.spent, row.reserved) == (0, 0)
+            assert row.window_start == created + timedelta(seconds=1)
+    finally:
+        await settler.dispose()
+        await closer.dispose()

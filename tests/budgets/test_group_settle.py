@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import replace
 
 import httpx
+import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select, update
 
@@ -52,188 +53,178 @@ async def _alerts(db: Database, subjects: dict[str, str]) -> list[tuple[str, str
         return sorted(tuple(row) for row in rows.all())
 
 
-def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 8)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "daily", utcnow())
+@pytest.mark.anyio
+async def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
+    db = Database(fresh_db, 8)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "daily", utcnow())
 
-            async def one(completion_tokens: int) -> tuple[str, int]:
-                spec = _spec(subjects)
-                reservation = await reserve(db, spec, ttl_s=60)
-                event = _event(spec, completion_tokens)
-                assert await settle(db, event, reservation) is True
-                return event.id, event.cost
+        async def one(completion_tokens: int) -> tuple[str, int]:
+            spec = _spec(subjects)
+            reservation = await reserve(db, spec, ttl_s=60)
+            event = _event(spec, completion_tokens)
+            assert await settle(db, event, reservation) is True
+            return event.id, event.cost
 
-            done = await asyncio.gather(*(one(1 + i % 40) for i in range(REQUESTS)))
-            total = sum(cost for _, cost in done)
-            assert total == REQUESTS * 10 * 150_000 + sum(
-                (1 + i % 40) * 600_000 for i in range(REQUESTS)
-            )
-            queue = settle_queue(db)
-            assert queue.grouped >= 2  # some settles shared a transaction
-            # On PostgreSQL every one of them took the one-statement path.
-            assert queue.one_statement == (REQUESTS if db.dialect == "postgresql" else 0)
-            token = subjects["token"]
-            assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == REQUESTS
-            ids = {event_id for event_id, _ in done}
-            assert await _count(db, LedgerEvent, LedgerEvent.id.in_(ids)) == REQUESTS
-            assert await _count(db, Hold, Hold.token_id == token) == 0
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (total, 0)
-            assert await _rollup(db, token) == (REQUESTS, total)
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        done = await asyncio.gather(*(one(1 + i % 40) for i in range(REQUESTS)))
+        total = sum(cost for _, cost in done)
+        assert total == REQUESTS * 10 * 150_000 + sum(
+            (1 + i % 40) * 600_000 for i in range(REQUESTS)
+        )
+        queue = settle_queue(db)
+        assert queue.grouped >= 2  # some settles shared a transaction
+        # On PostgreSQL every one of them took the one-statement path.
+        assert queue.one_statement == (REQUESTS if db.dialect == "postgresql" else 0)
+        token = subjects["token"]
+        assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == REQUESTS
+        ids = {event_id for event_id, _ in done}
+        assert await _count(db, LedgerEvent, LedgerEvent.id.in_(ids)) == REQUESTS
+        assert await _count(db, Hold, Hold.token_id == token) == 0
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (total, 0)
+        assert await _rollup(db, token) == (REQUESTS, total)
+    finally:
+        await db.dispose()
 
 
-def test_a_group_with_a_bad_row_commits_the_others(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "daily", utcnow())
-            specs = [_spec(subjects) for _ in range(5)]
-            reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
-            events = [_event(spec, 3 + i) for i, spec in enumerate(specs)]
-            events[2] = replace(events[2], model=None)  # refused by the ledger (NOT NULL)
-            results = await asyncio.gather(
-                *(settle(db, e, r) for e, r in zip(events, reservations, strict=True)),
-                return_exceptions=True,
-            )
-            assert results[:2] + results[3:] == [True] * 4
-            assert isinstance(results[2], sa_exc.IntegrityError)
-            queue = settle_queue(db)
-            assert (queue.grouped, queue.retried) == (0, 1)  # the group failed, then one by one
+@pytest.mark.anyio
+async def test_a_group_with_a_bad_row_commits_the_others(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "daily", utcnow())
+        specs = [_spec(subjects) for _ in range(5)]
+        reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+        events = [_event(spec, 3 + i) for i, spec in enumerate(specs)]
+        events[2] = replace(events[2], model=None)  # refused by the ledger (NOT NULL)
+        results = await asyncio.gather(
+            *(settle(db, e, r) for e, r in zip(events, reservations, strict=True)),
+            return_exceptions=True,
+        )
+        assert results[:2] + results[3:] == [True] * 4
+        assert isinstance(results[2], sa_exc.IntegrityError)
+        queue = settle_queue(db)
+        assert (queue.grouped, queue.retried) == (0, 1)  # the group failed, then one by one
 
-            good = [e for i, e in enumerate(events) if i != 2]
-            total = sum(e.cost for e in good)
-            token = subjects["token"]
-            assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 4
-            assert await _count(db, LedgerEvent, LedgerEvent.id == events[2].id) == 0
-            # The bad request's hold stays, for the sweeper to charge as `unsettled`.
-            assert await _count(db, Hold, Hold.token_id == token) == 1
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (total, reservations[2].amount)
-            assert await _rollup(db, token) == (4, total)
-            assert await expire_holds(db) == 0  # not expired yet: nothing charged twice
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        good = [e for i, e in enumerate(events) if i != 2]
+        total = sum(e.cost for e in good)
+        token = subjects["token"]
+        assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 4
+        assert await _count(db, LedgerEvent, LedgerEvent.id == events[2].id) == 0
+        # The bad request's hold stays, for the sweeper to charge as `unsettled`.
+        assert await _count(db, Hold, Hold.token_id == token) == 1
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (total, reservations[2].amount)
+        assert await _rollup(db, token) == (4, total)
+        assert await expire_holds(db) == 0  # not expired yet: nothing charged twice
+    finally:
+        await db.dispose()
 
 
-def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db, caplog):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            specs = [_spec(subjects) for _ in range(3)]
-            swept = await reserve(db, specs[0], ttl_s=0)
-            assert await expire_holds(db) == 1  # charged in full as `unsettled`
-            live = [await reserve(db, spec, ttl_s=60) for spec in specs[1:]]
-            events = [_event(spec, 4) for spec in specs]
-            results = await asyncio.gather(
-                *(settle(db, e, r) for e, r in zip(events, [swept, *live], strict=True))
-            )
-            assert results == [True, True, True]
-            assert settle_queue(db).grouped == 2
-            token = subjects["token"]
-            assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 3
-            assert await _count(db, LedgerEvent, LedgerEvent.status == "unsettled") == 0
-            total = sum(e.cost for e in events)
-            assert total == 3 * (10 * 150_000 + 4 * 600_000)
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (total, 0)
-            assert await _rollup(db, token) == (3, total)
-            # A hold swept is not one found otherwise: nothing logged as a bug.
-            assert "not the ones written" not in caplog.text
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db, caplog):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        specs = [_spec(subjects) for _ in range(3)]
+        swept = await reserve(db, specs[0], ttl_s=0)
+        assert await expire_holds(db) == 1  # charged in full as `unsettled`
+        live = [await reserve(db, spec, ttl_s=60) for spec in specs[1:]]
+        events = [_event(spec, 4) for spec in specs]
+        results = await asyncio.gather(
+            *(settle(db, e, r) for e, r in zip(events, [swept, *live], strict=True))
+        )
+        assert results == [True, True, True]
+        assert settle_queue(db).grouped == 2
+        token = subjects["token"]
+        assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 3
+        assert await _count(db, LedgerEvent, LedgerEvent.status == "unsettled") == 0
+        total = sum(e.cost for e in events)
+        assert total == 3 * (10 * 150_000 + 4 * 600_000)
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (total, 0)
+        assert await _rollup(db, token) == (3, total)
+        # A hold swept is not one found otherwise: nothing logged as a bug.
+        assert "not the ones written" not in caplog.text
+    finally:
+        await db.dispose()
 
 
-def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fresh_db, caplog):
+@pytest.mark.anyio
+async def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fresh_db, caplog):
     """The one-statement settle charges from what the reservation wrote; a hold found otherwise
     (here its amount raised behind the process's back, with its budgets' `reserved`) is left
     untouched by it and settled alone by the general path, which charges from the hold's row;
     the others of its group are committed by the statement."""
 
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            specs = [_spec(subjects) for _ in range(3)]
-            reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
-            changed = specs[1].hold_id
-            async with db.transaction() as session:
-                await session.execute(
-                    update(Hold).where(Hold.id == changed).values(amount=Hold.amount + 7)
-                )
-                await session.execute(
-                    update(Budget)
-                    .where(Budget.subject_id.in_(list(subjects.values())))
-                    .values(reserved=Budget.reserved + 7)
-                )
-            events = [_event(spec, 5) for spec in specs]
-            results = await asyncio.gather(
-                *(settle(db, e, r) for e, r in zip(events, reservations, strict=True))
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        specs = [_spec(subjects) for _ in range(3)]
+        reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+        changed = specs[1].hold_id
+        async with db.transaction() as session:
+            await session.execute(
+                update(Hold).where(Hold.id == changed).values(amount=Hold.amount + 7)
             )
-            assert results == [True, True, True]
-            queue = settle_queue(db)
-            # The changed hold never goes through the statement: nothing charged twice.
-            assert queue.one_statement == (2 if db.dialect == "postgresql" else 0)
-            if db.dialect == "postgresql":
-                assert "not the ones written" in caplog.text and changed in caplog.text
-            total = sum(e.cost for e in events)
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (total, 0)
-            assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 3
-            assert await _rollup(db, subjects["token"]) == (3, total)
-        finally:
-            await db.dispose()
+            await session.execute(
+                update(Budget)
+                .where(Budget.subject_id.in_(list(subjects.values())))
+                .values(reserved=Budget.reserved + 7)
+            )
+        events = [_event(spec, 5) for spec in specs]
+        results = await asyncio.gather(
+            *(settle(db, e, r) for e, r in zip(events, reservations, strict=True))
+        )
+        assert results == [True, True, True]
+        queue = settle_queue(db)
+        # The changed hold never goes through the statement: nothing charged twice.
+        assert queue.one_statement == (2 if db.dialect == "postgresql" else 0)
+        if db.dialect == "postgresql":
+            assert "not the ones written" in caplog.text and changed in caplog.text
+        total = sum(e.cost for e in events)
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (total, 0)
+        assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 3
+        assert await _rollup(db, subjects["token"]) == (3, total)
+    finally:
+        await db.dispose()
 
-    asyncio.run(scenario())
 
-
-def test_a_settle_passing_a_threshold_is_written_with_its_alert(fresh_db):
+@pytest.mark.anyio
+async def test_a_settle_passing_a_threshold_is_written_with_its_alert(fresh_db):
     """Settles that pass no threshold take the one statement; the one that passes 50% of the
     limits aborts it (nothing of it kept) and is written by the general path with its alerts,
     one per budget, in the charge's transaction."""
 
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            # 0.0002 USD: four holds of 50 tokens fit; four events of 40 tokens pass 50%.
-            await _add_budgets(db, subjects, "0.0002", "never", utcnow())
-            specs = [_spec(subjects) for _ in range(4)]
-            reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
-            events = [_event(spec, 40) for spec in specs]
-            limit = 200_000_000
-            assert sum(e.cost for e in events[:3]) * 2 < limit <= sum(e.cost for e in events) * 2
-            queue = settle_queue(db)
-            for i, (event, reservation) in enumerate(zip(events, reservations, strict=True)):
-                assert await settle(db, event, reservation) is True
-                if db.dialect == "postgresql":
-                    assert queue.one_statement == min(i + 1, 3)
-            total = sum(e.cost for e in events)
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (total, 0)
-            assert await _alerts(db, subjects) == sorted(
-                ("budget.threshold_crossed", subject) for subject in subjects.values()
-            )
-            assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 4
-            assert await _rollup(db, subjects["token"]) == (4, total)
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        # 0.0002 USD: four holds of 50 tokens fit; four events of 40 tokens pass 50%.
+        await _add_budgets(db, subjects, "0.0002", "never", utcnow())
+        specs = [_spec(subjects) for _ in range(4)]
+        reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+        events = [_event(spec, 40) for spec in specs]
+        limit = 200_000_000
+        assert sum(e.cost for e in events[:3]) * 2 < limit <= sum(e.cost for e in events) * 2
+        queue = settle_queue(db)
+        for i, (event, reservation) in enumerate(zip(events, reservations, strict=True)):
+            assert await settle(db, event, reservation) is True
+            if db.dialect == "postgresql":
+                assert queue.one_statement == min(i + 1, 3)
+        total = sum(e.cost for e in events)
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (total, 0)
+        assert await _alerts(db, subjects) == sorted(
+            ("budget.threshold_crossed", subject) for subject in subjects.values()
+        )
+        assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 4
+        assert await _rollup(db, subjects["token"]) == (4, total)
+    finally:
+        await db.dispose()
 
 
 def test_a_hundred_concurrent_requests_one_event_each(api):

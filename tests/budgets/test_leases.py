@@ -60,219 +60,209 @@ async def _lease_rows(db: Database) -> dict[str, int]:
         return dict(rows.all())
 
 
-def test_a_lease_admits_in_memory_and_its_row_covers_every_hold(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            book = _book(db)
-            first = await reserve(db, _spec(subjects), 3600, book)
-            assert first.claim is not None  # admitted against a lease
-            amount = first.amount
-            leases = await _lease_rows(db)
-            # A slice of each budget: 1/8 of the dollar, counted in reserved.
-            assert set(leases) == set(subjects.values())
-            assert set(leases.values()) == {pico("0.125")}
-            for row in (await _budgets(db, subjects)).values():
-                assert row.reserved == pico("0.125")
-            # The next requests take no lock on the budgets: the same leases cover them.
-            more = [await reserve(db, _spec(subjects), 3600, book) for _ in range(5)]
-            assert all(r.claim is not None for r in more)
-            assert book.taken == 1 and book.admitted == 6
-            assert await _count(db, Hold, Hold.leased.is_(True)) == 6
-            # The status shows what requests hold, not the lease's unused part.
-            async with db.sessions() as session:
-                slack = await lease_slack(session, list(subjects.values()))
-            assert set(slack.values()) == {pico("0.125") - 6 * amount}
+@pytest.mark.anyio
+async def test_a_lease_admits_in_memory_and_its_row_covers_every_hold(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        book = _book(db)
+        first = await reserve(db, _spec(subjects), 3600, book)
+        assert first.claim is not None  # admitted against a lease
+        amount = first.amount
+        leases = await _lease_rows(db)
+        # A slice of each budget: 1/8 of the dollar, counted in reserved.
+        assert set(leases) == set(subjects.values())
+        assert set(leases.values()) == {pico("0.125")}
+        for row in (await _budgets(db, subjects)).values():
+            assert row.reserved == pico("0.125")
+        # The next requests take no lock on the budgets: the same leases cover them.
+        more = [await reserve(db, _spec(subjects), 3600, book) for _ in range(5)]
+        assert all(r.claim is not None for r in more)
+        assert book.taken == 1 and book.admitted == 6
+        assert await _count(db, Hold, Hold.leased.is_(True)) == 6
+        # The status shows what requests hold, not the lease's unused part.
+        async with db.sessions() as session:
+            slack = await lease_slack(session, list(subjects.values()))
+        assert set(slack.values()) == {pico("0.125") - 6 * amount}
 
-            # Settled: cost moves from the lease to spent; the row and the view move together.
-            costs = 0
-            for i, reservation in enumerate([first, *more]):
-                event = _event(_spec(subjects), 10 + i, id=reservation.hold_id)
-                assert await settle(db, event, reservation) is True
-                costs += event.cost
-            for row in (await _budgets(db, subjects)).values():
-                assert row.spent == costs
-                assert row.reserved == pico("0.125") - costs
-            lease = book.leases[subjects["token"]]
-            assert (lease.amount, lease.inflight) == (pico("0.125") - costs, 0)
-            assert set((await _lease_rows(db)).values()) == {lease.amount}
+        # Settled: cost moves from the lease to spent; the row and the view move together.
+        costs = 0
+        for i, reservation in enumerate([first, *more]):
+            event = _event(_spec(subjects), 10 + i, id=reservation.hold_id)
+            assert await settle(db, event, reservation) is True
+            costs += event.cost
+        for row in (await _budgets(db, subjects)).values():
+            assert row.spent == costs
+            assert row.reserved == pico("0.125") - costs
+        lease = book.leases[subjects["token"]]
+        assert (lease.amount, lease.inflight) == (pico("0.125") - costs, 0)
+        assert set((await _lease_rows(db)).values()) == {lease.amount}
 
-            # Idle: given back, nothing left reserved.
-            assert await book.return_idle(idle_s=0) == 3
-            assert await _lease_rows(db) == {}
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (costs, 0)
-            assert await _count(db, LedgerEvent) == 6
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        # Idle: given back, nothing left reserved.
+        assert await book.return_idle(idle_s=0) == 3
+        assert await _lease_rows(db) == {}
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (costs, 0)
+        assert await _count(db, LedgerEvent) == 6
+    finally:
+        await db.dispose()
 
 
-def test_a_burst_against_leases_never_passes_the_limit_and_uses_the_last_credit(fresh_db):
+@pytest.mark.anyio
+async def test_a_burst_against_leases_never_passes_the_limit_and_uses_the_last_credit(fresh_db):
     """Two lease books (two replicas) and many concurrent requests against a limit covering
     about fifty: slices shrink near the limit, the last requests take the database path."""
 
-    async def scenario() -> None:
-        dbs = [Database(fresh_db, 6) for _ in range(2)]
-        try:
-            subjects = _subjects()
-            hold = _spec(subjects).amount(50)
-            limit = 50 * hold + hold // 3
-            await _add_budgets(dbs[0], subjects, str(Decimal(limit) / 10**12), "never", utcnow())
-            books = [_book(db) for db in dbs]
-            served, refused = [], 0
+    dbs = [Database(fresh_db, 6) for _ in range(2)]
+    try:
+        subjects = _subjects()
+        hold = _spec(subjects).amount(50)
+        limit = 50 * hold + hold // 3
+        await _add_budgets(dbs[0], subjects, str(Decimal(limit) / 10**12), "never", utcnow())
+        books = [_book(db) for db in dbs]
+        served, refused = [], 0
 
-            async def one(i: int) -> bool:
-                nonlocal refused
-                db, book = dbs[i % 2], books[i % 2]
-                spec = _spec(subjects)
-                try:
-                    reservation = await reserve(db, spec, 3600, book)
-                except BudgetShortfall:
-                    refused += 1
-                    return False
-                await asyncio.sleep(0.001 * (i % 7))
-                event = _event(spec, 50, id=reservation.hold_id)
-                assert await settle(db, event, reservation) is True
-                served.append(event.cost)
-                return True
+        async def one(i: int) -> bool:
+            nonlocal refused
+            db, book = dbs[i % 2], books[i % 2]
+            spec = _spec(subjects)
+            try:
+                reservation = await reserve(db, spec, 3600, book)
+            except BudgetShortfall:
+                refused += 1
+                return False
+            await asyncio.sleep(0.001 * (i % 7))
+            event = _event(spec, 50, id=reservation.hold_id)
+            assert await settle(db, event, reservation) is True
+            served.append(event.cost)
+            return True
 
-            # Waves of concurrent requests on both replicas until two whole waves are refused
-            # (a replica refused gives its slices back, so the next wave can use their credit).
-            refused_waves = 0
-            for wave in range(100):
-                admitted = await asyncio.gather(*(one(wave * 16 + i) for i in range(16)))
-                for book in books:  # the upkeep's tick: dropped slices whose requests ended
-                    await book.return_idle(idle_s=3600)
-                refused_waves = 0 if any(admitted) else refused_waves + 1
-                if refused_waves == 2:
-                    break
-            assert sum(b.admitted for b in books) > 0  # leases were used...
-            assert refused > 0  # ...and the limit bit
-            for book in books:
-                await book.return_idle(idle_s=0)
-            rows = await _budgets(dbs[0], subjects)
-            for row in rows.values():
-                assert row.spent == sum(served) <= limit
-                assert row.reserved == 0
-            # The last credit was used: what is left cannot cover one more request.
-            assert limit - sum(served) < hold
-            assert await _lease_rows(dbs[0]) == {}
-            assert await _count(dbs[0], LedgerEvent) == len(served)
-        finally:
-            for db in dbs:
-                await db.dispose()
-
-    asyncio.run(scenario())
-
-
-def test_a_slice_too_small_takes_the_database_path(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            hold = _spec(subjects).amount(50)
-            # 1/8 of what is left covers fewer than MIN_REQUESTS holds: no lease.
-            limit = 8 * MIN_REQUESTS * hold - 1
-            await _add_budgets(db, subjects, str(Decimal(limit) / 10**12), "never", utcnow())
-            book = _book(db)
-            reservation = await reserve(db, _spec(subjects), 3600, book)
-            assert reservation.claim is None
-            assert await _lease_rows(db) == {}
-            for row in (await _budgets(db, subjects)).values():
-                assert row.reserved == reservation.amount
-            # For a while its requests go straight to the database path, without trying.
-            assert set(book.too_small) == {subjects["token"]}
-            again = await reserve(db, _spec(subjects), 3600, book)
-            assert again.claim is None and book.taken == 0
-            # A change to the budget (a raised limit) lets it lease again at once.
-            book.drop(frozenset({f"budget:{subjects['token']}"}))
-            assert book.too_small == {}
-        finally:
+        # Waves of concurrent requests on both replicas until two whole waves are refused
+        # (a replica refused gives its slices back, so the next wave can use their credit).
+        refused_waves = 0
+        for wave in range(100):
+            admitted = await asyncio.gather(*(one(wave * 16 + i) for i in range(16)))
+            for book in books:  # the upkeep's tick: dropped slices whose requests ended
+                await book.return_idle(idle_s=3600)
+            refused_waves = 0 if any(admitted) else refused_waves + 1
+            if refused_waves == 2:
+                break
+        assert sum(b.admitted for b in books) > 0  # leases were used...
+        assert refused > 0  # ...and the limit bit
+        for book in books:
+            await book.return_idle(idle_s=0)
+        rows = await _budgets(dbs[0], subjects)
+        for row in rows.values():
+            assert row.spent == sum(served) <= limit
+            assert row.reserved == 0
+        # The last credit was used: what is left cannot cover one more request.
+        assert limit - sum(served) < hold
+        assert await _lease_rows(dbs[0]) == {}
+        assert await _count(dbs[0], LedgerEvent) == len(served)
+    finally:
+        for db in dbs:
             await db.dispose()
 
-    asyncio.run(scenario())
+
+@pytest.mark.anyio
+async def test_a_slice_too_small_takes_the_database_path(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        hold = _spec(subjects).amount(50)
+        # 1/8 of what is left covers fewer than MIN_REQUESTS holds: no lease.
+        limit = 8 * MIN_REQUESTS * hold - 1
+        await _add_budgets(db, subjects, str(Decimal(limit) / 10**12), "never", utcnow())
+        book = _book(db)
+        reservation = await reserve(db, _spec(subjects), 3600, book)
+        assert reservation.claim is None
+        assert await _lease_rows(db) == {}
+        for row in (await _budgets(db, subjects)).values():
+            assert row.reserved == reservation.amount
+        # For a while its requests go straight to the database path, without trying.
+        assert set(book.too_small) == {subjects["token"]}
+        again = await reserve(db, _spec(subjects), 3600, book)
+        assert again.claim is None and book.taken == 0
+        # A change to the budget (a raised limit) lets it lease again at once.
+        book.drop(frozenset({f"budget:{subjects['token']}"}))
+        assert book.too_small == {}
+    finally:
+        await db.dispose()
 
 
-def test_a_dropped_lease_admits_nothing_and_is_given_back_when_its_requests_end(fresh_db):
+@pytest.mark.anyio
+async def test_a_dropped_lease_admits_nothing_and_is_given_back_when_its_requests_end(fresh_db):
     """A change to a budget (a lowered limit) drops its leases before it is acknowledged."""
 
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            book = _book(db)
-            inflight = await reserve(db, _spec(subjects), 3600, book)
-            assert inflight.claim is not None
-            book.drop(frozenset({f"budget:{subjects['team']}"}))
-            assert subjects["team"] not in book.leases
-            # The next request cannot use the dropped lease: it takes a new one.
-            after = await reserve(db, _spec(subjects), 3600, book)
-            assert after.claim is not None
-            assert after.claim.leases[2] is not inflight.claim.leases[2]
-            assert await _count(db, BudgetLease) == 4  # the dropped one waits for its request
-            await book.return_idle(idle_s=3600)
-            assert await _count(db, BudgetLease) == 4
-            event = _event(_spec(subjects), 5, id=inflight.hold_id)
-            assert await settle(db, event, inflight) is True
-            assert await book.return_idle(idle_s=3600) == 1
-            assert await _count(db, BudgetLease) == 3
-            # An untrusted book (its listener is down) admits nothing against leases.
-            book.trusted = lambda: False
-            direct = await reserve(db, _spec(subjects), 3600, book)
-            assert direct.claim is None
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        book = _book(db)
+        inflight = await reserve(db, _spec(subjects), 3600, book)
+        assert inflight.claim is not None
+        book.drop(frozenset({f"budget:{subjects['team']}"}))
+        assert subjects["team"] not in book.leases
+        # The next request cannot use the dropped lease: it takes a new one.
+        after = await reserve(db, _spec(subjects), 3600, book)
+        assert after.claim is not None
+        assert after.claim.leases[2] is not inflight.claim.leases[2]
+        assert await _count(db, BudgetLease) == 4  # the dropped one waits for its request
+        await book.return_idle(idle_s=3600)
+        assert await _count(db, BudgetLease) == 4
+        event = _event(_spec(subjects), 5, id=inflight.hold_id)
+        assert await settle(db, event, inflight) is True
+        assert await book.return_idle(idle_s=3600) == 1
+        assert await _count(db, BudgetLease) == 3
+        # An untrusted book (its listener is down) admits nothing against leases.
+        book.trusted = lambda: False
+        direct = await reserve(db, _spec(subjects), 3600, book)
+        assert direct.claim is None
+    finally:
+        await db.dispose()
 
 
-def test_a_dead_processs_leases_and_holds_are_swept_to_the_cent(fresh_db):
+@pytest.mark.anyio
+async def test_a_dead_processs_leases_and_holds_are_swept_to_the_cent(fresh_db):
     """The process stopped extending: its holds are charged as unsettled from its leases, then
     its leases are returned; spent + reserved is what its requests were charged."""
 
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            dead = _book(db)
-            settled = await reserve(db, _spec(subjects), 3600, dead)
-            event = _event(_spec(subjects), 7, id=settled.hold_id)
-            assert await settle(db, event, settled) is True
-            lost = [await reserve(db, _spec(subjects), 3600, dead) for _ in range(3)]
-            assert all(r.claim is not None for r in lost)
-            # The process dies: nothing extends its holds and leases any more.
-            past = utcnow() - timedelta(seconds=1)
-            async with db.begin() as conn:
-                await conn.execute(update(Hold).values(expires_at=past))
-                await conn.execute(update(BudgetLease).values(expires_at=past))
-            # A lease no hold names is returned only after its holds are charged.
-            assert await expire_leases(db) == 0
-            assert await expire_holds(db) == len(lost)
-            assert await _lease_rows(db) == {}
-            total = event.cost + sum(r.amount for r in lost)
-            for row in (await _budgets(db, subjects)).values():
-                assert (row.spent, row.reserved) == (total, 0)
-            async with db.sessions() as session:
-                events = {e.id: e for e in await session.scalars(select(LedgerEvent))}
-            assert {events[r.hold_id].status for r in lost} == {"unsettled"}
-            assert len(events) == 1 + len(lost)
-            # A late settle of a swept leased hold replaces its event; its lease is gone.
-            late = _event(_spec(subjects), 3, id=lost[0].hold_id)
-            assert await settle(db, late, lost[0]) is True
-            assert lost[0].claim.swept
-            for row in (await _budgets(db, subjects)).values():
-                assert row.spent == total - lost[0].amount + late.cost
-                assert row.reserved == 0
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        dead = _book(db)
+        settled = await reserve(db, _spec(subjects), 3600, dead)
+        event = _event(_spec(subjects), 7, id=settled.hold_id)
+        assert await settle(db, event, settled) is True
+        lost = [await reserve(db, _spec(subjects), 3600, dead) for _ in range(3)]
+        assert all(r.claim is not None for r in lost)
+        # The process dies: nothing extends its holds and leases any more.
+        past = utcnow() - timedelta(seconds=1)
+        async with db.begin() as conn:
+            await conn.execute(update(Hold).values(expires_at=past))
+            await conn.execute(update(BudgetLease).values(expires_at=past))
+        # A lease no hold names is returned only after its holds are charged.
+        assert await expire_leases(db) == 0
+        assert await expire_holds(db) == len(lost)
+        assert await _lease_rows(db) == {}
+        total = event.cost + sum(r.amount for r in lost)
+        for row in (await _budgets(db, subjects)).values():
+            assert (row.spent, row.reserved) == (total, 0)
+        async with db.sessions() as session:
+            events = {e.id: e for e in await session.scalars(select(LedgerEvent))}
+        assert {events[r.hold_id].status for r in lost} == {"unsettled"}
+        assert len(events) == 1 + len(lost)
+        # A late settle of a swept leased hold replaces its event; its lease is gone.
+        late = _event(_spec(subjects), 3, id=lost[0].hold_id)
+        assert await settle(db, late, lost[0]) is True
+        assert lost[0].claim.swept
+        for row in (await _budgets(db, subjects)).values():
+            assert row.spent == total - lost[0].amount + late.cost
+            assert row.reserved == 0
+    finally:
+        await db.dispose()
 
 
 # --- two `metering serve` replicas on one PostgreSQL ---------------------------------------
@@ -465,50 +455,46 @@ def test_a_lowered_limit_stops_the_other_replicas_leases_even_with_its_listener_
         assert refused.headers["x-budget-scope"] == "token"
 
 
-def test_leases_can_be_turned_off(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            book = _book(db, share=0)
-            reservation = await reserve(db, _spec(subjects), 3600, book)
-            assert reservation.claim is None
-            assert await _lease_rows(db) == {}
-            for row in (await _budgets(db, subjects)).values():
-                assert row.reserved == reservation.amount
-            # Off: not even tried.
-            assert book.too_small == {} and book.taken == 0
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_leases_can_be_turned_off(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        book = _book(db, share=0)
+        reservation = await reserve(db, _spec(subjects), 3600, book)
+        assert reservation.claim is None
+        assert await _lease_rows(db) == {}
+        for row in (await _budgets(db, subjects)).values():
+            assert row.reserved == reservation.amount
+        # Off: not even tried.
+        assert book.too_small == {} and book.taken == 0
+    finally:
+        await db.dispose()
 
 
-def test_a_lease_returned_while_its_process_stalled_is_never_used_again(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            book = _book(db)
-            first = await reserve(db, _spec(subjects), 3600, book)
-            event = _event(_spec(subjects), 5, id=first.hold_id)
-            assert await settle(db, event, first) is True
-            # The process stalls past the TTL: a sweeper returns its leases.
-            past = utcnow() - timedelta(seconds=1)
-            async with db.begin() as conn:
-                await conn.execute(update(BudgetLease).values(expires_at=past))
-            assert await expire_leases(db) == 3
-            # Back, its upkeep finds them gone: no request is admitted against them.
-            await book.extend()
-            assert book.leases == {}
-            again = await reserve(db, _spec(subjects), 3600, book)
-            assert again.claim is not None and book.taken == 2
-            for row in (await _budgets(db, subjects)).values():
-                assert row.spent == event.cost
-                assert row.reserved == (pico("1") - event.cost) // 8  # only the new slice
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_lease_returned_while_its_process_stalled_is_never_used_again(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        book = _book(db)
+        first = await reserve(db, _spec(subjects), 3600, book)
+        event = _event(_spec(subjects), 5, id=first.hold_id)
+        assert await settle(db, event, first) is True
+        # The process stalls past the TTL: a sweeper returns its leases.
+        past = utcnow() - timedelta(seconds=1)
+        async with db.begin() as conn:
+            await conn.execute(update(BudgetLease).values(expires_at=past))
+        assert await expire_leases(db) == 3
+        # Back, its upkeep finds them gone: no request is admitted against them.
+        await book.extend()
+        assert book.leases == {}
+        again = await reserve(db, _spec(subjects), 3600, book)
+        assert again.claim is not None and book.taken == 2
+        for row in (await _budgets(db, subjects)).values():
+            assert row.spent == event.cost
+            assert row.reserved == (pico("1") - event.cost) // 8  # only the new slice
+    finally:
+        await db.dispose()

@@ -3,20 +3,20 @@ parallel limits (429 with OpenAI's headers), token reservations settled to actua
 allow-lists (403 and /v1/models), token lifetimes; every ending gives its counters back."""
 
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 
+from metering.clock import MovableClock
 from tests.budgets.conftest import chat, chat_body, marker
 from tests.conftest import Api
 
 
-def same_minute() -> None:
-    """Start a run early in a UTC minute, so its requests share one rate window."""
-    second = datetime.now(UTC).second
-    if second >= 45:
-        time.sleep(61 - second)
+def same_minute(clock: MovableClock) -> None:
+    """Move the server's clock to the start of the next UTC minute, so a run's requests share
+    one rate window (a minute of real time from there)."""
+    clock.move_to(clock.now().replace(second=0, microsecond=0) + timedelta(minutes=1))
 
 
 def limits(api: Api, scope: str, subject_id: str) -> dict:
@@ -88,11 +88,11 @@ def test_bad_limit_values_are_400(api, fields, param):
         assert error["param"] == param, error
 
 
-def test_rpm_limit_answers_429_naming_the_limit_with_openai_headers(api):
+def test_rpm_limit_answers_429_naming_the_limit_with_openai_headers(api, clock):
     _, _, token = api.principal()
     patch(api, "token", token["id"], rpm_limit=2)
     key, tag = token["token"], marker()
-    same_minute()
+    same_minute(clock)
     first = chat(api, key, f"{tag} one sim:tokens=2", max_tokens=5)
     second = chat(api, key, f"{tag} two sim:tokens=2", max_tokens=5)
     refused = chat(api, key, f"{tag} three sim:tokens=2", max_tokens=5)
@@ -116,25 +116,25 @@ def test_rpm_limit_answers_429_naming_the_limit_with_openai_headers(api):
     assert 'metering_limit_rejections_total{kind="requests",scope="token"}' in metrics
 
 
-def test_a_team_limit_binds_every_token_of_the_team(api):
+def test_a_team_limit_binds_every_token_of_the_team(api, clock):
     team, user, token = api.principal()
     other = api.token(user["id"])
     patch(api, "team", team["id"], rpm_limit=1)
-    same_minute()
+    same_minute(clock)
     assert chat(api, token["token"], "team one sim:tokens=1", max_tokens=2).status_code == 200
     refused = chat(api, other["token"], "team two sim:tokens=1", max_tokens=2)
     assert refused.status_code == 429
     assert f"team {team['id']} is over its rpm_limit" in refused.json()["error"]["message"]
 
 
-def test_tpm_reserves_up_front_and_settles_to_actual_usage(api):
+def test_tpm_reserves_up_front_and_settles_to_actual_usage(api, clock):
     _, _, token = api.principal()
     key, tag = token["token"], marker()
     body = chat_body(f"{tag} sim:tokens=3", max_tokens=100)
     reserve = len(body) + 64 + 100  # the prompt's upper bound and the output allowance
     # Room for one reservation, not two: only settling to the actual usage admits the next.
     patch(api, "token", token["id"], tpm_limit=reserve + reserve // 2)
-    same_minute()
+    same_minute(clock)
     statuses = [chat(api, key, f"{tag} sim:tokens=3", max_tokens=100) for _ in range(3)]
     assert [r.status_code for r in statuses] == [200, 200, 200]
     events = api.events(token_id=token["id"])
@@ -215,7 +215,7 @@ def test_a_token_list_only_narrows_its_users_and_teams(api):
     assert f"team {team['id']}" in refused.json()["error"]["message"]
 
 
-def test_token_lifetimes_expires_in_and_patch(api):
+def test_token_lifetimes_expires_in_and_patch(api, clock):
     _, user, _ = api.principal()
     created = api.ok("POST", f"/v1/users/{user['id']}/tokens", 201, json={"expires_in": 3600})
     expires = datetime.fromisoformat(created["expires_at"].replace("Z", "+00:00"))
@@ -223,7 +223,7 @@ def test_token_lifetimes_expires_in_and_patch(api):
     assert chat(api, created["token"], "life sim:tokens=1", max_tokens=2).status_code == 200
     shortened = patch(api, "token", created["id"], expires_in=1)
     expires_at = datetime.fromisoformat(shortened["expires_at"].replace("Z", "+00:00"))
-    time.sleep(max((expires_at - datetime.now(UTC)).total_seconds(), 0) + 0.05)
+    clock.move_to(expires_at)
     refused = chat(api, created["token"], "life sim:tokens=1", max_tokens=2)
     assert refused.status_code == 401
     error = refused.json()["error"]

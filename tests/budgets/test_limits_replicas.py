@@ -15,7 +15,16 @@ import pytest
 
 from metering.jobs import sweep_interval_s
 from tests.budgets.conftest import chat, chat_body, marker, sim_records, wait_for
-from tests.budgets.test_limits import limits, patch, same_minute
+from tests.budgets.test_limits import limits, patch
+
+# The replicas run in processes of their own, on the wall clock: a run whose requests must share
+# one rate window is run again, on a fresh token, when it straddled a minute boundary (a run takes
+# seconds, so a second run is rare, a third rarer still).
+RUNS = 3
+
+
+def minute() -> datetime:
+    return datetime.now(UTC).replace(second=0, microsecond=0)
 
 
 @pytest.fixture
@@ -35,21 +44,24 @@ def _post(url: str, key: str, body: bytes) -> httpx.Response:
 def test_a_burst_of_three_times_rpm_admits_exactly_rpm(two, sim):
     first, second = two
     admin = first.api()
-    _, _, token = admin.principal()
     rpm = 10
-    patch(admin, "token", token["id"], rpm_limit=rpm)
-    key, tag = token["token"], marker()
     urls = [first.url, second.url]
+    for _ in range(RUNS):
+        _, _, token = admin.principal()
+        patch(admin, "token", token["id"], rpm_limit=rpm)
+        key, tag = token["token"], marker()
 
-    def one(i: int) -> int:
-        body = chat_body(f"{tag} {i} sim:tokens=2", max_tokens=4)
-        return _post(urls[i % 2], key, body).status_code
+        def one(i: int, key: str = key, tag: str = tag) -> int:
+            body = chat_body(f"{tag} {i} sim:tokens=2", max_tokens=4)
+            return _post(urls[i % 2], key, body).status_code
 
-    same_minute()
-    window = datetime.now(UTC).replace(second=0, microsecond=0)
-    with ThreadPoolExecutor(max_workers=12) as pool:
-        statuses = Counter(pool.map(one, range(3 * rpm)))
-    assert datetime.now(UTC).replace(second=0, microsecond=0) == window  # one window
+        window = minute()
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            statuses = Counter(pool.map(one, range(3 * rpm)))
+        if minute() == window:  # one window
+            break
+    else:
+        pytest.fail(f"{RUNS} bursts each straddled a minute boundary")
     assert statuses == {200: rpm, 429: 2 * rpm}
     assert len(sim_records(sim, tag)) == rpm  # the refused never reached the upstream
     assert len(admin.events(token_id=token["id"])) == rpm
@@ -171,8 +183,11 @@ def test_a_shortened_lifetime_is_refused_on_both_replicas(two):
     for server in two:  # each replica has the credential cached
         assert chat(server.api(), key, "life sim:tokens=1", max_tokens=2).status_code == 200
     shortened = patch(admin, "token", token["id"], expires_in=1)
-    expires_at = datetime.fromisoformat(shortened["expires_at"].replace("Z", "+00:00"))
-    time.sleep(max((expires_at - datetime.now(UTC)).total_seconds(), 0) + 0.05)
+    wait_for(
+        lambda: chat(admin, key, "life sim:tokens=1", max_tokens=2).status_code == 401,
+        timeout=10,
+        message="the lifetime ending",
+    )
     for server in two:
         refused = chat(server.api(), key, "life sim:tokens=1", max_tokens=2)
         assert refused.status_code == 401
@@ -226,8 +241,9 @@ def test_a_killed_replicas_slots_come_back_within_the_ttl(fresh_pg, serve, sim):
     assert chat(admin, key, f"{tag} after sim:tokens=1", max_tokens=2).status_code == 200
 
 
-def test_tpm_settled_to_actual_usage_admits_the_next_on_either_replica(two):
-    first, second = two
+def _tpm_run(first, second) -> dict:
+    """Four requests that fit only when each is settled to its actual usage, then one refused
+    while a reservation is held open on the other replica, then one admitted once it ended."""
     admin = first.api()
     _, _, token = admin.principal()
     key, tag = token["token"], marker()
@@ -235,14 +251,13 @@ def test_tpm_settled_to_actual_usage_admits_the_next_on_either_replica(two):
     reserve = len(body) + 64 + 100  # the prompt's upper bound and the output allowance
     # Room for one reservation, not two: only settling to the actual usage admits the next.
     patch(admin, "token", token["id"], tpm_limit=2 * reserve - 1)
-    same_minute()
-    statuses = [
+    run: dict = {"window": minute()}
+    run["statuses"] = [
         _post(server.url, key, body).status_code for server in (first, second, first, second)
     ]
-    assert statuses == [200, 200, 200, 200]
     events = admin.events(token_id=token["id"])
-    actual = sum(e["prompt_tokens"] + e["completion_tokens"] for e in events)
-    assert limits(admin, "token", token["id"])["tokens"] == actual
+    run["actual"] = sum(e["prompt_tokens"] + e["completion_tokens"] for e in events)
+    run["counted"] = limits(admin, "token", token["id"])["tokens"]
     # Held open on one replica, a reservation leaves the other no room.
     held = chat_body(
         f"{tag} held sim:tokens=40 sim:chunks=40 sim:delay_ms=50", stream=True, max_tokens=100
@@ -256,9 +271,25 @@ def test_tpm_settled_to_actual_usage_admits_the_next_on_either_replica(two):
     ) as response:
         chunks = response.iter_bytes()  # kept: a generator collected closes the stream
         next(chunks)
-        refused = _post(second.url, key, body)
-        assert refused.status_code == 429
-        assert "over its tpm_limit" in refused.json()["error"]["message"]
+        run["refused"] = _post(second.url, key, body)
         for _ in chunks:
             pass
-    assert _post(second.url, key, body).status_code == 200
+    run["after"] = _post(second.url, key, body).status_code
+    run["one_window"] = minute() == run["window"]
+    return run
+
+
+def test_tpm_settled_to_actual_usage_admits_the_next_on_either_replica(two):
+    first, second = two
+    for _ in range(RUNS):
+        run = _tpm_run(first, second)
+        if run["one_window"]:
+            break
+    else:
+        pytest.fail(f"{RUNS} runs each straddled a minute boundary")
+    assert run["statuses"] == [200, 200, 200, 200]
+    assert run["counted"] == run["actual"]
+    refused = run["refused"]
+    assert refused.status_code == 429
+    assert "over its tpm_limit" in refused.json()["error"]["message"]
+    assert run["after"] == 200

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from metering.budgets import rates
+from metering.clock import MovableClock
 from metering.db import Database, utcnow
 from metering.limits import Limits, ScopeLimits, allows
 
@@ -100,53 +101,51 @@ def test_a_model_is_allowed_only_where_every_scope_allows_it(token, user, team, 
     assert (refused is None) == everywhere
 
 
-async def _clear_of_a_window_end(margin_s: float = 15.0) -> datetime:
-    """If the current rate window ends within margin_s, wait for the next one: a burst that
-    straddles two windows is counted in each. Returns the window's start."""
-    _, end = rates.window_of(utcnow())
-    left = (end - utcnow()).total_seconds()
-    if left < margin_s:
-        await asyncio.sleep(left + 0.01)
-    return rates.window_of(utcnow())[0]
+def _start_of_a_window(clock: MovableClock) -> datetime:
+    """Move the clock to the start of the next rate window (a burst that straddles two windows
+    is counted in each); returns that start."""
+    _, end = rates.window_of(clock.now())
+    clock.move_to(end)
+    return end
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     "rpm, tpm, expected", [(100, None, 20), (7, None, 7), (100, 1000, 1000 // 150)]
 )
-def test_requests_counted_in_groups_are_admitted_exactly_as_alone(fresh_db, rpm, tpm, expected):
+async def test_requests_counted_in_groups_are_admitted_exactly_as_alone(
+    fresh_db, rpm, tpm, expected, task_clock
+):
     """Many requests of one process at once: their admissions go in groups, and exactly what
     fits is admitted (a group that does not fit is counted one request at a time)."""
 
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            limits = Limits.of(
-                ScopeLimits("token", "tok_g", rpm=rpm, tpm=tpm),
-                ScopeLimits("team", "team_g", parallel=50),
-            )
-            assert limits is not None
-            window = await _clear_of_a_window_end()
-            results = await asyncio.gather(
-                *(rates.admit(db, limits, 150) for _ in range(20)), return_exceptions=True
-            )
-            assert rates.window_of(utcnow())[0] == window  # the burst stayed in one window
-            admitted = [r for r in results if isinstance(r, rates.RateClaim)]
-            refused = [r for r in results if isinstance(r, rates.RateLimited)]
-            assert len(admitted) + len(refused) == 20
-            assert len(admitted) == expected
-            if refused:
-                assert {r.refusal.kind for r in refused} == {"rpm" if tpm is None else "tpm"}
-            else:
-                assert rates._queue(db).grouped >= 2  # admitted in a group
-            remaining = sorted(int(c.headers["x-ratelimit-remaining-requests"]) for c in admitted)
-            assert remaining == list(range(rpm - expected, rpm))
-            async with db.single() as conn:
-                counted = await rates.counters(conn, ["tok_g", "team_g"])
-            assert counted[("tok_g", "rpm")][1] == expected
-            assert counted[("team_g", "parallel")][1] == expected
-            if tpm is not None:
-                assert counted[("tok_g", "tpm")][1] == expected * 150
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+    db = Database(fresh_db, 4)
+    try:
+        limits = Limits.of(
+            ScopeLimits("token", "tok_g", rpm=rpm, tpm=tpm),
+            ScopeLimits("team", "team_g", parallel=50),
+        )
+        assert limits is not None
+        window = _start_of_a_window(task_clock)
+        results = await asyncio.gather(
+            *(rates.admit(db, limits, 150) for _ in range(20)), return_exceptions=True
+        )
+        assert rates.window_of(utcnow())[0] == window  # the burst stayed in one window
+        admitted = [r for r in results if isinstance(r, rates.RateClaim)]
+        refused = [r for r in results if isinstance(r, rates.RateLimited)]
+        assert len(admitted) + len(refused) == 20
+        assert len(admitted) == expected
+        if refused:
+            assert {r.refusal.kind for r in refused} == {"rpm" if tpm is None else "tpm"}
+        else:
+            assert rates._queue(db).grouped >= 2  # admitted in a group
+        remaining = sorted(int(c.headers["x-ratelimit-remaining-requests"]) for c in admitted)
+        assert remaining == list(range(rpm - expected, rpm))
+        async with db.single() as conn:
+            counted = await rates.counters(conn, ["tok_g", "team_g"])
+        assert counted[("tok_g", "rpm")][1] == expected
+        assert counted[("team_g", "parallel")][1] == expected
+        if tpm is not None:
+            assert counted[("tok_g", "tpm")][1] == expected * 150
+    finally:
+        await db.dispose()

@@ -8,6 +8,7 @@ import uuid
 from decimal import Decimal
 
 import openai
+import pytest
 from sqlalchemy import select
 
 from metering.budgets.service import expire_runs
@@ -166,7 +167,8 @@ def test_an_idle_run_is_forgotten(api):
     assert run_row(api, team["id"], run_id).spent > 0
 
 
-def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(fresh_db):
+@pytest.mark.anyio
+async def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(fresh_db):
     """The sweeper charges a run's expired hold in full (its event names the run); the
     request's late settle gives the run back the difference, as it does its budgets."""
     from dataclasses import replace
@@ -176,28 +178,25 @@ def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(fresh_
     from metering.ledger.tables import LedgerEvent
     from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects
 
-    async def scenario() -> None:
-        db = Database(fresh_db, 2)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            run = RunKey(subjects["team"], "late-run", pico("0.01"), 3600)
-            spec = replace(_spec(subjects), run=run)
-            spec = replace(spec, billing=replace(spec.billing, run_id=run.run_id))
-            held = await reserve(db, spec, ttl_s=0)
-            assert await expire_holds(db) == 1
-            async with db.sessions() as session:
-                row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
-                assert (row.spent, row.reserved) == (held.amount, 0)
-                placeholder = await session.get(LedgerEvent, held.hold_id)
-                assert placeholder.run_id == run.run_id and placeholder.cost == held.amount
-            late = _event(spec, 3, id=held.hold_id)
-            assert late.run_id == run.run_id
-            assert await settle(db, late) is True
-            async with db.sessions() as session:
-                row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
-                assert (row.spent, row.reserved) == (late.cost, 0)
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+    db = Database(fresh_db, 2)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        run = RunKey(subjects["team"], "late-run", pico("0.01"), 3600)
+        spec = replace(_spec(subjects), run=run)
+        spec = replace(spec, billing=replace(spec.billing, run_id=run.run_id))
+        held = await reserve(db, spec, ttl_s=0)
+        assert await expire_holds(db) == 1
+        async with db.sessions() as session:
+            row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
+            assert (row.spent, row.reserved) == (held.amount, 0)
+            placeholder = await session.get(LedgerEvent, held.hold_id)
+            assert placeholder.run_id == run.run_id and placeholder.cost == held.amount
+        late = _event(spec, 3, id=held.hold_id)
+        assert late.run_id == run.run_id
+        assert await settle(db, late) is True
+        async with db.sessions() as session:
+            row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
+            assert (row.spent, row.reserved) == (late.cost, 0)
+    finally:
+        await db.dispose()

@@ -2,8 +2,7 @@
 that charge with its real usage in one transaction: exactly one event per request, budgets and
 the rollup as if it had settled in time, in the window and hour where it was charged."""
 
-import asyncio
-
+import pytest
 from sqlalchemy import select
 
 from metering.budgets.service import reserve, settle
@@ -49,123 +48,115 @@ def _real(spec, reservation, prompt: int, completion: int) -> dict:
     )
 
 
-def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            spec = _spec(subjects)
-            swept = await reserve(db, spec, ttl_s=0)
-            assert await expire_holds(db) == 1
-            placeholder = (await _events(db, spec.hold_id))[spec.hold_id]
-            assert (placeholder.status, placeholder.cost) == ("unsettled", swept.amount)
-            charged_at = placeholder.created_at
+@pytest.mark.anyio
+async def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        spec = _spec(subjects)
+        swept = await reserve(db, spec, ttl_s=0)
+        assert await expire_holds(db) == 1
+        placeholder = (await _events(db, spec.hold_id))[spec.hold_id]
+        assert (placeholder.status, placeholder.cost) == ("unsettled", swept.amount)
+        charged_at = placeholder.created_at
 
-            event = _real(spec, swept, 10, 7)
-            assert event.cost == 10 * 150_000 + 7 * 600_000 < swept.amount
-            assert await settle(db, event, swept) is True
+        event = _real(spec, swept, 10, 7)
+        assert event.cost == 10 * 150_000 + 7 * 600_000 < swept.amount
+        assert await settle(db, event, swept) is True
 
-            row = (await _events(db, spec.hold_id))[spec.hold_id]
-            assert (row.status, row.usage_source, row.http_status) == ("ok", "reported", 200)
-            assert (row.prompt_tokens, row.completion_tokens) == (10, 7)
-            assert (row.cost, row.uncharged, row.usage_anomaly) == (event.cost, 0, None)
-            assert (row.upstream_id, row.latency_ms) == ("chatcmpl-late", 9000)
-            assert row.created_at == charged_at  # same window, same rollup hour
-            assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 1
-            for budget in (await _budgets(db, subjects)).values():
-                assert (budget.spent, budget.reserved) == (event.cost, 0)
-            (hour,) = await _rollup(db, subjects["token"])
-            assert (hour.requests, hour.cost, hour.prompt_tokens, hour.completion_tokens) == (
-                1,
-                event.cost,
-                10,
-                7,
-            )
+        row = (await _events(db, spec.hold_id))[spec.hold_id]
+        assert (row.status, row.usage_source, row.http_status) == ("ok", "reported", 200)
+        assert (row.prompt_tokens, row.completion_tokens) == (10, 7)
+        assert (row.cost, row.uncharged, row.usage_anomaly) == (event.cost, 0, None)
+        assert (row.upstream_id, row.latency_ms) == ("chatcmpl-late", 9000)
+        assert row.created_at == charged_at  # same window, same rollup hour
+        assert await _count(db, LedgerEvent, LedgerEvent.token_id == subjects["token"]) == 1
+        for budget in (await _budgets(db, subjects)).values():
+            assert (budget.spent, budget.reserved) == (event.cost, 0)
+        (hour,) = await _rollup(db, subjects["token"])
+        assert (hour.requests, hour.cost, hour.prompt_tokens, hour.completion_tokens) == (
+            1,
+            event.cost,
+            10,
+            7,
+        )
 
-            # Settled now: a retry (or the sweeper) changes nothing.
-            assert await settle(db, _real(spec, swept, 99, 99), swept) is False
-            assert await expire_holds(db) == 0
-            assert (await _events(db, spec.hold_id))[spec.hold_id].cost == event.cost
-            for budget in (await _budgets(db, subjects)).values():
-                assert budget.spent == event.cost
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        # Settled now: a retry (or the sweeper) changes nothing.
+        assert await settle(db, _real(spec, swept, 99, 99), swept) is False
+        assert await expire_holds(db) == 0
+        assert (await _events(db, spec.hold_id))[spec.hold_id].cost == event.cost
+        for budget in (await _budgets(db, subjects)).values():
+            assert budget.spent == event.cost
+    finally:
+        await db.dispose()
 
 
-def test_a_late_settle_is_capped_at_the_hold_and_reports_the_rest(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "never", utcnow())
-            spec = _spec(subjects, max_tokens=50)
-            swept = await reserve(db, spec, ttl_s=0)
-            assert await expire_holds(db) == 1
-            event = _real(spec, swept, 10, 5000)  # 5000 completion tokens for max_tokens 50
-            reported = 10 * 150_000 + 5000 * 600_000
-            assert (event.cost, event.uncharged) == (swept.amount, reported - swept.amount)
-            assert event.usage_anomaly == "completion_above_max_tokens"
-            assert await settle(db, event, swept) is True
-            row = (await _events(db, spec.hold_id))[spec.hold_id]
-            assert (row.cost, row.uncharged) == (swept.amount, reported - swept.amount)
-            assert row.completion_tokens == 5000
-            for budget in (await _budgets(db, subjects)).values():
-                assert budget.spent == swept.amount
-            (hour,) = await _rollup(db, subjects["token"])
-            assert (hour.requests, hour.cost, hour.uncharged) == (
-                1,
-                swept.amount,
-                reported - swept.amount,
-            )
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_late_settle_is_capped_at_the_hold_and_reports_the_rest(fresh_db):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        spec = _spec(subjects, max_tokens=50)
+        swept = await reserve(db, spec, ttl_s=0)
+        assert await expire_holds(db) == 1
+        event = _real(spec, swept, 10, 5000)  # 5000 completion tokens for max_tokens 50
+        reported = 10 * 150_000 + 5000 * 600_000
+        assert (event.cost, event.uncharged) == (swept.amount, reported - swept.amount)
+        assert event.usage_anomaly == "completion_above_max_tokens"
+        assert await settle(db, event, swept) is True
+        row = (await _events(db, spec.hold_id))[spec.hold_id]
+        assert (row.cost, row.uncharged) == (swept.amount, reported - swept.amount)
+        assert row.completion_tokens == 5000
+        for budget in (await _budgets(db, subjects)).values():
+            assert budget.spent == swept.amount
+        (hour,) = await _rollup(db, subjects["token"])
+        assert (hour.requests, hour.cost, hour.uncharged) == (
+            1,
+            swept.amount,
+            reported - swept.amount,
+        )
+    finally:
+        await db.dispose()
 
 
-def test_a_late_settle_corrects_the_closed_window_it_was_charged_in(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            subjects = _subjects()
-            # 1 s windows: the sweep charges the first, the late settle comes in a later one.
-            created = utcnow()
-            await _add_budgets(db, subjects, "1", "1s", created)
-            spec = _spec(subjects)
-            swept = await reserve(db, spec, ttl_s=0)
-            assert await expire_holds(db) == 1
-            charged_at = (await _events(db, spec.hold_id))[spec.hold_id].created_at
-            await asyncio.sleep(2.2)
-            assert await close_windows(db) == 3  # the charge is now in closed windows
-            event = _real(spec, swept, 10, 7)
-            assert await settle(db, event, swept) is True
-            async with db.sessions() as session:
-                windows = list(
-                    await session.scalars(
-                        select(BudgetWindow).where(
-                            BudgetWindow.subject_id.in_(list(subjects.values()))
-                        )
-                    )
+@pytest.mark.anyio
+async def test_a_late_settle_corrects_the_closed_window_it_was_charged_in(fresh_db, task_clock):
+    db = Database(fresh_db, 4)
+    try:
+        subjects = _subjects()
+        # 1 s windows: the sweep charges the first, the late settle comes in a later one.
+        created = utcnow()
+        await _add_budgets(db, subjects, "1", "1s", created)
+        spec = _spec(subjects)
+        swept = await reserve(db, spec, ttl_s=0)
+        assert await expire_holds(db) == 1
+        charged_at = (await _events(db, spec.hold_id))[spec.hold_id].created_at
+        task_clock.advance(2.2)
+        assert await close_windows(db) == 3  # the charge is now in closed windows
+        event = _real(spec, swept, 10, 7)
+        assert await settle(db, event, swept) is True
+        async with db.sessions() as session:
+            windows = list(
+                await session.scalars(
+                    select(BudgetWindow).where(BudgetWindow.subject_id.in_(list(subjects.values())))
                 )
-                budgets = list(
-                    await session.scalars(
-                        select(Budget).where(Budget.subject_id.in_(list(subjects.values())))
-                    )
+            )
+            budgets = list(
+                await session.scalars(
+                    select(Budget).where(Budget.subject_id.in_(list(subjects.values())))
                 )
-            # The window that held the charge now holds the real cost; the current one nothing.
-            holding = [w for w in windows if w.window_start <= charged_at < w.window_end]
-            assert len(holding) == 3
-            assert {w.spent for w in holding} == {event.cost}
-            assert len(windows) == 3
-            assert {b.spent for b in budgets} == {0}
-            assert all(b.window_start > charged_at for b in budgets)
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+            )
+        # The window that held the charge now holds the real cost; the current one nothing.
+        holding = [w for w in windows if w.window_start <= charged_at < w.window_end]
+        assert len(holding) == 3
+        assert {w.spent for w in holding} == {event.cost}
+        assert len(windows) == 3
+        assert {b.spent for b in budgets} == {0}
+        assert all(b.window_start > charged_at for b in budgets)
+    finally:
+        await db.dispose()
 
 
 def test_limits_of_a_reservation_cover_every_choice():

@@ -1,7 +1,6 @@
 """API tokens: created once-shown, listed without secrets, revoked at once, at most 10 active."""
 
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 
@@ -150,7 +149,7 @@ def test_eleventh_active_token_is_refused_and_a_revoked_one_frees_a_slot(api, us
     assert len(api.ok("GET", f"/v1/users/{user['id']}/tokens")["data"]) == 10
 
 
-def test_expired_token_frees_a_slot_and_is_refused(api, user):
+def test_expired_token_frees_a_slot_and_is_refused(api, user, clock):
     expires = datetime.now(UTC) + timedelta(seconds=1.5)
     short = create(api, user["id"], expires_at=expires.isoformat())
     assert short.status_code == 201, short.text
@@ -158,7 +157,7 @@ def test_expired_token_frees_a_slot_and_is_refused(api, user):
     for _ in range(9):
         assert create(api, user["id"]).status_code == 201
     assert_error(create(api, user["id"]), 409, "token_limit_reached")
-    time.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds() + 0.1))
+    clock.move_to(expires)
     assert_error(chat(api, short.json()["token"]), 401, "invalid_api_key")
     assert create(api, user["id"]).status_code == 201
 

@@ -1,10 +1,10 @@
 """How an event is made: a hold kept with the request's real prices, so the event of an expired
 hold records the same prices as a settled one, whatever the number of choices held for."""
 
-import asyncio
 import uuid
 from decimal import Decimal
 
+import pytest
 from sqlalchemy import select
 
 from metering.budgets.service import HoldSpec, new_budget, reserve
@@ -47,33 +47,27 @@ def _spec(billing: Billing) -> HoldSpec:
     )
 
 
-def test_a_hold_for_several_choices_is_priced_per_choice_and_kept_at_the_real_price(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 2)
-        try:
-            billing = _billing()
-            async with db.transaction() as session:
-                for scope, subject in zip(("token", "user", "team"), billing.subjects, strict=True):
-                    session.add(
-                        new_budget(subject, scope, usd_to_pico(Decimal(1)), "never", utcnow())
-                    )
-            held = await reserve(db, _spec(billing), ttl_s=0)
-            assert held.amount == 100 * 150_000 + 50 * CHOICES * 600_000
-            async with db.sessions() as session:
-                hold = await session.scalar(select(Hold).where(Hold.id == billing.id))
-            assert (hold.input_price, hold.cached_price, hold.output_price) == billing.prices
+@pytest.mark.anyio
+async def test_a_hold_for_several_choices_is_priced_per_choice_and_kept_at_the_real_price(fresh_db):
+    db = Database(fresh_db, 2)
+    try:
+        billing = _billing()
+        async with db.transaction() as session:
+            for scope, subject in zip(("token", "user", "team"), billing.subjects, strict=True):
+                session.add(new_budget(subject, scope, usd_to_pico(Decimal(1)), "never", utcnow()))
+        held = await reserve(db, _spec(billing), ttl_s=0)
+        assert held.amount == 100 * 150_000 + 50 * CHOICES * 600_000
+        async with db.sessions() as session:
+            hold = await session.scalar(select(Hold).where(Hold.id == billing.id))
+        assert (hold.input_price, hold.cached_price, hold.output_price) == billing.prices
 
-            assert await expire_holds(db) == 1
-            async with db.sessions() as session:
-                event = await session.scalar(
-                    select(LedgerEvent).where(LedgerEvent.id == billing.id)
-                )
-            assert (event.status, event.cost) == ("unsettled", held.amount)
-            assert (event.input_price, event.cached_price, event.output_price) == billing.prices
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        assert await expire_holds(db) == 1
+        async with db.sessions() as session:
+            event = await session.scalar(select(LedgerEvent).where(LedgerEvent.id == billing.id))
+        assert (event.status, event.cost) == ("unsettled", held.amount)
+        assert (event.input_price, event.cached_price, event.output_price) == billing.prices
+    finally:
+        await db.dispose()
 
 
 def test_a_settled_event_records_the_real_price_and_is_bounded_by_every_choice():

@@ -111,143 +111,137 @@ async def _report(db: Database, token: str, keys: list[str]) -> dict:
     return {tuple(r[k] for k in keys): tuple(int(r[f]) for f in FIGURES if f in r) for r in rows}
 
 
-def test_settles_write_pending_increments_the_report_reads_and_fold_moves(fresh_pg):  # noqa: F811
+@pytest.mark.anyio
+async def test_settles_write_pending_increments_the_report_reads_and_fold_moves(fresh_pg):  # noqa: F811
     migrate.upgrade(fresh_pg)
 
-    async def scenario() -> None:
-        db = Database(fresh_pg, 8)
-        try:
-            subjects = _subjects()
-            token, team = subjects["token"], subjects["team"]
-            await _add_budgets(db, subjects, "1", "daily", utcnow())
-            await _settle_many(db, subjects, 40)
-            assert settle_queue(db).one_statement == 40
-            ledger = await _ledger(db, team)
-            assert ledger[0] == 40
-            # Every increment is pending; no rollup holds any of them yet.
-            assert await _sums(db, RollupPending, team) == (40, *ledger[1:])
-            for r in ROLLUPS:
-                assert await _sums(db, r.table, team) == (0, 0, 0, 0), r.table.name
-            # The report is exact already: the rollups plus what is pending.
-            by_day = await _report(db, token, ["day"])
-            by_hour = await _report(db, token, ["hour", "model"])
-            assert sum(v[0] for v in by_day.values()) == 40
-            assert tuple(map(sum, zip(*by_day.values(), strict=True))) == (40, *ledger[1:])
-            assert tuple(map(sum, zip(*by_hour.values(), strict=True))) == (40, *ledger[1:])
-            # So are Grafana's views.
-            live = await _live(db, team)
-            assert set(live.values()) == {(40, *ledger[1:])}
+    db = Database(fresh_pg, 8)
+    try:
+        subjects = _subjects()
+        token, team = subjects["token"], subjects["team"]
+        await _add_budgets(db, subjects, "1", "daily", utcnow())
+        await _settle_many(db, subjects, 40)
+        assert settle_queue(db).one_statement == 40
+        ledger = await _ledger(db, team)
+        assert ledger[0] == 40
+        # Every increment is pending; no rollup holds any of them yet.
+        assert await _sums(db, RollupPending, team) == (40, *ledger[1:])
+        for r in ROLLUPS:
+            assert await _sums(db, r.table, team) == (0, 0, 0, 0), r.table.name
+        # The report is exact already: the rollups plus what is pending.
+        by_day = await _report(db, token, ["day"])
+        by_hour = await _report(db, token, ["hour", "model"])
+        assert sum(v[0] for v in by_day.values()) == 40
+        assert tuple(map(sum, zip(*by_day.values(), strict=True))) == (40, *ledger[1:])
+        assert tuple(map(sum, zip(*by_hour.values(), strict=True))) == (40, *ledger[1:])
+        # So are Grafana's views.
+        live = await _live(db, team)
+        assert set(live.values()) == {(40, *ledger[1:])}
 
-            rows = await _count(db, team)
-            assert 1 <= rows <= 40  # one per key and statement: the settles were grouped
-            assert await rollup.fold(db, batch=7) == rows  # rows // 7 + 1 statements
-            assert await _sums(db, RollupPending, team) == (0, 0, 0, 0)
-            for r in ROLLUPS:
-                assert await _sums(db, r.table, team) == (40, *ledger[1:]), r.table.name
-            # The same report, now from the rollups alone.
-            assert await _report(db, token, ["day"]) == by_day
-            assert await _report(db, token, ["hour", "model"]) == by_hour
-            assert await _live(db, team) == live
-            assert await rollup.fold(db) == 0
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        rows = await _count(db, team)
+        assert 1 <= rows <= 40  # one per key and statement: the settles were grouped
+        assert await rollup.fold(db, batch=7) == rows  # rows // 7 + 1 statements
+        assert await _sums(db, RollupPending, team) == (0, 0, 0, 0)
+        for r in ROLLUPS:
+            assert await _sums(db, r.table, team) == (40, *ledger[1:]), r.table.name
+        # The same report, now from the rollups alone.
+        assert await _report(db, token, ["day"]) == by_day
+        assert await _report(db, token, ["hour", "model"]) == by_hour
+        assert await _live(db, team) == live
+        assert await rollup.fold(db) == 0
+    finally:
+        await db.dispose()
 
 
-def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):  # noqa: F811
+@pytest.mark.anyio
+async def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):  # noqa: F811
     """The one-statement settle makes each event's increment in SQL from the row it inserts:
     every key and figure equals what rollup.row_for makes of the event read back (a missing
     reasoning count, a charge above the hold, a token-less request among them)."""
     migrate.upgrade(fresh_pg)
 
-    async def scenario() -> None:
-        db = Database(fresh_pg, 8)
-        try:
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "daily", utcnow())
-            variants = [
-                {},
-                {"reasoning_tokens": 7, "cached_tokens": 3},
-                {"reasoning_tokens": None},
-                {"cost": 10**9, "uncharged": 5},  # above the hold: capped, the rest uncharged
-                {"token_id": None},
-            ]
+    db = Database(fresh_pg, 8)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "daily", utcnow())
+        variants = [
+            {},
+            {"reasoning_tokens": 7, "cached_tokens": 3},
+            {"reasoning_tokens": None},
+            {"cost": 10**9, "uncharged": 5},  # above the hold: capped, the rest uncharged
+            {"token_id": None},
+        ]
 
-            async def one(overrides: dict) -> None:
-                spec = _spec(subjects)
-                reservation = await reserve(db, spec, ttl_s=60)
-                event = _event(spec, 9, **overrides)
-                assert await settle(db, event, reservation) is True
+        async def one(overrides: dict) -> None:
+            spec = _spec(subjects)
+            reservation = await reserve(db, spec, ttl_s=60)
+            event = _event(spec, 9, **overrides)
+            assert await settle(db, event, reservation) is True
 
-            await asyncio.gather(*(one(v) for v in variants))
-            assert settle_queue(db).one_statement == len(variants)
-            async with db.sessions() as session:
-                events = (
-                    await session.execute(
-                        select(LedgerEvent.__table__).where(LedgerEvent.team_id == subjects["team"])
-                    )
-                ).mappings()
-                increments = [rollup.row_for(Event(**{n: e[n] for n in NAMES})) for e in events]
-                pending = (
-                    await session.execute(
-                        select(
-                            *(RollupPending.__table__.c[c] for c in (*rollup.KEY, *rollup.FIGURES))
-                        ).where(RollupPending.team_id == subjects["team"])
-                    )
-                ).all()
-            assert len(increments) == len(variants)
-            # The rows of one key written by one statement are one row: compare per key.
-            assert _by_key(tuple(row) for row in pending) == _by_key(
-                tuple(row.values()) for row in increments
-            )
-            assert any(row["token_id"] == "" for row in increments)  # the token-less request
-            assert any(row["uncharged"] > 0 for row in increments)  # uncharged, summed
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        await asyncio.gather(*(one(v) for v in variants))
+        assert settle_queue(db).one_statement == len(variants)
+        async with db.sessions() as session:
+            events = (
+                await session.execute(
+                    select(LedgerEvent.__table__).where(LedgerEvent.team_id == subjects["team"])
+                )
+            ).mappings()
+            increments = [rollup.row_for(Event(**{n: e[n] for n in NAMES})) for e in events]
+            pending = (
+                await session.execute(
+                    select(
+                        *(RollupPending.__table__.c[c] for c in (*rollup.KEY, *rollup.FIGURES))
+                    ).where(RollupPending.team_id == subjects["team"])
+                )
+            ).all()
+        assert len(increments) == len(variants)
+        # The rows of one key written by one statement are one row: compare per key.
+        assert _by_key(tuple(row) for row in pending) == _by_key(
+            tuple(row.values()) for row in increments
+        )
+        assert any(row["token_id"] == "" for row in increments)  # the token-less request
+        assert any(row["uncharged"] > 0 for row in increments)  # uncharged, summed
+    finally:
+        await db.dispose()
 
 
-def test_replicas_folding_while_settles_go_on_count_each_increment_once(fresh_pg):  # noqa: F811
+@pytest.mark.anyio
+async def test_replicas_folding_while_settles_go_on_count_each_increment_once(fresh_pg):  # noqa: F811
     migrate.upgrade(fresh_pg)
 
-    async def scenario() -> None:
-        # Small pools: three replicas beside the rest of the parallel suite on one server.
-        replicas = [Database(fresh_pg, 4) for _ in range(3)]
-        db = replicas[0]
-        try:
-            subjects = _subjects()
-            team = subjects["team"]
-            await _add_budgets(db, subjects, "5", "daily", utcnow())
-            settling = True
+    # Small pools: three replicas beside the rest of the parallel suite on one server.
+    replicas = [Database(fresh_pg, 4) for _ in range(3)]
+    db = replicas[0]
+    try:
+        subjects = _subjects()
+        team = subjects["team"]
+        await _add_budgets(db, subjects, "5", "daily", utcnow())
+        settling = True
 
-            async def folding(replica: Database) -> int:
-                folded = 0
-                while settling:
-                    folded += await rollup.fold(replica, batch=5, rounds=2)
-                    await asyncio.sleep(0)
-                return folded
+        async def folding(replica: Database) -> int:
+            folded = 0
+            while settling:
+                folded += await rollup.fold(replica, batch=5, rounds=2)
+                await asyncio.sleep(0)
+            return folded
 
-            folders = [asyncio.create_task(folding(r)) for r in replicas]
-            for round_ in range(6):
-                await _settle_many(replicas[round_ % 3], subjects, 25, first=round_ * 25)
-            settling = False
-            folded = sum(await asyncio.gather(*folders))
-            folded += await rollup.fold(db)
-            # Each increment folded by exactly one replica: every rollup's sums are the
-            # ledger's below (a row folded twice would count its requests twice).
-            assert 1 <= folded <= 150
-            ledger = await _ledger(db, team)
-            assert ledger[0] == 150
-            assert await _sums(db, RollupPending, team) == (0, 0, 0, 0)
-            for r in ROLLUPS:
-                assert await _sums(db, r.table, team) == (150, *ledger[1:]), r.table.name
-        finally:
-            for replica in replicas:
-                await replica.dispose()
-
-    asyncio.run(scenario())
+        folders = [asyncio.create_task(folding(r)) for r in replicas]
+        for round_ in range(6):
+            await _settle_many(replicas[round_ % 3], subjects, 25, first=round_ * 25)
+        settling = False
+        folded = sum(await asyncio.gather(*folders))
+        folded += await rollup.fold(db)
+        # Each increment folded by exactly one replica: every rollup's sums are the
+        # ledger's below (a row folded twice would count its requests twice).
+        assert 1 <= folded <= 150
+        ledger = await _ledger(db, team)
+        assert ledger[0] == 150
+        assert await _sums(db, RollupPending, team) == (0, 0, 0, 0)
+        for r in ROLLUPS:
+            assert await _sums(db, r.table, team) == (150, *ledger[1:]), r.table.name
+    finally:
+        for replica in replicas:
+            await replica.dispose()
 
 
 def test_the_pending_read_model_has_every_key_of_the_hourly_rollup():

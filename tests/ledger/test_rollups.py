@@ -90,50 +90,51 @@ async def settle_past_traffic(db: Database, now: datetime, count: int) -> None:
     await asyncio.gather(*(one(i) for i in range(count)))
 
 
-def test_every_rollup_equals_the_ledger_after_rolls_late_settles_and_retention(fresh_db):
-    async def scenario() -> None:
-        db = Database(fresh_db, 8)
-        try:
-            now = utcnow()
-            await settle_past_traffic(db, now, 120)
+@pytest.mark.anyio
+async def test_every_rollup_equals_the_ledger_after_rolls_late_settles_and_retention(
+    fresh_db, task_clock
+):
+    db = Database(fresh_db, 8)
+    try:
+        now = utcnow()
+        await settle_past_traffic(db, now, 120)
 
-            # A request charged in full by the sweeper (1 s budget windows), the window rolls,
-            # then the request settles late: its real usage replaces the charge.
-            subjects = _subjects()
-            await _add_budgets(db, subjects, "1", "1s", utcnow())
-            spec = _spec(subjects)
-            swept = await reserve(db, spec, ttl_s=0)
-            assert await expire_holds(db) == 1
-            await asyncio.sleep(1.5)
-            assert await close_windows(db) == 3
-            late = _real(spec, swept, 10, 7)
-            assert late.cost < swept.amount
-            assert await settle(db, late, swept) is True
-            # And one settled in time in the new window.
-            fresh = _spec(subjects)
-            reservation = await reserve(db, fresh, ttl_s=900)
-            assert await settle(db, _real(fresh, reservation, 20, 3), reservation) is True
+        # A request charged in full by the sweeper (1 s budget windows), the window rolls,
+        # then the request settles late: its real usage replaces the charge.
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "1s", utcnow())
+        spec = _spec(subjects)
+        swept = await reserve(db, spec, ttl_s=0)
+        assert await expire_holds(db) == 1
+        task_clock.advance(1.5)
+        assert await close_windows(db) == 3
+        late = _real(spec, swept, 10, 7)
+        assert late.cost < swept.amount
+        assert await settle(db, late, swept) is True
+        # And one settled in time in the new window.
+        fresh = _spec(subjects)
+        reservation = await reserve(db, fresh, ttl_s=900)
+        assert await settle(db, _real(fresh, reservation, 20, 3), reservation) is True
 
-            moved = await archive_old_events(db, RETENTION_DAYS, batch=16, now=now)
-            assert moved > 0
+        moved = await archive_old_events(db, RETENTION_DAYS, batch=16, now=now)
+        assert moved > 0
 
-            events = await every_event(db)
-            assert len(events) == 122 and len({e.id for e in events}) == 122
-            # The grouped settle's increments wait in rollup_pending (PostgreSQL) until folded.
-            assert (await fold(db) > 0) == (db.dialect == "postgresql")
-            replaced = next(e for e in events if e.id == spec.hold_id)
-            assert (replaced.status, replaced.cost) == ("ok", late.cost)
-            for rollup in ROLLUPS:
-                wanted = expected_rows(events, rollup.grain, rollup.keys)
-                assert len({k[0] for k in wanted}) > 1  # several hours or days: not vacuous
-                assert await stored_rows(db, rollup) == wanted, rollup.table.name
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        events = await every_event(db)
+        assert len(events) == 122 and len({e.id for e in events}) == 122
+        # The grouped settle's increments wait in rollup_pending (PostgreSQL) until folded.
+        assert (await fold(db) > 0) == (db.dialect == "postgresql")
+        replaced = next(e for e in events if e.id == spec.hold_id)
+        assert (replaced.status, replaced.cost) == ("ok", late.cost)
+        for rollup in ROLLUPS:
+            wanted = expected_rows(events, rollup.grain, rollup.keys)
+            assert len({k[0] for k in wanted}) > 1  # several hours or days: not vacuous
+            assert await stored_rows(db, rollup) == wanted, rollup.table.name
+    finally:
+        await db.dispose()
 
 
-def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(request, backend_url):
+@pytest.mark.anyio
+async def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(request, backend_url):
     """Events recorded (and summed into spend_hourly) before revision 0008 are in every rollup
     it adds, and settles afterwards land on the same rows."""
     from alembic import command
@@ -167,18 +168,15 @@ def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(request, bac
     engine.dispose()
     command.upgrade(migrate.alembic_config(url), "head")
 
-    async def settle_rest_and_compare() -> None:
-        db = Database(url, pool_size=1)
-        try:
-            async with db.transaction() as session:
-                await writer.append_many(session, events[50:])
-            stored = await every_event(db)
-            assert len(stored) == 60
-            for each in ROLLUPS:
-                wanted = expected_rows(stored, each.grain, each.keys)
-                assert len({k[0] for k in wanted}) > 1
-                assert await stored_rows(db, each) == wanted, each.table.name
-        finally:
-            await db.dispose()
-
-    asyncio.run(settle_rest_and_compare())
+    db = Database(url, pool_size=1)
+    try:
+        async with db.transaction() as session:
+            await writer.append_many(session, events[50:])
+        stored = await every_event(db)
+        assert len(stored) == 60
+        for each in ROLLUPS:
+            wanted = expected_rows(stored, each.grain, each.keys)
+            assert len({k[0] for k in wanted}) > 1
+            assert await stored_rows(db, each) == wanted, each.table.name
+    finally:
+        await db.dispose()

@@ -2,7 +2,6 @@
 first byte, while a non-streaming answer is made, while NIM is polled. Only the holds of a
 process that died are swept."""
 
-import asyncio
 import threading
 import time
 import uuid
@@ -169,40 +168,38 @@ def test_nim_polled_longer_than_the_hold_ttl_is_billed_as_reported(proxy, sim):
 # --- the registry, on the database directly -----------------------------------------------
 
 
-def test_live_holds_are_extended_in_one_statement_and_never_swept(fresh_db):  # noqa: F811
-    async def scenario() -> None:
-        db = Database(fresh_db, 4)
-        try:
-            suffix = uuid.uuid4().hex[:12]
-            subjects = {
-                "token": f"tok_{suffix}",
-                "user": f"user_{suffix}",
-                "team": f"team_{suffix}",
-            }
-            async with db.transaction() as session:
-                for scope, subject in subjects.items():
-                    session.add(new_budget(subject, scope, None, "never", utcnow()))
-            # Every hold has already expired; all but one belong to requests still running.
-            held = [await reserve(db, hold_spec(subjects), ttl_s=0) for _ in range(BATCH + 2)]
-            live = LiveHolds()
-            for reservation in held[1:]:
-                live.add(reservation.hold_id)
-            updates = []
+@pytest.mark.anyio
+async def test_live_holds_are_extended_in_one_statement_and_never_swept(fresh_db):  # noqa: F811
+    db = Database(fresh_db, 4)
+    try:
+        suffix = uuid.uuid4().hex[:12]
+        subjects = {
+            "token": f"tok_{suffix}",
+            "user": f"user_{suffix}",
+            "team": f"team_{suffix}",
+        }
+        async with db.transaction() as session:
+            for scope, subject in subjects.items():
+                session.add(new_budget(subject, scope, None, "never", utcnow()))
+        # Every hold has already expired; all but one belong to requests still running.
+        held = [await reserve(db, hold_spec(subjects), ttl_s=0) for _ in range(BATCH + 2)]
+        live = LiveHolds()
+        for reservation in held[1:]:
+            live.add(reservation.hold_id)
+        updates = []
 
-            def count(conn, cursor, statement, *args) -> None:
-                if statement.lstrip().upper().startswith("UPDATE HOLDS"):
-                    updates.append(statement)
+        def count(conn, cursor, statement, *args) -> None:
+            if statement.lstrip().upper().startswith("UPDATE HOLDS"):
+                updates.append(statement)
 
-            event.listen(db.engine.sync_engine, "before_cursor_execute", count)
-            assert await live.refresh(db, ttl_s=TTL_S) == BATCH + 1
-            event.remove(db.engine.sync_engine, "before_cursor_execute", count)
-            assert len(updates) == 2  # one per batch of BATCH holds
+        event.listen(db.engine.sync_engine, "before_cursor_execute", count)
+        assert await live.refresh(db, ttl_s=TTL_S) == BATCH + 1
+        event.remove(db.engine.sync_engine, "before_cursor_execute", count)
+        assert len(updates) == 2  # one per batch of BATCH holds
 
-            assert await expire_holds(db) == 1  # only the dead request's hold
-            async with db.sessions() as session:
-                left = set(await session.scalars(select(Hold.id)))
-            assert left == {r.hold_id for r in held[1:]}
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+        assert await expire_holds(db) == 1  # only the dead request's hold
+        async with db.sessions() as session:
+            left = set(await session.scalars(select(Hold.id)))
+        assert left == {r.hold_id for r in held[1:]}
+    finally:
+        await db.dispose()

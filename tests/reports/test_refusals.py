@@ -23,7 +23,13 @@ def refused(client, **body) -> openai.APIStatusError:
 @pytest.fixture(scope="module")
 def scene(api):
     """A token refused once for each reason: budget (402), model (403), rpm (429), parallel
-    (429); and a user of another team refused once (budget)."""
+    (429); and a user of another team refused once (budget). The server's clock stays where the
+    scene moved it until the module's tests have read what it recorded."""
+    yield _scene(api)
+    api.clock.reset()
+
+
+def _scene(api):
     team, user, token = api.principal(token_limit="0.0001")
     client = api.openai(token["token"])
     ids = {}
@@ -51,7 +57,7 @@ def scene(api):
         f"/v1/tokens/{token['id']}",
         json={"max_parallel_requests": None, "rpm_limit": 1},
     )
-    same_minute()
+    same_minute(api.clock)
     client.chat.completions.create(
         model="gpt-sim", max_tokens=5, messages=[{"role": "user", "content": "sim:tokens=2"}]
     )

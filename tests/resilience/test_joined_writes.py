@@ -74,85 +74,71 @@ LENGTH = (b"content-length", b"5")
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
 
 
-def test_a_response_of_known_length_is_one_write_of_head_and_body():
-    async def scenario():
-        joined, transport = cycle()
-        await joined.send(start(LENGTH))
-        assert transport.calls == []  # the head waits for the body
-        await joined.send(body(b"hello"))
-        assert transport.calls == [("writelines", (HEAD, b"hello"))]
-        assert joined.response_complete and joined.transport is transport
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_response_of_known_length_is_one_write_of_head_and_body():
+    joined, transport = cycle()
+    await joined.send(start(LENGTH))
+    assert transport.calls == []  # the head waits for the body
+    await joined.send(body(b"hello"))
+    assert transport.calls == [("writelines", (HEAD, b"hello"))]
+    assert joined.response_complete and joined.transport is transport
 
 
-def test_a_body_sent_in_parts_joins_the_head_to_its_first_part_only():
-    async def scenario():
-        joined, transport = cycle()
-        await joined.send(start(LENGTH))
-        await joined.send(body(b"he", more=True))
-        await joined.send(body(b"llo"))
-        assert transport.calls == [("writelines", (HEAD, b"he")), ("write", b"llo")]
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_body_sent_in_parts_joins_the_head_to_its_first_part_only():
+    joined, transport = cycle()
+    await joined.send(start(LENGTH))
+    await joined.send(body(b"he", more=True))
+    await joined.send(body(b"llo"))
+    assert transport.calls == [("writelines", (HEAD, b"he")), ("write", b"llo")]
 
 
-def test_a_stream_writes_its_head_at_once():
-    async def scenario():
-        joined, transport = cycle()
-        await joined.send(start((b"content-type", b"text/event-stream")))
-        head = transport.calls[0][1]
-        assert transport.calls == [("write", head)]
-        assert b"transfer-encoding: chunked" in head
-        await joined.send(body(b"data: 1\n\n", more=True))
-        assert transport.calls[1] == ("write", b"9\r\ndata: 1\n\n\r\n")
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_stream_writes_its_head_at_once():
+    joined, transport = cycle()
+    await joined.send(start((b"content-type", b"text/event-stream")))
+    head = transport.calls[0][1]
+    assert transport.calls == [("write", head)]
+    assert b"transfer-encoding: chunked" in head
+    await joined.send(body(b"data: 1\n\n", more=True))
+    assert transport.calls[1] == ("write", b"9\r\ndata: 1\n\n\r\n")
 
 
-def test_a_response_that_ends_without_its_body_still_writes_its_head_before_closing():
+@pytest.mark.anyio
+async def test_a_response_that_ends_without_its_body_still_writes_its_head_before_closing():
     """uvicorn closes the connection when the app fails after the head: the head goes first,
     as it did when uvicorn wrote it at once."""
 
-    async def scenario():
-        joined, transport = cycle()
-        await joined.send(start(LENGTH))
-        joined.transport.close()
-        assert transport.calls == [("write", HEAD), ("close",)]
-
-    asyncio.run(scenario())
+    joined, transport = cycle()
+    await joined.send(start(LENGTH))
+    joined.transport.close()
+    assert transport.calls == [("write", HEAD), ("close",)]
 
 
-def test_a_body_longer_than_its_length_writes_the_head_and_raises_as_uvicorn_does():
-    async def scenario():
-        joined, transport = cycle()
-        await joined.send(start(LENGTH))
-        with pytest.raises(RuntimeError, match="longer than Content-Length"):
-            await joined.send(body(b"too long"))
-        assert transport.calls == [("write", HEAD)]
-        assert joined.transport is transport
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_body_longer_than_its_length_writes_the_head_and_raises_as_uvicorn_does():
+    joined, transport = cycle()
+    await joined.send(start(LENGTH))
+    with pytest.raises(RuntimeError, match="longer than Content-Length"):
+        await joined.send(body(b"too long"))
+    assert transport.calls == [("write", HEAD)]
+    assert joined.transport is transport
 
 
-def test_connection_close_writes_the_joined_answer_then_closes():
-    async def scenario():
-        joined, transport = cycle(keep_alive=False)
-        await joined.send(start(LENGTH))
-        await joined.send(body(b"hello"))
-        head = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\n"
-        assert transport.calls == [("writelines", (head, b"hello")), ("close",)]
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_connection_close_writes_the_joined_answer_then_closes():
+    joined, transport = cycle(keep_alive=False)
+    await joined.send(start(LENGTH))
+    await joined.send(body(b"hello"))
+    head = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nconnection: close\r\n\r\n"
+    assert transport.calls == [("writelines", (head, b"hello")), ("close",)]
 
 
-def test_a_head_request_is_written_as_uvicorn_writes_it():
-    async def scenario():
-        joined, transport = cycle(method="HEAD")
-        await joined.send(start(LENGTH))
-        assert transport.calls == [("write", HEAD)]
-
-    asyncio.run(scenario())
+@pytest.mark.anyio
+async def test_a_head_request_is_written_as_uvicorn_writes_it():
+    joined, transport = cycle(method="HEAD")
+    await joined.send(start(LENGTH))
+    assert transport.calls == [("write", HEAD)]
 
 
 @pytest.fixture(scope="module")

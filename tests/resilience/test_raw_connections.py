@@ -60,27 +60,25 @@ def test_a_burst_of_raw_connections_goes_back_to_the_pool_postgres(fresh_pg, cap
     assert _backends(fresh_pg) == 0
 
 
-def test_the_connection_given_back_last_is_taken_first_postgres(fresh_pg):  # noqa: F811
+@pytest.mark.anyio
+async def test_the_connection_given_back_last_is_taken_first_postgres(fresh_pg):  # noqa: F811
     """The pool is LIFO: a light load keeps reusing the same few connections, whose prepared
     statements are planned (a settle's first plans on a fresh connection cost milliseconds)."""
 
-    async def scenario() -> None:
-        db = Database(fresh_pg, 4)
-        try:
-            pids = []
-            async with db.raw() as a, db.raw() as b, db.raw() as c:
-                pids = [await conn.fetchval("SELECT pg_backend_pid()") for conn in (a, b, c)]
-            # Given back c, then b, then a: a was given back last.
-            for _ in range(5):
-                async with db.raw() as conn:
-                    assert await conn.fetchval("SELECT pg_backend_pid()") == pids[0]
-            async with db.raw() as first, db.raw() as second:
-                taken = [await conn.fetchval("SELECT pg_backend_pid()") for conn in (first, second)]
-            assert taken == [pids[0], pids[1]]
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+    db = Database(fresh_pg, 4)
+    try:
+        pids = []
+        async with db.raw() as a, db.raw() as b, db.raw() as c:
+            pids = [await conn.fetchval("SELECT pg_backend_pid()") for conn in (a, b, c)]
+        # Given back c, then b, then a: a was given back last.
+        for _ in range(5):
+            async with db.raw() as conn:
+                assert await conn.fetchval("SELECT pg_backend_pid()") == pids[0]
+        async with db.raw() as first, db.raw() as second:
+            taken = [await conn.fetchval("SELECT pg_backend_pid()") for conn in (first, second)]
+        assert taken == [pids[0], pids[1]]
+    finally:
+        await db.dispose()
 
 
 def test_sound_connections_are_kept_between_groups_and_given_back_postgres(fresh_pg, monkeypatch):  # noqa: F811
@@ -141,34 +139,34 @@ async def _sleep_on(db: Database, seconds: float) -> None:
         await conn.execute(f"SELECT pg_sleep({seconds})")
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize("pool_size", [2, 8])  # given back to the pool, or kept
-def test_a_connection_the_server_ended_is_never_handed_out_again_postgres(fresh_pg, pool_size):  # noqa: F811
+async def test_a_connection_the_server_ended_is_never_handed_out_again_postgres(
+    fresh_pg, pool_size
+):  # noqa: F811
     """A backend terminated mid-statement: asyncpg reports it as a PostgresError (class 08),
     which is not the server refusing a statement; the connection is discarded, and the next
     group gets a live one."""
 
-    async def scenario() -> None:
-        db = Database(fresh_pg, pool_size)
-        try:
+    db = Database(fresh_pg, pool_size)
+    try:
+        async with db.raw() as conn:
+            victim = await conn.fetchval("SELECT pg_backend_pid()")
+
+        async def terminate() -> None:
+            await asyncio.sleep(0.2)
+            with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (victim,))
+
+        killer = asyncio.ensure_future(terminate())
+        with pytest.raises(asyncpg.PostgresError) as failed:
             async with db.raw() as conn:
-                victim = await conn.fetchval("SELECT pg_backend_pid()")
-
-            async def terminate() -> None:
-                await asyncio.sleep(0.2)
-                with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
-                    admin.execute("SELECT pg_terminate_backend(%s)", (victim,))
-
-            killer = asyncio.ensure_future(terminate())
-            with pytest.raises(asyncpg.PostgresError) as failed:
-                async with db.raw() as conn:
-                    assert await conn.fetchval("SELECT pg_backend_pid()") == victim
-                    await conn.execute("SELECT pg_sleep(5)")
-            await killer
-            assert (failed.value.sqlstate or "").startswith(("08", "57P")), failed.value
-            for _ in range(3):
-                async with db.raw() as conn:
-                    assert await conn.fetchval("SELECT pg_backend_pid()") != victim
-        finally:
-            await db.dispose()
-
-    asyncio.run(scenario())
+                assert await conn.fetchval("SELECT pg_backend_pid()") == victim
+                await conn.execute("SELECT pg_sleep(5)")
+        await killer
+        assert (failed.value.sqlstate or "").startswith(("08", "57P")), failed.value
+        for _ in range(3):
+            async with db.raw() as conn:
+                assert await conn.fetchval("SELECT pg_backend_pid()") != victim
+    finally:
+        await db.dispose()
