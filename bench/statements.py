@@ -36,15 +36,10 @@ from bench.run import postgres_database
 from metering import migrate
 from metering.budgets import settle_pg
 from metering.budgets.leases import LeaseBook
-from metering.budgets.service import (
-    HoldSpec,
-    hold_additions,
-    hold_json,
-    hold_row,
-    new_budget,
-    reserve,
-    settle,
-)
+from metering.budgets.reserve import HoldSpec, hold_json, hold_row, reserve
+from metering.budgets.settle import hold_additions
+from metering.budgets.settle_queue import settle
+from metering.budgets.views import new_budget
 from metering.db import SERVING_SETTINGS, Database, utcnow
 from metering.ids import time_ordered
 from metering.ledger.charge import Limits, Usage

@@ -10,7 +10,9 @@ from metering import metrics
 from metering.alerts import retention as alerts_retention
 from metering.alerts import service as alerts
 from metering.budgets import leases, rates, refusals
-from metering.budgets import service as budgets
+from metering.budgets.runs import expire_runs
+from metering.budgets.settle import settle_in
+from metering.budgets.views import current_window, roll
 from metering.db import Database, utcnow
 from metering.ledger import retention, rollup
 from metering.ledger.outcome import unsettled_event
@@ -36,7 +38,7 @@ async def expire_holds(db: Database, batch: int = 500, ttl_s: float | None = Non
     for hold in expired:
         async with db.transaction() as session:
             event = unsettled_event(hold, utcnow())
-            settled = await budgets.settle_in(session, event)
+            settled = await settle_in(session, event)
         if settled:
             charged += 1
             metrics.observe_event(event)
@@ -59,10 +61,10 @@ async def close_windows(db: Database) -> int:
             await session.execute(select(Budget.__table__).where(Budget.reset_interval != "never"))
         )
     for row in rows:
-        start, _ = budgets.current_window(row, now)
+        start, _ = current_window(row, now)
         if row.window_start < start:
             async with db.transaction() as session:
-                await budgets.roll(session, row, now)
+                await roll(session, row, now)
             closed += 1
     return closed
 
@@ -98,7 +100,7 @@ def start_scheduler(
     if db.dialect == "postgresql":
         every(FOLD_EVERY_S, "fold_rollups", rollup.fold, db)
     if run_idle_s is not None:
-        every(60, "expire_runs", budgets.expire_runs, db, run_idle_s)
+        every(60, "expire_runs", expire_runs, db, run_idle_s)
     every(EXPIRING_EVERY_S, "expiring_tokens", alerts.expiring_tokens, db)
     if retention_days is not None:
         every(

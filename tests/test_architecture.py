@@ -132,8 +132,8 @@ def cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
 def test_the_walk_sees_the_imports_it_must_judge():
     """The walk finds known arrows, so an empty result below means something."""
     arrows = package_arrows()
-    assert "metering.proxy.attempt -> metering.budgets.service" in arrows[("proxy", "budgets")]
-    assert "metering.budgets.service -> metering.ledger.writer" in arrows[("budgets", "ledger")]
+    assert "metering.proxy.attempt -> metering.budgets.reserve" in arrows[("proxy", "budgets")]
+    assert "metering.budgets.settle -> metering.ledger.writer" in arrows[("budgets", "ledger")]
     assert "metering.reports.usage -> metering.ledger.event" in arrows[("reports", "ledger")]
 
 

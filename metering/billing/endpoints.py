@@ -16,7 +16,7 @@ from metering.billing.schemas import (
     RerateOut,
 )
 from metering.budgets.ceilings import RUN, run_of, unknown_run
-from metering.budgets.service import UnknownRun
+from metering.budgets.runs import UnknownRun
 from metering.db import utcnow
 from metering.errors import InvalidRequest, error_responses
 from metering.money import format_usd

@@ -7,7 +7,7 @@ the keys are inserted first (ON CONFLICT DO NOTHING, in key order, so concurrent
 any number of replicas queue on the same rows instead of deadlocking); a key that was already
 there answers `duplicate` (same digest) or `conflict` (another), and changes nothing. The new
 events are appended through the ledger (rollups in the same transaction) and charged to the
-budget window each falls in (metering.budgets.service.charge_dated).
+budget window each falls in (metering.budgets.dated.charge_dated).
 
 Who reports decides what is checked. The admin key and a team's ingestion key report usage
 that already happened: it is charged in full (an ingestion key only for its own team). A user's
@@ -15,7 +15,7 @@ own credential reports usage of its own, admitted like a proxied request of that
 its model allow-lists, its rpm and tpm (each event one request and its tokens) and its credit
 at token, user, team (and run) scope; an event that does not fit answers `rejected` with the
 `reason` and the `scope`, is recorded as a refusal and is never charged. No event, whoever
-reports it, may take a counter past its ceiling (metering.budgets.fit,
+reports it, may take a counter past its ceiling (metering.budgets.dated.fit,
 metering.ledger.rollup.overflowing): such an event is `rejected` too. Should the batch's
 transaction fail, each event is written alone, so one event never costs the others theirs; an
 event that could not be written then answers `retry`: sending it again is safe.
@@ -34,10 +34,10 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from metering.auth.service import Principal
 from metering.budgets import rates
-from metering.budgets.fit import Unfit, fit
+from metering.budgets.dated import Dated, Unfit, charge_dated, fit
 from metering.budgets.rates import RateClaim, RateLimited
 from metering.budgets.refusals import RefusalLog, Refused
-from metering.budgets.service import Dated, RunKey, UnknownRun, charge_dated
+from metering.budgets.runs import RunKey, UnknownRun
 from metering.db import Database, dialect_name, utcnow
 from metering.ids import time_ordered
 from metering.ledger import rollup, writer
@@ -76,7 +76,7 @@ FIELDS = frozenset(
 INVALID = "invalid_event"
 MODEL_NOT_ALLOWED = "model_not_allowed"
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
-# and metering.budgets.fit's: budget_exceeded, counter_ceiling
+# and metering.budgets.dated's: budget_exceeded, counter_ceiling
 # Each refusal as the refusals table records it: (reason there, status, code).
 _REFUSALS = {
     MODEL_NOT_ALLOWED: (403, "model_not_allowed"),

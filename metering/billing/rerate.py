@@ -36,7 +36,7 @@ from sqlalchemy import func, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
 from metering.billing.ingest import MAX_AGE
-from metering.budgets.service import Charged, Dated, alert_over_limit, charge_dated
+from metering.budgets.dated import Charged, Dated, alert_over_limit, charge_dated
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest, NotFound
 from metering.ledger import writer

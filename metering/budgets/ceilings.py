@@ -4,7 +4,7 @@ Read the same way for a proxied request and for usage a user's credential report
 
 from collections.abc import Mapping
 
-from metering.budgets.service import RunKey
+from metering.budgets.runs import RunKey
 from metering.errors import InvalidRequest
 from metering.money import MoneyError, parse_usd, usd_to_pico
 

@@ -2,7 +2,7 @@
 wait when it is alone; the items that arrive while that write runs form the next one. Each
 caller awaits its own item's answer, which the write gives to the item's future.
 
-Used for settles (metering.budgets.service), leased holds (metering.budgets.leases) and rate
+Used for settles (metering.budgets.settle_queue), leased holds (metering.budgets.leases) and rate
 admissions (metering.budgets.rates): one transaction (or one statement) for the requests that
 arrive together, instead of one each.
 """

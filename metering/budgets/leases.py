@@ -47,18 +47,9 @@ from sqlalchemy import exc as sa_exc
 
 from metering.budgets import settle_pg
 from metering.budgets.groups import GroupWriter, answer
-from metering.budgets.service import (
-    Claim,
-    HoldSpec,
-    Reservation,
-    current_window,
-    hold_json,
-    hold_row,
-    load,
-    roll,
-    settle_queue,
-    view,
-)
+from metering.budgets.reserve import Claim, HoldSpec, Reservation, hold_json, hold_row
+from metering.budgets.settle_queue import settle_queue
+from metering.budgets.views import current_window, load, roll, view
 from metering.db import Database, utcnow
 from metering.models import Budget, BudgetLease, Hold
 
@@ -193,7 +184,7 @@ _INSERT_HOLDS = insert(Hold.__table__)
 class HoldWriter:
     """Holds of leased requests, inserted in groups (metering.budgets.groups): one multi-row
     INSERT for the holds that arrive together. On PostgreSQL they join the process's settle
-    queue (metering.budgets.service.SettleQueue), whose one statement per group carries the
+    queue (metering.budgets.settle_queue.SettleQueue), whose one statement per group carries the
     settles and the holds waiting together (one round trip for both); a group that fails is
     written here, as a multi-row INSERT and then, if that fails, one hold at a time."""
 

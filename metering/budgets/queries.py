@@ -3,7 +3,7 @@
 from sqlalchemy import func, select
 
 from metering.budgets import rates
-from metering.budgets.service import BudgetView, lease_slack, view
+from metering.budgets.views import BudgetView, lease_slack, view
 from metering.db import Database, utcnow
 from metering.errors import NotFound
 from metering.models import ApiToken, Budget, Hold, Team, User

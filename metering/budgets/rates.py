@@ -18,7 +18,7 @@ that straddles it, never more than `limit` in one window.
 `parallel` counts requests in flight (its window never rolls). `tpm` reserves the prompt's upper
 bound plus the output allowance up front. What a request took is written on its hold
 (`rate_kinds`, `rate_window`, `rate_tokens`), and whoever ends the hold gives it back in the
-same transaction that deletes it (metering.budgets.service): a release (nothing reached an
+same transaction that deletes it (budgets.settle, budgets.release): a release (nothing reached an
 upstream) gives back all of it, a settle its parallel slot and the tokens it did not use (in
 the window it was counted in), the sweeper (a process that died) its parallel slot. A request
 with no such limit anywhere costs nothing: its limits come with its cached credential.

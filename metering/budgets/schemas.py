@@ -5,7 +5,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from metering import limits
-from metering.budgets.service import BudgetView
+from metering.budgets.views import BudgetView
 from metering.money import format_usd
 from metering.timefmt import rfc3339
 

@@ -6,7 +6,7 @@ The holds of leased requests admitted meanwhile ride along in the same statement
 
 It serves the settles whose holds this process wrote and knows whole: its amount and leases
 are the reservation's, and it carries no rate claim and no run (those take the general path,
-metering.budgets.service._settle_group). What each hold adds to each budget and lease is
+metering.budgets.settle.settle_group). What each hold adds to each budget and lease is
 worked out here from the reservation, as the general path works it out from the hold's row;
 the statement deletes a hold only if its row is the one expected, and charges only the holds
 it deleted (`ok`). A hold not taken is left to the caller, which settles it alone by the

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth import invalidation
 from metering.auth.tokens import digest, new_api_token
-from metering.budgets.service import load, new_budget, roll
+from metering.budgets.views import load, new_budget, roll
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import utcnow
 from metering.errors import Forbidden, InvalidRequest, MeteringError, NotFound

@@ -9,7 +9,7 @@ from metering.auth.principal import Principal
 from metering.budgets import rates
 from metering.budgets.rates import RateLimited
 from metering.budgets.refusals import Refused
-from metering.budgets.service import HoldSpec
+from metering.budgets.reserve import HoldSpec
 from metering.db import utcnow
 from metering.errors import MeteringError
 from metering.services import Services

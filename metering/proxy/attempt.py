@@ -19,8 +19,9 @@ import anyio
 from sqlalchemy import exc as sa_exc
 
 from metering import metrics
-from metering.budgets import service as budgets
-from metering.budgets.service import HoldSpec, Reservation
+from metering.budgets.release import release
+from metering.budgets.reserve import HoldSpec, Reservation
+from metering.budgets.settle_queue import settle
 from metering.db import utcnow
 from metering.errors import MeteringError
 from metering.ledger.charge import Limits
@@ -129,7 +130,7 @@ class Attempt:
                         self.services,
                         "release",
                         hold_id,
-                        lambda: budgets.release(self.services.db, hold_id, self.reservation),
+                        lambda: release(self.services.db, hold_id, self.reservation),
                     )
                 else:
                     await self._settle(self.outcome)
@@ -153,7 +154,7 @@ class Attempt:
             self.services,
             "settle",
             self.spec.hold_id,
-            lambda: budgets.settle(self.services.db, event, self.reservation),
+            lambda: settle(self.services.db, event, self.reservation),
         )
         if settled:
             metrics.observe_event(event)

@@ -24,14 +24,8 @@ from metering.auth.principal import (
 from metering.budgets.ceilings import MAX_COST, run_of, unknown_run, usd_header
 from metering.budgets.rates import release_claim
 from metering.budgets.refusals import Refused
-from metering.budgets.service import (
-    BudgetShortfall,
-    HoldSpec,
-    RunKey,
-    Shortfall,
-    UnknownRun,
-    reserve,
-)
+from metering.budgets.reserve import BudgetShortfall, HoldSpec, Shortfall, reserve
+from metering.budgets.runs import RunKey, UnknownRun
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
 from metering.money import format_usd

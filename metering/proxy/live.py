@@ -9,7 +9,7 @@ import logging
 
 import anyio
 
-from metering.budgets import service as budgets
+from metering.budgets.release import extend
 from metering.db import Database
 
 log = logging.getLogger("metering.proxy")
@@ -38,7 +38,7 @@ class LiveHolds:
         """Extend every live hold; returns how many there were."""
         ids = list(self._ids)
         for start in range(0, len(ids), BATCH):
-            await budgets.extend(db, ids[start : start + BATCH], ttl_s)
+            await extend(db, ids[start : start + BATCH], ttl_s)
         return len(ids)
 
     async def keep_alive(self, db: Database, ttl_s: int) -> None:

@@ -8,7 +8,7 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import select
 
-from metering.budgets.service import reserve
+from metering.budgets.reserve import reserve
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.models import AlertEvent, Budget

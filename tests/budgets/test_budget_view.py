@@ -11,7 +11,7 @@ from sqlalchemy import event, insert, update
 
 from metering import migrate
 from metering.budgets.queries import current_budget
-from metering.budgets.service import new_budget
+from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.models import Budget, BudgetLease, Team
 from metering.money import usd_to_pico

@@ -12,7 +12,10 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from metering.budgets.service import HoldSpec, new_budget, reserve, settle, settle_in
+from metering.budgets.reserve import HoldSpec, reserve
+from metering.budgets.settle import settle_in
+from metering.budgets.settle_queue import settle
+from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds, sweep_interval_s
 from metering.ledger.charge import Limits, Usage

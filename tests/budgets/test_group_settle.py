@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select, update
 
-from metering.budgets.service import reserve, settle, settle_queue
+from metering.budgets.reserve import reserve
+from metering.budgets.settle_queue import settle, settle_queue
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.ledger import rollup

@@ -9,7 +9,8 @@ import pytest
 
 from metering import migrate
 from metering.budgets.leases import LeaseBook, give_back
-from metering.budgets.service import reserve, settle, settle_queue
+from metering.budgets.reserve import reserve
+from metering.budgets.settle_queue import settle, settle_queue
 from metering.db import Database, utcnow
 from metering.ledger.tables import LedgerEvent
 from metering.models import Hold

@@ -19,7 +19,9 @@ import pytest
 from sqlalchemy import select, update
 
 from metering.budgets.leases import MIN_REQUESTS, LeaseBook, expire_leases
-from metering.budgets.service import BudgetShortfall, lease_slack, reserve, settle
+from metering.budgets.reserve import BudgetShortfall, reserve
+from metering.budgets.settle_queue import settle
+from metering.budgets.views import lease_slack
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds, sweep_interval_s
 from metering.ledger.tables import LedgerEvent

@@ -11,7 +11,7 @@ import openai
 import pytest
 from sqlalchemy import select
 
-from metering.budgets.service import expire_runs
+from metering.budgets.runs import expire_runs
 from metering.db import Database, utcnow
 from metering.models import Run
 from tests.budgets.conftest import pico, query
@@ -173,7 +173,9 @@ async def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(
     request's late settle gives the run back the difference, as it does its budgets."""
     from dataclasses import replace
 
-    from metering.budgets.service import RunKey, reserve, settle
+    from metering.budgets.reserve import reserve
+    from metering.budgets.runs import RunKey
+    from metering.budgets.settle_queue import settle
     from metering.jobs import expire_holds
     from metering.ledger.tables import LedgerEvent
     from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects

@@ -5,7 +5,8 @@ the rollup as if it had settled in time, in the window and hour where it was cha
 import pytest
 from sqlalchemy import select
 
-from metering.budgets.service import reserve, settle
+from metering.budgets.reserve import reserve
+from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
 from metering.ledger import rollup
@@ -160,7 +161,7 @@ async def test_a_late_settle_corrects_the_closed_window_it_was_charged_in(fresh_
 
 
 def test_limits_of_a_reservation_cover_every_choice():
-    from metering.budgets.service import Reservation
+    from metering.budgets.reserve import Reservation
 
     spec = _spec(_subjects())
     limits = Limits.of(spec.billing, Reservation(spec.hold_id, 123, 40, False), choices=3)

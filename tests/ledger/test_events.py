@@ -7,7 +7,8 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import select
 
-from metering.budgets.service import HoldSpec, new_budget, reserve
+from metering.budgets.reserve import HoldSpec, reserve
+from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.ledger.charge import Limits, Usage

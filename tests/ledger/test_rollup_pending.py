@@ -10,7 +10,8 @@ import pytest
 from sqlalchemy import func, select, text
 
 from metering import migrate
-from metering.budgets.service import reserve, settle, settle_queue
+from metering.budgets.reserve import reserve
+from metering.budgets.settle_queue import settle, settle_queue
 from metering.db import Database, utcnow
 from metering.ledger import rollup
 from metering.ledger.event import NAMES, Event

@@ -12,7 +12,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import select, union_all
 
-from metering.budgets.service import reserve, settle
+from metering.budgets.reserve import reserve
+from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
 from metering.ledger.retention import archive_old_events

@@ -11,7 +11,7 @@ from decimal import Decimal
 import httpx
 import pytest
 
-from metering.budgets.service import HoldSpec
+from metering.budgets.reserve import HoldSpec
 from metering.ledger.outcome import Billing
 from metering.settings import Settings, parse_catalog
 from metering.testing import metering_server

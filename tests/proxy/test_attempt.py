@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from sqlalchemy import select
 
-from metering.budgets.service import new_budget, reserve
+from metering.budgets.reserve import reserve
+from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.ledger.charge import Usage
 from metering.ledger.outcome import Outcome

@@ -11,7 +11,8 @@ import httpx
 import pytest
 from sqlalchemy import event, select
 
-from metering.budgets.service import new_budget, reserve
+from metering.budgets.reserve import reserve
+from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds, sweep_interval_s
 from metering.models import Hold

@@ -13,7 +13,8 @@ from decimal import Decimal
 
 import pytest
 
-from metering.budgets.service import HoldSpec, reserve, settle_in
+from metering.budgets.reserve import HoldSpec, reserve
+from metering.budgets.settle import settle_in
 from metering.db import Database
 from metering.ledger.event import Event
 from metering.ledger.outcome import Billing
@@ -126,7 +127,7 @@ def assert_report_matches_usage(api, start: datetime, end: datetime, groupings) 
 
 def settle_random_traffic(api, base: datetime, hours: int, count: int, seed: int) -> None:
     """`count` events spread over `hours` hours from `base`, each reserved then settled by
-    metering.budgets.service (the proxy's own path), so the rollup upsert really runs."""
+    metering.budgets (the proxy's own path), so the rollup upsert really runs."""
     rng = random.Random(seed)
     people = []
     for _ in range(2):

@@ -1,0 +1,48 @@
+"""A hold given back untouched (its request never reached an upstream), and the holds of live
+requests kept from expiring."""
+
+from datetime import timedelta
+
+from sqlalchemy import bindparam, update
+
+from metering.budgets import rates
+from metering.budgets.reserve import Reservation
+from metering.budgets.runs import CHARGE_RUN, run_charge
+from metering.budgets.settle import TAKE_HOLD, rate_returns
+from metering.budgets.views import add_to_budgets
+from metering.db import Database, utcnow
+from metering.models import Budget, Hold
+
+_RELEASE = add_to_budgets(reserved=Budget.reserved - bindparam("amount"))
+
+
+async def release(db: Database, hold_id: str, reservation: Reservation | None = None) -> None:
+    """Give a hold back untouched: the request never reached an upstream."""
+    claim = reservation.claim if reservation is not None else None
+    released = False
+    try:
+        async with db.begin() as session:
+            hold = (await session.execute(TAKE_HOLD, {"hold_id": hold_id})).first()
+            if hold is not None and not hold.leased:
+                subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
+                await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})
+            if hold is not None and hold.run_id is not None:
+                await session.execute(CHARGE_RUN, [run_charge(hold, 0)])
+            if hold is not None:
+                await rates.give_back(session, rate_returns(hold, None, released=True))
+        released = hold is not None
+    finally:
+        if claim is not None:
+            # A hold not found was swept (charged whole): its lease lost the whole hold.
+            claim.end(released=released)
+
+
+async def extend(db: Database, hold_ids: list[str], ttl_s: int) -> None:
+    """Push live requests' hold expiry out in one statement: only holds whose request died
+    are swept."""
+    async with db.begin() as conn:
+        await conn.execute(
+            update(Hold.__table__)
+            .where(Hold.id.in_(hold_ids))
+            .values(expires_at=utcnow() + timedelta(seconds=ttl_s))
+        )
