@@ -28,6 +28,7 @@ from metering.budgets.leases import LeaseBook
 from metering.budgets.refusals import RefusalLog
 from metering.catalog import CatalogStore, record_prices
 from metering.clock import SYSTEM, Clock, reset_current, set_current
+from metering.container import Services, get_services, install
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
 from metering.encoding import ContentEncoding
@@ -42,7 +43,6 @@ from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reports_router
 from metering.reports.prometheus import router as metrics_router
 from metering.requestid import RequestId
-from metering.services import Services, get_services
 from metering.settings import Catalog, Settings, load_catalog
 from metering.text import valid_parameters
 
@@ -185,8 +185,11 @@ def create_app(
             catalog=catalog,
             refusals=RefusalLog(db, metrics.refusal_dropped),
             clock=clock,
+            after_commit=credentials.committed,
         )
-        app.state.services = services
+        install(app, services)
+        if isinstance(app, Application) and app.direct is not None:
+            app.direct.services = services  # the chat route's own way to the container
         services.credentials.start()
         leases.start()
         await record_prices(db, catalog)

@@ -17,8 +17,8 @@ from metering.alerts.schemas import (
 )
 from metering.alerts.targets import Reach
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
+from metering.container import Services, get_services, unit_of_work
 from metering.errors import error_responses
-from metering.services import Services, get_services, unit_of_work
 
 router = APIRouter(prefix="/v1", tags=["alerts"])
 

@@ -250,6 +250,11 @@ class Credentials:
         if self.listener is not None:
             await self.listener.stop()
 
+    async def committed(self, session: AsyncSession) -> None:
+        """After a unit of work committed (the container's after_commit): the changes it
+        recorded reach every replica before its answer leaves."""
+        await self.changed(pending(session))
+
     async def changed(self, changes: list[tuple[int, frozenset[str]]]) -> None:
         """After the changing transaction committed: drop here, wait for the other replicas."""
         if not changes:

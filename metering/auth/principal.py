@@ -17,9 +17,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering.auth import service
 from metering.auth.rules import SUBJECT_PARAMS, rule
+from metering.auth.runtime import AuthServices
 from metering.auth.service import Principal
+from metering.container import get_services
 from metering.errors import Forbidden, Unauthorized
-from metering.services import Services, get_services
 
 __all__ = [
     "Principal",
@@ -48,7 +49,9 @@ def bearer(request: Request) -> str:
     return value.strip()
 
 
-async def authenticate(request: Request, services: Services = Depends(get_services)) -> Principal:
+async def authenticate(
+    request: Request, services: AuthServices = Depends(get_services)
+) -> Principal:
     """Any credential but a team's ingestion key, which may only report usage."""
     principal = await credential(request, services)
     if principal.kind == "ingest":
@@ -56,7 +59,7 @@ async def authenticate(request: Request, services: Services = Depends(get_servic
     return principal
 
 
-async def credential(request: Request, services: Services = Depends(get_services)) -> Principal:
+async def credential(request: Request, services: AuthServices = Depends(get_services)) -> Principal:
     token = bearer(request)
     failures = services.credential_failures
     address = request.client.host if request.client else ""
@@ -84,7 +87,7 @@ async def admin_only(principal: Principal = Depends(authenticate)) -> Principal:
 async def any_principal(
     request: Request,
     principal: Principal = Depends(authenticate),
-    services: Services = Depends(get_services),
+    services: AuthServices = Depends(get_services),
 ) -> Principal:
     """Admin, or a user's own credential acting on itself: a user, token or team named in the
     path must be its own; routes naming none (lists) show the caller only its own rows."""

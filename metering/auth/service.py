@@ -16,6 +16,7 @@ from metering.auth import sessions, throttle
 from metering.auth.cache import Loaded
 from metering.auth.invalidation import subject
 from metering.auth.passwords import Passwords
+from metering.auth.runtime import AuthServices
 from metering.auth.tokens import (
     ACCESS_PREFIX,
     API_TOKEN_PREFIX,
@@ -28,7 +29,6 @@ from metering.db import Database, utcnow
 from metering.errors import Forbidden, NotFound, Unauthorized
 from metering.limits import Limits, scope_limits
 from metering.models import ApiToken, IngestKey, Team, User
-from metering.services import Services
 from metering.timefmt import rfc3339
 
 log = logging.getLogger("metering.auth")
@@ -109,7 +109,7 @@ TOKEN_LOOKUP = (
 )
 
 
-async def _api_token_principal(services: Services, hashed: str) -> Principal:
+async def _api_token_principal(services: AuthServices, hashed: str) -> Principal:
     """The principal of the API token whose digest is `hashed`."""
     now = utcnow()
     cache = services.credentials.cache
@@ -128,7 +128,7 @@ async def _api_token_principal(services: Services, hashed: str) -> Principal:
     return principal
 
 
-async def _lookup_api_token(services: Services, hashed: str) -> Loaded:
+async def _lookup_api_token(services: AuthServices, hashed: str) -> Loaded:
     """An API token's principal read from the database, with the subjects a change to it names
     and its expiry; raises Unauthorized when it is not valid now."""
     async with services.db.sessions() as session:
@@ -153,7 +153,7 @@ async def _lookup_api_token(services: Services, hashed: str) -> Loaded:
     return principal, subjects, expires_at
 
 
-async def _session_user(services: Services, session_id: str) -> sessions.SessionUser:
+async def _session_user(services: AuthServices, session_id: str) -> sessions.SessionUser:
     """A valid access token's session, live: from the cache, or one indexed read."""
     cache = services.credentials.cache
     key = "s:" + session_id
@@ -167,7 +167,7 @@ async def _session_user(services: Services, session_id: str) -> sessions.Session
     return user
 
 
-async def _lookup_session(services: Services, session_id: str) -> Loaded:
+async def _lookup_session(services: AuthServices, session_id: str) -> Loaded:
     """A session's live user read from the database, with the subjects a change to it names;
     raises Unauthorized when the session is not valid now."""
     user = await sessions.user_of(services.db, session_id)
@@ -181,7 +181,9 @@ async def _lookup_session(services: Services, session_id: str) -> Loaded:
     return user, subjects, None
 
 
-async def _access_principal(services: Services, token: str, refresh_token: str) -> Authenticated:
+async def _access_principal(
+    services: AuthServices, token: str, refresh_token: str
+) -> Authenticated:
     """An access token's principal; once it has expired, `refresh_token` (the request's
     `refresh-token` header, or empty) rotates its session and serves the request."""
     claims = Signer.read(await services.signer.key(services.db), token)
@@ -214,7 +216,9 @@ def _admin_digest(admin_key: str) -> str:
     return digest(admin_key)
 
 
-async def authenticate(services: Services, token: str, refresh_token: str = "") -> Authenticated:
+async def authenticate(
+    services: AuthServices, token: str, refresh_token: str = ""
+) -> Authenticated:
     """Whoever a bearer credential is; Unauthorized for anything unknown or no longer valid."""
     hashed = digest(token)  # once: the admin key's check and an API token's lookup share it
     if _is_admin_key(hashed, services.settings.admin_key):
@@ -271,7 +275,7 @@ def _verify(passwords: Passwords, password_hash: str | None, password: str) -> b
     return passwords.verify(password_hash, password)
 
 
-async def login(services: Services, email: str, password: str) -> sessions.TokenPair:
+async def login(services: AuthServices, email: str, password: str) -> sessions.TokenPair:
     """A new session for a live user's email and password; Unauthorized otherwise, after the
     same work (throttled per email: metering.auth.throttle)."""
     db = services.db
@@ -304,11 +308,11 @@ async def login(services: Services, email: str, password: str) -> sessions.Token
     return pair
 
 
-async def refresh(services: Services, refresh_token: str) -> sessions.TokenPair:
+async def refresh(services: AuthServices, refresh_token: str) -> sessions.TokenPair:
     refreshed = await sessions.rotate(services, refresh_token)
     assert refreshed.pair is not None  # no leeway here: a spent token revokes the session
     return refreshed.pair
 
 
-async def logout(services: Services, refresh_token: str) -> None:
+async def logout(services: AuthServices, refresh_token: str) -> None:
     await sessions.logout(services, refresh_token)

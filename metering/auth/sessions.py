@@ -20,12 +20,12 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth import invalidation
+from metering.auth.runtime import AuthServices
 from metering.auth.tokens import Signer, digest, new_refresh_token, password_stamp, same
 from metering.db import Database, utcnow
 from metering.errors import Unauthorized
 from metering.limits import Limits, scope_limits
 from metering.models import AuthSession, RefreshToken, Team, User
-from metering.services import Services
 
 log = logging.getLogger("metering.auth")
 
@@ -65,12 +65,12 @@ class Refreshed:
     pair: TokenPair | None  # None: served within the reuse leeway, no new tokens
 
 
-def _ttls(services: Services) -> tuple[int, int]:
+def _ttls(services: AuthServices) -> tuple[int, int]:
     return services.settings.access_token_ttl_s, services.settings.refresh_token_ttl_s
 
 
 def _pair(
-    services: Services, key: bytes, session_id: str, user_id: str, refresh: str, now: datetime
+    services: AuthServices, key: bytes, session_id: str, user_id: str, refresh: str, now: datetime
 ) -> TokenPair:
     access_ttl, _ = _ttls(services)
     access = Signer.issue(key, session_id, now + timedelta(seconds=access_ttl))
@@ -91,7 +91,7 @@ def _refresh_row(
 
 
 async def start(
-    services: Services, db_session: AsyncSession, key: bytes, user_id: str, password_hash: str
+    services: AuthServices, db_session: AsyncSession, key: bytes, user_id: str, password_hash: str
 ) -> TokenPair:
     """A new session for a user who just proved their password (inside the caller's unit of
     work; `key`, the signing key, is loaded before it: SQLite has one pooled connection)."""
@@ -211,7 +211,7 @@ def _within_grace(row: SessionRow, now: datetime) -> bool:
 
 
 async def rotate(
-    services: Services, presented: str, *, session_id: str | None = None, leeway: bool = False
+    services: AuthServices, presented: str, *, session_id: str | None = None, leeway: bool = False
 ) -> Refreshed:
     """Spend a refresh token for a new pair. `session_id`: the chain it must belong to (the
     header flow passes the access token's); `leeway`: allow the concurrent-request grace."""
@@ -273,7 +273,7 @@ async def rotate(
     return Refreshed(user, _pair(services, key, row.id, row.user_id, refresh, now))
 
 
-async def logout(services: Services, presented: str) -> None:
+async def logout(services: AuthServices, presented: str) -> None:
     async with services.db.transaction() as s:
         row = await _find(s, presented)
         await revoke(s, row.id, "logout")

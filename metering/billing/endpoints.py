@@ -17,10 +17,10 @@ from metering.billing.schemas import (
 )
 from metering.budgets.ceilings import RUN, run_of, unknown_run
 from metering.budgets.runs import UnknownRun
+from metering.container import Services, get_services, unit_of_work
 from metering.db import utcnow
 from metering.errors import InvalidRequest, error_responses
 from metering.money import format_usd
-from metering.services import Services, get_services, unit_of_work
 from metering.timefmt import rfc3339
 
 router = APIRouter(prefix="/v1")

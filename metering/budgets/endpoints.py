@@ -7,8 +7,8 @@ from fastapi import APIRouter, Depends
 from metering.auth.principal import RULE_ERRORS, Principal, any_principal
 from metering.budgets import queries
 from metering.budgets.schemas import BudgetOut, LimitsOut
+from metering.container import Services, get_services
 from metering.errors import error_responses
-from metering.services import Services, get_services
 
 router = APIRouter(prefix="/v1", responses=error_responses(*RULE_ERRORS["self"]))
 

@@ -5,6 +5,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
 from metering.auth.schemas import PrincipalOut
+from metering.container import Services, get_services, unit_of_work
 from metering.errors import InvalidRequest, error_responses
 from metering.identity import service
 from metering.identity.schemas import (
@@ -22,7 +23,6 @@ from metering.identity.schemas import (
     UserOut,
     UserPatch,
 )
-from metering.services import Services, get_services, unit_of_work
 
 router = APIRouter(prefix="/v1")
 

@@ -12,7 +12,7 @@ from metering.budgets.refusals import Refused
 from metering.budgets.reserve import HoldSpec
 from metering.db import utcnow
 from metering.errors import MeteringError
-from metering.services import Services
+from metering.proxy.runtime import ProxyServices
 
 
 class RateLimitExceeded(MeteringError):
@@ -77,7 +77,7 @@ def rate_limited(exc: RateLimited) -> RateLimitExceeded:
 
 
 async def admit(
-    services: Services, principal: Principal, spec: HoldSpec, prompt_bound: int, choices: int
+    services: ProxyServices, principal: Principal, spec: HoldSpec, prompt_bound: int, choices: int
 ) -> HoldSpec:
     """Count the request against its rate and parallel limits (one statement), or raise the
     429. The returned spec carries the claim onto the hold."""

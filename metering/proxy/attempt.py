@@ -29,7 +29,7 @@ from metering.ledger.outcome import Outcome, event_for
 from metering.proxy.dialects import Dialect
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
 from metering.proxy.request import ChatRequest
-from metering.services import Services
+from metering.proxy.runtime import ProxyServices
 from metering.settings import Provider
 
 log = logging.getLogger("metering.proxy")
@@ -57,7 +57,7 @@ class Attempt:
 
     def __init__(
         self,
-        services: Services,
+        services: ProxyServices,
         spec: HoldSpec,
         reservation: Reservation,
         chat: ChatRequest,
@@ -193,7 +193,7 @@ _UNREACHABLE = frozenset({"57P01", "57P02", "57P03", "53300"})
 
 
 async def _retrying(
-    services: Services, what: str, hold_id: str, write: Callable[[], Awaitable[bool | None]]
+    services: ProxyServices, what: str, hold_id: str, write: Callable[[], Awaitable[bool | None]]
 ) -> bool | None:
     """Run `write` until it commits, retrying while the database cannot be reached (for at
     most settings.settle_retry_s); None when it never could."""

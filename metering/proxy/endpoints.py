@@ -26,6 +26,7 @@ from metering.budgets.rates import release_claim
 from metering.budgets.refusals import Refused
 from metering.budgets.reserve import BudgetShortfall, HoldSpec, Shortfall, reserve
 from metering.budgets.runs import RunKey, UnknownRun
+from metering.container import get_services
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
 from metering.ledger.outcome import Billing
 from metering.money import format_usd
@@ -36,9 +37,9 @@ from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_
 from metering.proxy.forward import forward
 from metering.proxy.request import ChatRequest, parse_json, read_body, validate
 from metering.proxy.routing import Target, candidates, parse_model
+from metering.proxy.runtime import ProxyServices
 from metering.proxy.transport import FailedBeforeAnswer
 from metering.requestid import new_request_id, request_id_header
-from metering.services import Services, get_services
 from metering.settings import Catalog, ModelRoute
 from metering.timefmt import rfc3339
 
@@ -134,7 +135,7 @@ CHAT_RESPONSES = {
 async def chat_completions(
     request: Request,
     principal: Principal = Depends(user_principal),
-    services: Services = Depends(get_services),
+    services: ProxyServices = Depends(get_services),
 ) -> Response:
     t0 = time.perf_counter()
     raw = await read_body(request, services.settings.max_body_bytes)
@@ -156,7 +157,7 @@ async def chat_completions(
 
 
 async def serve(
-    request: Request, principal: Principal, services: Services, chat: ChatRequest, t0: float
+    request: Request, principal: Principal, services: ProxyServices, chat: ChatRequest, t0: float
 ) -> Response:
     """The request's routes tried in turn (the next one when an attempt fails before any byte
     reached the client)."""
@@ -222,7 +223,7 @@ def usable_routes(
 
 
 async def try_route(
-    services: Services,
+    services: ProxyServices,
     principal: Principal,
     chat: ChatRequest,
     catalog: Catalog,
@@ -291,7 +292,7 @@ async def try_route(
 
 @router.get("/models", responses=error_responses(*RULE_ERRORS["self"]))
 async def list_models(
-    principal: Principal = Depends(any_principal), services: Services = Depends(get_services)
+    principal: Principal = Depends(any_principal), services: ProxyServices = Depends(get_services)
 ) -> dict[str, Any]:
     """The catalog's models this credential may call (its allow-lists applied)."""
     catalog = services.catalog
@@ -326,7 +327,10 @@ class DirectChat:
     application, for its OpenAPI document and for that general path.
 
     `app`: the application's general stack, for every other request; `application`: the
-    application itself (its state and its exception handlers are the ones used)."""
+    application itself (its exception handlers are the ones used); `services`: the container,
+    handed over by the application's lifespan once it is built."""
+
+    services: ProxyServices
 
     def __init__(self, app: ASGIApp, application: FastAPI) -> None:
         self.app = app
@@ -358,7 +362,7 @@ class DirectChat:
             await send(message)
 
         request = Request(scope, receive, send_with_headers)
-        services = self.application.state.services
+        services = self.services
         try:
             principal = await user_principal(await authenticate(request, services))
             response = await chat_completions(request, principal, services)

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
 from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
+from metering.container import Services, get_services
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
 from metering.reports import focus, reconciliation, refusals, usage
 from metering.reports.schemas import (
@@ -25,7 +26,6 @@ from metering.reports.spend import (
     spend_report,
 )
 from metering.reports.usage import check_text
-from metering.services import Services, get_services
 
 router = APIRouter(prefix="/v1")
 

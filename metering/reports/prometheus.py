@@ -22,9 +22,9 @@ from prometheus_client.core import GaugeMetricFamily
 from metering.auth.principal import open_access
 from metering.auth.tokens import digest, same
 from metering.budgets import queries
+from metering.container import Services, get_services
 from metering.errors import Unauthorized
 from metering.metrics import BUDGET_USED_RATIO, MULTIPROC_ENV
-from metering.services import Services, get_services
 
 log = logging.getLogger("metering.metrics")
 
