@@ -59,6 +59,7 @@ test: $(BIN)/metering postgres chromium
 lint: $(BIN)/metering
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: $(BIN)/metering postgres
 	$(BIN)/python -m bench.run

@@ -138,8 +138,8 @@ async def _windows(session: AsyncSession, charges: list[Dated], now: datetime) -
     in, with the kept totals of the closed ones."""
     subjects = sorted({s for charge in charges for s in charge.subjects})
     budgets = await load(session, subjects, lock=True) if subjects else {}
-    for budget in budgets.values():
-        await roll(session, budget, now)
+    for row in budgets.values():
+        await roll(session, row, now)
     windows = {s: current_window(b, now) for s, b in budgets.items()}
     places: list[list[_Place]] = []
     closed: set[tuple[str, datetime]] = set()

@@ -379,8 +379,10 @@ class LeaseBook:
                     held = (await conn.execute(_LEASE_AMOUNT, {"lease_id": current.id})).scalar()
                 else:
                     current, held = None, None
-                lease_id = current.id if held is not None else f"lse_{uuid.uuid4().hex}"
-                target = (current.inflight if held is not None else 0) + grant
+                # `held` is read only for a current lease.
+                kept = current if held is not None else None
+                lease_id = kept.id if kept is not None else f"lse_{uuid.uuid4().hex}"
+                target = (kept.inflight if kept is not None else 0) + grant
                 delta = target - (held or 0)
                 grown = await conn.execute(_GROW, {"subject": subject_id, "delta": delta})
                 if grown.rowcount != 1:
@@ -403,12 +405,12 @@ class LeaseBook:
         usable_until = mono + self.ttl_s * 2 / 3
         for subject_id, before, lease_id, delta, held, window, resets_at in planned:
             current = self.leases.get(subject_id)
-            if held is not None and lease_id is not None:
+            if held is not None and lease_id is not None and before is not None:
                 # Grown (or shrunk) by delta, in the row and here alike: the view stays within
                 # the row. Dropped meanwhile (a change to the budget): it is returned whole
                 # once its requests end, so it is not installed again.
                 before.amount += delta
-                if current is before:
+                if current is not None and current is before:
                     before.window, before.resets_at = window, resets_at
                     before.usable_until = usable_until
                 continue
@@ -474,13 +476,15 @@ class LeaseBook:
                 lease.dropped = True
                 if lease.id is not None:
                     self.retiring.append(lease)
-        done, keep = [], []
+        done: list[Lease] = []
+        keep: list[Lease] = []
         for lease in self.retiring:
             (done if lease.inflight <= 0 else keep).append(lease)
         self.retiring = keep
         returned = 0
         for lease in done:
             # A hold still naming it (a settle that failed): the sweeper ends both.
+            assert lease.id is not None  # only a lease with a row retires
             returned += await give_back(self.db, lease.id, lease.subject_id)
         return returned
 

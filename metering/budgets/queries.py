@@ -1,5 +1,7 @@
 """Reading one budget as it stands now, for the budget routes."""
 
+from typing import Any
+
 from sqlalchemy import func, select
 
 from metering.budgets import rates
@@ -10,7 +12,8 @@ from metering.models import ApiToken, Budget, Hold, Team, User
 
 # A budget is shown while its subject exists: a team or user not deleted, any token (a revoked
 # token's budget still shows what it spent).
-_SUBJECTS = {
+# scope -> (its table, the condition of a live row)
+_SUBJECTS: dict[str, tuple[Any, Any]] = {
     "team": (Team, Team.deleted_at.is_(None)),
     "user": (User, User.deleted_at.is_(None)),
     "token": (ApiToken, True),
@@ -41,7 +44,7 @@ async def current_budget(db: Database, scope: str, subject_id: str) -> BudgetVie
 async def open_holds(db: Database) -> int:
     """Holds of requests in flight (or of crashed replicas, until they expire)."""
     async with db.sessions() as session:
-        return await session.scalar(select(func.count()).select_from(Hold))
+        return (await session.execute(select(func.count()).select_from(Hold))).scalar_one()
 
 
 USED_RATIOS_SHOWN = 500
@@ -61,7 +64,11 @@ async def used_ratios(db: Database, limit: int = USED_RATIOS_SHOWN) -> list[tupl
     async with db.reads() as session:
         budgets = list(await session.scalars(query))
     views = [view(b, now) for b in budgets]
-    return [(v.scope, v.subject_id, v.spent / v.credit_limit) for v in views if v.spent]
+    return [
+        (v.scope, v.subject_id, v.spent / v.credit_limit)
+        for v in views
+        if v.spent and v.credit_limit  # the query keeps limited budgets only
+    ]
 
 
 async def current_limits(db: Database, scope: str, subject_id: str) -> dict:

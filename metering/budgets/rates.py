@@ -28,6 +28,7 @@ import asyncio
 import logging
 import math
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -315,8 +316,8 @@ async def admit_one(db: Database, limits: Limits, tokens: int) -> RateClaim:
         got = {(r.subject_id, r.kind): r for r in await conn.execute(stmt, params)}
         if len(got) == len(rows):
             window = next((r.window_start for r in got.values() if r.kind != "parallel"), start)
-            used = {key: r.used for key, r in got.items()}
-            return RateClaim(_encode(taken), window, tokens, headers(limits, used, now))
+            counted = {key: r.used for key, r in got.items()}
+            return RateClaim(_encode(taken), window, tokens, headers(limits, counted, now))
         # Refused: give back what this request took, then say which limit refused it.
         await give_back(
             conn,
@@ -532,7 +533,7 @@ async def heal_parallel(db: Database, idle_s: float) -> int:
 
 def returns_of(
     kinds: str,
-    subjects: dict[str, str | None],
+    subjects: Mapping[str, str | None],
     window: datetime,
     tokens: int,
     used_tokens: int | None,

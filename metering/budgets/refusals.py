@@ -14,8 +14,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, cast
 
 from sqlalchemy import delete, insert, select
+from sqlalchemy.engine import CursorResult
 
 from metering.budgets.groups import GroupWriter, write_and_answer
 from metering.db import Database, utcnow
@@ -102,5 +104,8 @@ async def forget_old(
             )
             if not ids:
                 return removed
-            result = await session.execute(delete(Refusal).where(Refusal.id.in_(ids)))
+            result = cast(
+                CursorResult[Any],
+                await session.execute(delete(Refusal).where(Refusal.id.in_(ids))),
+            )
         removed += result.rowcount

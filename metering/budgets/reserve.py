@@ -12,10 +12,11 @@ import functools
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import orjson
 from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.alerts import record
@@ -114,7 +115,7 @@ class Reservation:
 
 
 @functools.lru_cache(maxsize=4096)
-def _window_end(interval: str, anchor: datetime | None, start: datetime) -> datetime | None:
+def _window_end(interval: str, anchor: datetime, start: datetime) -> datetime | None:
     """When the window that starts at `start` ends (None: never); the same few windows are asked
     about by every settle."""
     return window_for(parse_interval(interval), anchor, start)[1]
@@ -163,17 +164,23 @@ def shortfall(spec: HoldSpec, budget: BudgetView) -> BudgetShortfall:
     return BudgetShortfall(Shortfall(budget, needed, spec.max_tokens, fits))
 
 
+def _left(budget: BudgetView) -> int:
+    """What a limited budget has left (its `remaining` is None only without a limit)."""
+    assert budget.remaining is not None
+    return budget.remaining
+
+
 def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
     """The output allowance to hold for, and whether it was lowered to fit the credit left
     (`views`: the budgets', and the request's own and its run's when it has them)."""
     limited = [v for v in views if v.credit_limit is not None]
     wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
-    tightest = min(limited, key=lambda v: v.remaining, default=None)
-    if tightest is None or spec.amount(wanted) <= tightest.remaining:
+    tightest = min(limited, key=_left, default=None)
+    if tightest is None or spec.amount(wanted) <= _left(tightest):
         return wanted, False
     if spec.max_tokens is not None:
         raise shortfall(spec, tightest)
-    left = tightest.remaining - spec.amount(0)
+    left = _left(tightest) - spec.amount(0)
     affordable = left // spec.token_cost if spec.token_cost else wanted
     if affordable < 1:
         raise shortfall(spec, tightest)
@@ -248,11 +255,18 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
         await roll(session, budget, now)
         starts[budget.subject_id] = current_window(budget, now)[0]
     # The rows are locked and in their current windows; the write still checks every limit.
-    result = await session.execute(_RESERVE, {"ids": list(starts), "amount": amount})
+    result = cast(
+        CursorResult[Any],
+        await session.execute(_RESERVE, {"ids": list(starts), "amount": amount}),
+    )
     if result.rowcount != len(starts):
         return None
     if run is not None:
-        held = await session.execute(RESERVE_RUN, run_params(spec.run, amount, now))
+        assert spec.run is not None  # its row was locked above
+        held = cast(
+            CursorResult[Any],
+            await session.execute(RESERVE_RUN, run_params(spec.run, amount, now)),
+        )
         if held.rowcount != 1:
             return None
     await session.execute(_INSERT_HOLD, hold_row(spec, amount, now, ttl_s))
@@ -343,4 +357,4 @@ async def _reserve(db: Database, spec: HoldSpec, ttl_s: int, leases: Admits | No
         # Only unlimited budgets, yet every conditional write missed: the rows moved under us
         # (a window rolled or a budget was deleted) on every try. Not the client's fault.
         raise LedgerUnavailable("could not reserve credit for this request; retry")
-    raise shortfall(spec, min(limited, key=lambda v: v.remaining))
+    raise shortfall(spec, min(limited, key=_left))

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import asyncpg
 
@@ -169,7 +170,7 @@ class SettleQueue:
     async def _write(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
         holds: HoldBatch = []
         settles = []
-        apart = None
+        apart: Any = None  # the holds' writer, set with the first hold
         for item, future in batch:
             if item[0] is _HOLD:
                 holds.append((item[1], future))

@@ -9,6 +9,7 @@ to the window it settles in.
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import Row, bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -20,6 +21,9 @@ from metering.budgets.windows import parse_interval, window_for
 from metering.db import UTCDateTime, dialect_name
 from metering.models import Budget, BudgetLease, BudgetWindow, Hold
 from metering.timefmt import rfc3339
+
+# A budget: its ORM object, or a row of its table's columns (select(Budget.__table__)).
+BudgetRow = Budget | Row[*tuple[Any, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ class BudgetView:
         return max(passed, default=None)
 
 
-def current_window(budget: Budget, now: datetime) -> tuple[datetime, datetime | None]:
+def current_window(budget: BudgetRow, now: datetime) -> tuple[datetime, datetime | None]:
     return window_for(parse_interval(budget.reset_interval), budget.anchor_at, now)
 
 
@@ -59,7 +63,7 @@ def resets_at(row, at: datetime) -> datetime | None:
     return window_for(parse_interval(row.reset_interval), row.anchor_at, at)[1]
 
 
-def view(budget: Budget, now: datetime, slack: int = 0) -> BudgetView:
+def view(budget: BudgetRow, now: datetime, slack: int = 0) -> BudgetView:
     """`slack`: the part of `reserved` that is leased credit no request holds (shown as free:
     it is admitted against, or returned when idle)."""
     start, end = current_window(budget, now)
@@ -150,7 +154,7 @@ CHARGED = (
 )
 
 
-async def roll(session: AsyncSession, budget: Budget, now: datetime) -> None:
+async def roll(session: AsyncSession, budget: BudgetRow, now: datetime) -> None:
     """Close the budget's window if it has ended: keep its total, restart spent at 0."""
     start, _ = current_window(budget, now)
     old_start = budget.window_start

@@ -153,6 +153,7 @@ def window_for(
     if kind == "never":
         return anchor, None
     if kind == "fixed":
+        assert interval.seconds is not None  # a fixed interval has its length
         length_us = interval.seconds * _US_PER_SECOND
         elapsed_us = (now - anchor) // _ONE_US  # exact: timedelta // timedelta is an int
         k = max(elapsed_us // length_us, 0)

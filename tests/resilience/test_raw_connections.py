@@ -142,8 +142,9 @@ async def _sleep_on(db: Database, seconds: float) -> None:
 @pytest.mark.anyio
 @pytest.mark.parametrize("pool_size", [2, 8])  # given back to the pool, or kept
 async def test_a_connection_the_server_ended_is_never_handed_out_again_postgres(
-    fresh_pg, pool_size
-):  # noqa: F811
+    fresh_pg,  # noqa: F811 - the fixture imported above
+    pool_size,
+):
     """A backend terminated mid-statement: asyncpg reports it as a PostgresError (class 08),
     which is not the server refusing a statement; the connection is discarded, and the next
     group gets a live one."""
