@@ -178,7 +178,9 @@ def create_app(
             credential_failures=FailedCredentials(settings.auth_failures_per_minute),
             credentials=credentials,
             upstreams=Upstreams(catalog, settings.upstream_max_connections),
-            breakers=Breakers(settings.breaker_failures, settings.breaker_cooldown_s),
+            breakers=Breakers(
+                settings.breaker_failures, settings.breaker_cooldown_s, clock.monotonic
+            ),
             # The holds of the requests being served here, extended while they run.
             live_holds=LiveHolds(),
             leases=leases,

@@ -1,12 +1,14 @@
 """The time the rules read: budget windows, rate minutes, token and access-token expiry, holds'
-TTL and the sweeper that charges them.
+TTL and the sweeper that charges them (now()); and the durations they measure, such as a
+provider's cool-down after failures (monotonic()).
 
-A process's clock belongs to its container (metering.services.Services.clock). The app makes it
+A process's clock belongs to its container (metering.container.Services.clock). The app makes it
 the current clock of everything it runs, its lifespan's background work and each request, and
 metering.db.utcnow() reads the current clock. Outside an app (the CLI, a job called directly) the
 current clock is the system's. A test hands the app a MovableClock and moves it forward instead
 of waiting for the wall clock."""
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
@@ -19,12 +21,19 @@ class Clock(Protocol):
         """The current moment, UTC-aware."""
         ...
 
+    def monotonic(self) -> float:
+        """Seconds on a clock that the wall clock's steps do not move, for durations."""
+        ...
+
 
 class SystemClock:
     """The wall clock, in UTC."""
 
     def now(self) -> datetime:
         return datetime.now(UTC)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
 
 
 class MovableClock:
@@ -36,6 +45,9 @@ class MovableClock:
 
     def now(self) -> datetime:
         return datetime.now(UTC) + self.offset
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset.total_seconds()
 
     def advance(self, by: float | timedelta) -> datetime:
         """Move forward by `by` (seconds or a timedelta); returns the new current moment."""

@@ -5,11 +5,13 @@ helpers that make budgets cross their thresholds."""
 import json
 import threading
 import uuid
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from metering import migrate
+from metering.clock import MovableClock
 from metering.settings import Settings, parse_catalog
 from metering.testing import metering_server
 from tests.budgets.conftest import (  # noqa: F401 - fixtures shared with the budget tests
@@ -121,8 +123,10 @@ def settings_for(url: str, **overrides) -> Settings:
 def start_server(url: str, sim, run_jobs: bool = True, **overrides):
     catalog = parse_catalog(catalog_for(sim), environ=SIM_KEYS)
     settings = settings_for(url, **overrides)
-    server = metering_server(settings, catalog, run_jobs=run_jobs)
-    return server, Api(server.url, "postgresql" if "postgresql" in url else "sqlite", settings)
+    clock = MovableClock()
+    server = metering_server(settings, catalog, run_jobs=run_jobs, clock=clock)
+    backend = "postgresql" if "postgresql" in url else "sqlite"
+    return server, Api(server.url, backend, settings, clock)
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
@@ -143,6 +147,13 @@ def alerts_api(alerts_db, sim):
     server, api = start_server(alerts_db, sim)
     yield api
     server.stop()
+
+
+@pytest.fixture
+def alerts_clock(alerts_api) -> Iterator[MovableClock]:
+    """alerts_api's clock, for a test to move forward; back on the wall clock after it."""
+    yield alerts_api.clock
+    alerts_api.clock.reset()
 
 
 def hold(api: Api, url: str, events: list[str], team_id: str | None = None, **extra) -> dict:

@@ -161,13 +161,14 @@ def provider_entry(base_url: str, dialect: str, **extra) -> dict:
 
 @contextlib.contextmanager
 def serving(api: Api, catalog: dict, **settings):
-    """A metering server of its own (own catalog and settings) on the shared test database."""
+    """A metering server of its own (own catalog and settings) on the shared test database and
+    the api's clock (the `clock` fixture moves both)."""
     config = Settings(
         database_url=api.settings.database_url, admin_key=ADMIN_KEY, _env_file=None, **settings
     )
-    server = metering_server(config, parse_catalog(catalog, environ={}))
+    server = metering_server(config, parse_catalog(catalog, environ={}), clock=api.clock)
     try:
-        yield Api(server.url, api.backend, config)
+        yield Api(server.url, api.backend, config, api.clock)
     finally:
         server.stop()
 

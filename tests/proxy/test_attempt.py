@@ -153,7 +153,7 @@ def test_an_attempt_cancelled_after_it_went_out_is_one_event_too(fresh_db):  # n
         async def forward() -> None:
             async with attempt:
                 attempt.sent = True
-                await asyncio.sleep(30)  # waiting on the upstream when the server shuts down
+                await asyncio.Event().wait()  # on the upstream when the server shuts down
 
         task = asyncio.ensure_future(forward())
         await asyncio.sleep(0.05)

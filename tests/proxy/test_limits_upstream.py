@@ -66,7 +66,7 @@ async def huge_line():
     yield b"data: " + piece
     for _ in range(4 * MAX_EVENT // len(piece)):
         yield piece
-    await asyncio.sleep(3600)
+    await asyncio.Event().wait()  # the line never ends
 
 
 async def endless():

@@ -73,10 +73,15 @@ def in_flight(proxy, sim, token: dict, marker: str, send):
     while not any(marker in str(r["received"]) for r in sim.log()):
         assert time.monotonic() < deadline, "the request did not reach the upstream"
         time.sleep(0.05)
-    time.sleep(LOOK_AFTER_S)
-    assert proxy.events(token_id=token["id"]) == []  # not swept as unsettled
-    budget = proxy.ok("GET", f"/v1/tokens/{token['id']}/budget")
-    assert Decimal(budget["reserved"]) > 0
+    # The hold outlives its TTL while the sweeper runs, and is looked at all along.
+    watched_until = time.monotonic() + LOOK_AFTER_S
+    while True:
+        assert proxy.events(token_id=token["id"]) == []  # not swept as unsettled
+        budget = proxy.ok("GET", f"/v1/tokens/{token['id']}/budget")
+        assert Decimal(budget["reserved"]) > 0
+        if time.monotonic() >= watched_until:
+            break
+        time.sleep(0.25)
     thread.join(60)
     return result["value"]
 
