@@ -42,9 +42,9 @@ from metering.budgets.settle_queue import settle
 from metering.budgets.views import new_budget
 from metering.db import SERVING_SETTINGS, Database, utcnow
 from metering.ids import time_ordered
-from metering.ledger.charge import Limits, Usage
+from metering.ledger.charge import Allowance, Usage
 from metering.ledger.event import Event
-from metering.ledger.outcome import Billing, Outcome, event_for
+from metering.ledger.outcome import Attribution, Outcome, event_for
 from metering.ledger.tables import LedgerEvent
 from metering.money import usd_to_pico
 
@@ -77,7 +77,7 @@ _FILL_IDS = {
 
 
 def _spec(subjects: dict[str, str], make_id: Callable[[], str] = ordered_id) -> HoldSpec:
-    billing = Billing(
+    billing = Attribution(
         id=make_id(),
         token_id=subjects["token"],
         user_id=subjects["user"],
@@ -108,7 +108,7 @@ def _event(spec: HoldSpec) -> Event:
         Outcome(http_status=200, usage=usage),
         started_at=utcnow(),
         latency_ms=5,
-        limits=Limits.of(spec.billing, None),
+        allowance=Allowance.of(spec.billing, None),
         prompt_tokens=lambda: 0,
         text_tokens=len,
     )

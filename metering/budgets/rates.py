@@ -1,4 +1,5 @@
-"""Limits beyond credit: requests and tokens per minute, requests in flight, model allow-lists.
+"""The counted limits beyond credit: requests and tokens per minute, requests in flight (the
+model allow-lists, the other limit beyond credit, are matched by metering.limits).
 
 A rate limit is a budget of requests or tokens over a short window, kept in PostgreSQL (or
 SQLite) so every replica and worker counts against the same row: one row of rate_counters per

@@ -26,7 +26,7 @@ from metering.budgets.views import BudgetView, current_window, ids, lease_slack,
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database, utcnow
 from metering.errors import LedgerUnavailable
-from metering.ledger.outcome import Billing
+from metering.ledger.outcome import Attribution
 from metering.models import Budget, Hold, Run
 from metering.timefmt import rfc3339
 
@@ -39,7 +39,7 @@ class HoldSpec:
     """What reserve() needs: the request's billing (whose budgets; kept with the hold, so an
     expired hold can be charged) and what it may cost."""
 
-    billing: Billing
+    billing: Attribution
     prompt_cost: int  # picodollars held whatever the output: the prompt at its bound
     token_cost: int  # picodollars per output token allowed, every choice counted
     max_tokens: int | None  # the client's own, or None

@@ -103,7 +103,7 @@ class Held(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class Allowance:
     """What the request allowed: the bounds reported usage is checked against."""
 
     prompt_tokens: int | None = None  # the prompt bound the hold was computed from
@@ -111,12 +111,12 @@ class Limits:
     hold: int | None = None  # picodollars held: the most the budgets may be charged
 
     @classmethod
-    def of(cls, billing, held: Held | None, choices: int = 1) -> "Limits":
-        """`billing`: a metering.ledger.outcome.Billing (its prompt bound)."""
+    def of(cls, attribution, held: Held | None, choices: int = 1) -> "Allowance":
+        """`attribution`: a metering.ledger.outcome.Attribution (its prompt bound)."""
         if held is None:
-            return cls(prompt_tokens=billing.prompt_bound)
+            return cls(prompt_tokens=attribution.prompt_bound)
         return cls(
-            prompt_tokens=billing.prompt_bound,
+            prompt_tokens=attribution.prompt_bound,
             completion_tokens=held.max_tokens * max(choices, 1),
             hold=held.amount,
         )
@@ -136,7 +136,7 @@ class Charge:
 def charge_for(
     reported: Usage | None,
     estimate: Callable[[], Usage],
-    limits: Limits,
+    allowance: Allowance,
     prices: tuple[int, int, int],
     billable: bool = True,
 ) -> Charge:
@@ -149,11 +149,11 @@ def charge_for(
     elif reported is not None and reported.usable:
         usage, source = reported, "reported"
         found.append(usage.anomaly)
-        if limits.prompt_tokens is not None and usage.prompt_tokens > limits.prompt_tokens:
+        if allowance.prompt_tokens is not None and usage.prompt_tokens > allowance.prompt_tokens:
             found.append(PROMPT_ABOVE_BOUND)
         if (
-            limits.completion_tokens is not None
-            and usage.completion_tokens > limits.completion_tokens
+            allowance.completion_tokens is not None
+            and usage.completion_tokens > allowance.completion_tokens
         ):
             found.append(COMPLETION_ABOVE_MAX_TOKENS)
     else:
@@ -161,7 +161,7 @@ def charge_for(
         if reported is not None:
             found.append(reported.anomaly)
     cost = cost_pico(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, *prices)
-    charged = cost if limits.hold is None else min(cost, limits.hold)
+    charged = cost if allowance.hold is None else min(cost, allowance.hold)
     if charged < cost and source == "estimated":
         found.append(ESTIMATE_ABOVE_HOLD)
     return Charge(

@@ -5,14 +5,15 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from metering.db import utcnow
-from metering.ledger.charge import Limits, Usage, charge_for
+from metering.ledger.charge import Allowance, Usage, charge_for
 from metering.ledger.event import UNSETTLED, Event, bounded
 
 
 @dataclass(frozen=True, slots=True)
-class Billing:
-    """Who a request is charged to and at which prices: what its event records before it ends.
-    Kept with its hold, so a hold that expires can be charged too."""
+class Attribution:
+    """Who a request is charged to, for which model and provider, at which prices: what its
+    event records before it ends. Kept with its hold, so a hold that expires can be charged
+    too."""
 
     id: str  # the hold's and the event's
     token_id: str | None
@@ -61,16 +62,16 @@ class Outcome:
 
 
 def event_for(
-    billing: Billing,
+    attribution: Attribution,
     outcome: Outcome,
     *,
     started_at: datetime,
     latency_ms: int,
-    limits: Limits,
+    allowance: Allowance,
     prompt_tokens: Callable[[], int],
     text_tokens: Callable[[str], int],
 ) -> Event:
-    """The event of an attempt. `limits` bound what the reported usage may charge; when it
+    """The event of an attempt. `allowance` bounds what the reported usage may charge; when it
     cannot be used, the usage is estimated: `prompt_tokens()` of the request, and the
     delivered text's tokens (`text_tokens(text)` unless the forwarder counted them)."""
 
@@ -86,20 +87,20 @@ def event_for(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
-    charge = charge_for(outcome.usage, estimate, limits, billing.prices, outcome.billable)
+    charge = charge_for(outcome.usage, estimate, allowance, attribution.prices, outcome.billable)
     usage = charge.usage
     return Event(
-        id=billing.id,
+        id=attribution.id,
         created_at=utcnow(),
         started_at=started_at,
-        token_id=billing.token_id,
-        user_id=billing.user_id,
-        team_id=billing.team_id,
-        model=billing.model,
-        provider=billing.provider,
-        upstream_model=billing.upstream_model,
+        token_id=attribution.token_id,
+        user_id=attribution.user_id,
+        team_id=attribution.team_id,
+        model=attribution.model,
+        provider=attribution.provider,
+        upstream_model=attribution.upstream_model,
         upstream_id=bounded("upstream_id", outcome.upstream_id),
-        stream=billing.stream,
+        stream=attribution.stream,
         status=outcome.status,
         http_status=outcome.http_status,
         finish_reason=bounded("finish_reason", outcome.finish_reason),
@@ -107,15 +108,15 @@ def event_for(
         usage_source=charge.source,
         usage_anomaly=charge.anomaly,
         max_tokens_clamped=None,
-        input_price=billing.input_price,
-        cached_price=billing.cached_price,
-        output_price=billing.output_price,
+        input_price=attribution.input_price,
+        cached_price=attribution.cached_price,
+        output_price=attribution.output_price,
         cost=charge.cost,
         uncharged=charge.uncharged,
         ttft_ms=outcome.ttft_ms,
         latency_ms=latency_ms,
         error=bounded("error", outcome.error) or None,
-        run_id=billing.run_id,
+        run_id=attribution.run_id,
     )
 
 

@@ -24,7 +24,7 @@ from metering.budgets.reserve import HoldSpec, Reservation
 from metering.budgets.settle_queue import settle
 from metering.db import utcnow
 from metering.errors import MeteringError
-from metering.ledger.charge import Limits
+from metering.ledger.charge import Allowance
 from metering.ledger.outcome import Outcome, event_for
 from metering.proxy.dialects import Dialect
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
@@ -144,7 +144,7 @@ class Attempt:
             outcome,
             started_at=self.started_at,
             latency_ms=self.elapsed_ms(),
-            limits=Limits.of(billing, self.reservation, self.chat.choices),
+            allowance=Allowance.of(billing, self.reservation, self.chat.choices),
             prompt_tokens=lambda: estimate_prompt_tokens(body),
             text_tokens=estimate_text_tokens,
         )

@@ -18,9 +18,9 @@ from metering.budgets.settle_queue import settle
 from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds, sweep_interval_s
-from metering.ledger.charge import Limits, Usage
+from metering.ledger.charge import Allowance, Usage
 from metering.ledger.event import Event
-from metering.ledger.outcome import Billing, Outcome, event_for
+from metering.ledger.outcome import Attribution, Outcome, event_for
 from metering.ledger.tables import LedgerEvent
 from metering.models import Budget, BudgetWindow, Hold
 from metering.money import usd_to_pico
@@ -143,7 +143,7 @@ def _subjects() -> dict[str, str]:
 
 
 def _spec(subjects: dict[str, str], max_tokens: int = 50) -> HoldSpec:
-    billing = Billing(
+    billing = Attribution(
         id=f"req_{uuid.uuid4().hex}",
         token_id=subjects["token"],
         user_id=subjects["user"],
@@ -292,7 +292,7 @@ def _event(spec: HoldSpec, completion_tokens: int, **overrides) -> Event:
         Outcome(http_status=200, usage=usage),
         started_at=utcnow(),
         latency_ms=5,
-        limits=Limits.of(spec.billing, None),
+        allowance=Allowance.of(spec.billing, None),
         prompt_tokens=lambda: 0,
         text_tokens=len,
     )

@@ -10,7 +10,7 @@ from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
 from metering.ledger import rollup
-from metering.ledger.charge import Limits, Usage
+from metering.ledger.charge import Allowance, Usage
 from metering.ledger.outcome import Outcome, event_for
 from metering.ledger.tables import LedgerEvent, SpendHourly
 from metering.models import Budget, BudgetWindow
@@ -43,7 +43,7 @@ def _real(spec, reservation, prompt: int, completion: int) -> dict:
         outcome,
         started_at=utcnow(),
         latency_ms=9000,
-        limits=Limits.of(spec.billing, reservation),
+        allowance=Allowance.of(spec.billing, reservation),
         prompt_tokens=lambda: 0,
         text_tokens=len,
     )
@@ -164,6 +164,6 @@ def test_limits_of_a_reservation_cover_every_choice():
     from metering.budgets.reserve import Reservation
 
     spec = _spec(_subjects())
-    limits = Limits.of(spec.billing, Reservation(spec.hold_id, 123, 40, False), choices=3)
-    assert limits == Limits(prompt_tokens=100, completion_tokens=120, hold=123)
-    assert Limits.of(spec.billing, None) == Limits(prompt_tokens=100)
+    limits = Allowance.of(spec.billing, Reservation(spec.hold_id, 123, 40, False), choices=3)
+    assert limits == Allowance(prompt_tokens=100, completion_tokens=120, hold=123)
+    assert Allowance.of(spec.billing, None) == Allowance(prompt_tokens=100)

@@ -11,8 +11,8 @@ from metering.budgets.reserve import HoldSpec, reserve
 from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
-from metering.ledger.charge import Limits, Usage
-from metering.ledger.outcome import Billing, Outcome, event_for
+from metering.ledger.charge import Allowance, Usage
+from metering.ledger.outcome import Attribution, Outcome, event_for
 from metering.ledger.tables import LedgerEvent
 from metering.models import Hold
 from metering.money import usd_to_pico
@@ -20,9 +20,9 @@ from metering.money import usd_to_pico
 CHOICES = 3
 
 
-def _billing() -> Billing:
+def _billing() -> Attribution:
     suffix = uuid.uuid4().hex[:12]
-    return Billing(
+    return Attribution(
         id=f"req_{uuid.uuid4().hex}",
         token_id=f"tok_{suffix}",
         user_id=f"user_{suffix}",
@@ -38,7 +38,7 @@ def _billing() -> Billing:
     )
 
 
-def _spec(billing: Billing) -> HoldSpec:
+def _spec(billing: Attribution) -> HoldSpec:
     return HoldSpec(
         billing,
         prompt_cost=billing.prompt_cost(),
@@ -80,7 +80,7 @@ def test_a_settled_event_records_the_real_price_and_is_bounded_by_every_choice()
         Outcome(http_status=200, usage=usage),
         started_at=utcnow(),
         latency_ms=7,
-        limits=Limits.of(billing, held, CHOICES),
+        allowance=Allowance.of(billing, held, CHOICES),
         prompt_tokens=lambda: 0,
         text_tokens=len,
     )

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from metering.budgets.reserve import HoldSpec
-from metering.ledger.outcome import Billing
+from metering.ledger.outcome import Attribution
 from metering.settings import Settings, parse_catalog
 from metering.testing import metering_server
 from tests.conftest import ADMIN_KEY, Api
@@ -179,7 +179,7 @@ def user(text: str) -> list[dict]:
 
 def hold_spec(subjects: dict[str, str]) -> HoldSpec:
     """A gpt-sim hold of 100 prompt tokens and max_tokens 50 on `subjects` (token, user, team)."""
-    billing = Billing(
+    billing = Attribution(
         id=f"req_{uuid.uuid4().hex}",
         token_id=subjects["token"],
         user_id=subjects["user"],

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from metering.ledger.charge import Limits, Usage, charge_for
+from metering.ledger.charge import Allowance, Usage, charge_for
 from metering.ledger.event import DETAIL_FIELDS, MAX_UNCHARGED
 from metering.money import cost_pico, format_usd
 from metering.proxy.estimate import UPPER_BOUND_MARGIN, estimate_prompt_tokens, estimate_text_tokens
@@ -284,7 +284,9 @@ def test_any_reported_usage_is_charged_at_most_the_hold_and_fits_the_columns(
 ):
     input_price, cached_price, output_price = prices
     hold = prompt_bound * max(input_price, cached_price) + max_tokens * choices * output_price
-    limits = Limits(prompt_tokens=prompt_bound, completion_tokens=max_tokens * choices, hold=hold)
+    limits = Allowance(
+        prompt_tokens=prompt_bound, completion_tokens=max_tokens * choices, hold=hold
+    )
     estimate = Usage(prompt_tokens=7, completion_tokens=estimated_completion, total_tokens=7)
     reported = usage_from_json(obj)
     charge = charge_for(reported, lambda: estimate, limits, prices)
@@ -315,7 +317,7 @@ def test_any_reported_usage_is_charged_at_most_the_hold_and_fits_the_columns(
 
 
 def test_each_anomaly_is_named():
-    limits = Limits(prompt_tokens=100, completion_tokens=50, hold=10**12)
+    limits = Allowance(prompt_tokens=100, completion_tokens=50, hold=10**12)
     prices = (IN, CACHED, OUT)
 
     def anomaly(obj):

@@ -17,7 +17,7 @@ from metering.budgets.reserve import HoldSpec, reserve
 from metering.budgets.settle import settle_in
 from metering.db import Database
 from metering.ledger.event import Event
-from metering.ledger.outcome import Billing
+from metering.ledger.outcome import Attribution
 
 KEYS = ("team", "user", "token", "model", "provider", "day", "hour")
 FIELD = {
@@ -155,7 +155,7 @@ def settle_random_traffic(api, base: datetime, hours: int, count: int, seed: int
 
 def hold_spec(team_id, user_id, token_id, route, stream=False) -> HoldSpec:
     model, provider, upstream, input_price, cached_price, output_price = route
-    billing = Billing(
+    billing = Attribution(
         id=f"req_{uuid.uuid4().hex}",
         token_id=token_id,
         user_id=user_id,
