@@ -28,7 +28,7 @@ from metering.budgets.leases import LeaseBook
 from metering.budgets.refusals import RefusalLog
 from metering.catalog import CatalogStore, record_prices
 from metering.clock import SYSTEM, Clock, reset_current, set_current
-from metering.container import Services, get_services, install
+from metering.container import Services, ServicesDep, install
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
 from metering.encoding import ContentEncoding
@@ -285,7 +285,7 @@ def create_app(
         return Health(status="ok")
 
     @app.get("/readyz", dependencies=[Depends(open_access)], responses=error_responses(503))
-    async def readyz(services: Services = Depends(get_services)) -> Ready:
+    async def readyz(services: ServicesDep) -> Ready:
         """The database answers too (readiness)."""
         async with services.db.engine.connect() as conn:
             await conn.execute(text("SELECT 1"))

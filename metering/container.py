@@ -7,14 +7,14 @@ sit in a slot named here and typed by that domain, through a Protocol of its own
 container satisfies (metering.auth.runtime.AuthServices, metering.proxy.runtime.ProxyServices).
 Reading a slot stays a plain attribute read.
 
-Endpoints obtain it with `services: Services = Depends(get_services)` (or a domain's view of it)
-and pass what a service function needs as arguments. This module is the one place that reads
-FastAPI's app state.
+Endpoints declare it in their signature, `services: ServicesDep` (or a domain's view of it), and
+their unit of work, `session: SessionDep`, and pass what a service function needs as
+arguments. This module is the one place that reads FastAPI's app state.
 """
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -67,12 +67,16 @@ async def get_services(connection: HTTPConnection) -> Services:
     return services
 
 
-async def unit_of_work(
-    services: Services = Depends(get_services),
-) -> AsyncIterator[AsyncSession]:
-    """One transaction per call. Use it as Depends(unit_of_work, scope="function"): it then
-    commits before the response leaves, so a client never sees a 201 for a row not yet there."""
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+async def unit_of_work(services: ServicesDep) -> AsyncIterator[AsyncSession]:
+    """One transaction per call, taken as SessionDep (scope "function"): it then commits before
+    the response leaves, so a client never sees a 201 for a row not yet there."""
     async with services.db.transaction() as session:
         yield session
     if services.after_commit is not None:
         await services.after_commit(session)
+
+
+SessionDep = Annotated[AsyncSession, Depends(unit_of_work, scope="function")]

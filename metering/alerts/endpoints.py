@@ -2,8 +2,7 @@
 
 from typing import Literal
 
-from fastapi import APIRouter, BackgroundTasks, Depends, Query, Response
-from sqlalchemy.ext.asyncio import AsyncSession
+from fastapi import APIRouter, BackgroundTasks, Query, Response
 
 from metering.alerts import record, service
 from metering.alerts.schemas import (
@@ -16,24 +15,27 @@ from metering.alerts.schemas import (
     alert_out,
 )
 from metering.alerts.targets import Reach
-from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
-from metering.container import Services, get_services, unit_of_work
+from metering.auth.principal import (
+    RULE_ERRORS,
+    AdminPrincipal,
+    SelfPrincipal,
+)
+from metering.container import ServicesDep, SessionDep
 from metering.errors import error_responses
 
 router = APIRouter(prefix="/v1", tags=["alerts"])
 
 ADMIN = RULE_ERRORS["admin"]
 LIST_ERRORS = tuple(status for status in RULE_ERRORS["self"] if status != 404)
-Session = Depends(unit_of_work, scope="function")
 EventType = Literal[record.TYPES]  # type: ignore[valid-type]
 
 
 @router.post("/webhooks", status_code=201, responses=error_responses(400, *ADMIN))
 async def create_webhook(
     body: WebhookCreate,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> WebhookCreated:
     """Register a receiver of alert events (one team's, or global). The signing secret is
     generated when not given, and shown this once."""
@@ -49,17 +51,13 @@ async def create_webhook(
 
 
 @router.get("/webhooks", responses=error_responses(*ADMIN))
-async def list_webhooks(
-    _: Principal = Depends(admin_only), session: AsyncSession = Session
-) -> WebhookList:
+async def list_webhooks(_: AdminPrincipal, session: SessionDep) -> WebhookList:
     """The webhooks, oldest first, without their secrets."""
     return WebhookList(data=await service.list_webhooks(session))
 
 
 @router.delete("/webhooks/{webhook_id}", status_code=204, responses=error_responses(404, *ADMIN))
-async def delete_webhook(
-    webhook_id: str, _: Principal = Depends(admin_only), session: AsyncSession = Session
-) -> Response:
+async def delete_webhook(webhook_id: str, _: AdminPrincipal, session: SessionDep) -> Response:
     """Stop sending to this webhook; its pending deliveries are dropped (marked failed)."""
     await service.delete_webhook(session, webhook_id)
     return Response(status_code=204)
@@ -69,9 +67,9 @@ async def delete_webhook(
 async def test_webhook(
     webhook_id: str,
     background: BackgroundTasks,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> TestSent:
     """Send a `webhook.test` event to this webhook (signed, retried like any other)."""
     sent = await service.test_webhook(session, webhook_id)
@@ -83,8 +81,8 @@ async def test_webhook(
 @router.get("/webhooks/{webhook_id}/deliveries", responses=error_responses(400, 404, *ADMIN))
 async def list_deliveries(
     webhook_id: str,
-    _: Principal = Depends(admin_only),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    session: SessionDep,
     limit: int = Query(50, ge=1, le=service.MAX_DELIVERIES_LISTED),
 ) -> DeliveryList:
     """Recent deliveries, newest first: status, attempts with their status codes, next retry."""
@@ -93,8 +91,8 @@ async def list_deliveries(
 
 @router.get("/alerts", responses=error_responses(400, *LIST_ERRORS))
 async def list_alerts(
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    principal: SelfPrincipal,
+    services: ServicesDep,
     scope: Literal["token", "user", "team", "reconciliation"] | None = None,
     type: EventType | None = None,  # the query parameter's name
     subject_id: str | None = Query(None, max_length=40),

@@ -4,11 +4,9 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.responses import JSONResponse
 
 from metering.auth import service
-from metering.auth.principal import open_access
-from metering.auth.runtime import AuthServices
+from metering.auth.principal import AuthServicesDep, open_access
 from metering.auth.schemas import Login, RefreshBody, TokenPairOut
 from metering.auth.sessions import TokenPair
-from metering.container import get_services
 from metering.errors import error_responses
 
 router = APIRouter(prefix="/v1/auth", dependencies=[Depends(open_access)])
@@ -23,18 +21,16 @@ def _tokens(pair: TokenPair) -> JSONResponse:
 
 
 @router.post("/login", response_model=TokenPairOut, responses=error_responses(400, 401, 429, 503))
-async def login(body: Login, services: AuthServices = Depends(get_services)) -> JSONResponse:
+async def login(body: Login, services: AuthServicesDep) -> JSONResponse:
     return _tokens(await service.login(services, body.email, body.password))
 
 
 @router.post("/refresh", response_model=TokenPairOut, responses=ERRORS)
-async def refresh(
-    body: RefreshBody, services: AuthServices = Depends(get_services)
-) -> JSONResponse:
+async def refresh(body: RefreshBody, services: AuthServicesDep) -> JSONResponse:
     return _tokens(await service.refresh(services, body.refresh_token))
 
 
 @router.post("/logout", status_code=204, responses=ERRORS)
-async def logout(body: RefreshBody, services: AuthServices = Depends(get_services)) -> Response:
+async def logout(body: RefreshBody, services: AuthServicesDep) -> Response:
     await service.logout(services, body.refresh_token)
     return Response(status_code=204)

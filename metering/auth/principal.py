@@ -10,7 +10,7 @@ Failed credentials are counted per client address (metering.auth.failures): past
 every credential from that address gets 429 until the minute ends.
 """
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,7 +23,13 @@ from metering.container import get_services
 from metering.errors import Forbidden, Unauthorized
 
 __all__ = [
+    "AdminPrincipal",
+    "AuthServicesDep",
+    "IngestingPrincipal",
+    "OpenAccess",
     "Principal",
+    "SelfPrincipal",
+    "UserPrincipal",
     "admin_only",
     "any_principal",
     "ingesting_principal",
@@ -41,6 +47,10 @@ RULE_ERRORS = {
 }
 
 
+# The container, as auth's functions take it.
+AuthServicesDep = Annotated[AuthServices, Depends(get_services)]
+
+
 def bearer(request: Request) -> str:
     header = request.headers.get("authorization", "")
     scheme, _, value = header.partition(" ")
@@ -49,9 +59,7 @@ def bearer(request: Request) -> str:
     return value.strip()
 
 
-async def authenticate(
-    request: Request, services: AuthServices = Depends(get_services)
-) -> Principal:
+async def authenticate(request: Request, services: AuthServicesDep) -> Principal:
     """Any credential but a team's ingestion key, which may only report usage."""
     principal = await credential(request, services)
     if principal.kind == "ingest":
@@ -59,7 +67,7 @@ async def authenticate(
     return principal
 
 
-async def credential(request: Request, services: AuthServices = Depends(get_services)) -> Principal:
+async def credential(request: Request, services: AuthServicesDep) -> Principal:
     token = bearer(request)
     failures = services.credential_failures
     address = request.client.host if request.client else ""
@@ -76,8 +84,13 @@ async def credential(request: Request, services: AuthServices = Depends(get_serv
     return found.principal
 
 
+# Any credential but an ingestion key; any credential at all.
+_Authenticated = Annotated[Principal, Depends(authenticate)]
+_Credential = Annotated[Principal, Depends(credential)]
+
+
 @rule("admin")
-async def admin_only(principal: Principal = Depends(authenticate)) -> Principal:
+async def admin_only(principal: _Authenticated) -> Principal:
     if not principal.is_admin:
         raise Forbidden("this endpoint needs the admin key")
     return principal
@@ -85,9 +98,7 @@ async def admin_only(principal: Principal = Depends(authenticate)) -> Principal:
 
 @rule("self")
 async def any_principal(
-    request: Request,
-    principal: Principal = Depends(authenticate),
-    services: AuthServices = Depends(get_services),
+    request: Request, principal: _Authenticated, services: AuthServicesDep
 ) -> Principal:
     """Admin, or a user's own credential acting on itself: a user, token or team named in the
     path must be its own; routes naming none (lists) show the caller only its own rows."""
@@ -107,7 +118,7 @@ async def any_principal(
 
 
 @rule("user")
-async def user_principal(principal: Principal = Depends(authenticate)) -> Principal:
+async def user_principal(principal: _Authenticated) -> Principal:
     """A user's credential: the proxy, which charges a user and a team."""
     if principal.is_admin:
         raise Forbidden("the admin key cannot call models: use an API token")
@@ -115,7 +126,7 @@ async def user_principal(principal: Principal = Depends(authenticate)) -> Princi
 
 
 @rule("ingest")
-async def ingesting_principal(principal: Principal = Depends(credential)) -> Principal:
+async def ingesting_principal(principal: _Credential) -> Principal:
     """Who may report usage: the admin key, a team's ingestion key (its team's usage), or a
     user's credential (its own usage, admitted like its requests)."""
     return principal
@@ -124,6 +135,14 @@ async def ingesting_principal(principal: Principal = Depends(credential)) -> Pri
 @rule("open")
 async def open_access() -> None:
     """Declares a route that anyone may call, with no credential."""
+
+
+# What an endpoint declares in its signature to be called under a rule (metering.auth.rules).
+AdminPrincipal = Annotated[Principal, Depends(admin_only)]
+SelfPrincipal = Annotated[Principal, Depends(any_principal)]
+UserPrincipal = Annotated[Principal, Depends(user_principal)]
+IngestingPrincipal = Annotated[Principal, Depends(ingesting_principal)]
+OpenAccess = Annotated[None, Depends(open_access)]
 
 
 def refreshed_headers(state: dict[str, Any]) -> list[tuple[bytes, bytes]]:

@@ -1,10 +1,9 @@
 """POST /v1/events (admin, or a credential for its own usage), POST /v1/rerate and
 POST /v1/adjustments (admin)."""
 
-from fastapi import APIRouter, Depends, Query, Request, Response
-from sqlalchemy.ext.asyncio import AsyncSession
+from fastapi import APIRouter, Query, Request, Response
 
-from metering.auth.principal import RULE_ERRORS, Principal, admin_only, ingesting_principal
+from metering.auth.principal import RULE_ERRORS, AdminPrincipal, IngestingPrincipal
 from metering.billing import ingest, keys, rerate
 from metering.billing.keys import IngestKeyCreate, IngestKeyCreated, IngestKeyList, IngestKeyOut
 from metering.billing.schemas import (
@@ -17,14 +16,13 @@ from metering.billing.schemas import (
 )
 from metering.budgets.ceilings import RUN, run_of, unknown_run
 from metering.budgets.runs import UnknownRun
-from metering.container import Services, get_services, unit_of_work
+from metering.container import ServicesDep, SessionDep
 from metering.db import utcnow
 from metering.errors import InvalidRequest, error_responses
 from metering.money import format_usd
 from metering.timefmt import rfc3339
 
 router = APIRouter(prefix="/v1")
-Session = Depends(unit_of_work, scope="function")
 
 
 @router.post(
@@ -47,8 +45,8 @@ Session = Depends(unit_of_work, scope="function")
 async def post_events(
     request: Request,
     body: EventsIn,
-    principal: Principal = Depends(ingesting_principal),
-    services: Services = Depends(get_services),
+    principal: IngestingPrincipal,
+    services: ServicesDep,
 ) -> EventsOut:
     run = None
     if not principal.charged_in_full:
@@ -88,8 +86,8 @@ async def post_events(
 )
 async def post_rerate(
     body: RerateIn,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
+    _: AdminPrincipal,
+    services: ServicesDep,
 ) -> RerateOut:
     start = rerate.parse_moment(body.start, "start")
     end = rerate.parse_moment(body.end, "end") or utcnow()
@@ -120,8 +118,8 @@ async def post_rerate(
 )
 async def post_adjustment(
     body: AdjustmentIn,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
+    _: AdminPrincipal,
+    services: ServicesDep,
 ) -> AdjustmentOut:
     event = await rerate.adjust(
         services.db,
@@ -161,8 +159,8 @@ async def post_adjustment(
 async def create_ingest_key(
     team_id: str,
     body: IngestKeyCreate,
-    _: Principal = Depends(admin_only),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    session: SessionDep,
 ) -> IngestKeyCreated:
     key, secret = await keys.create(session, team_id, body.name)
     return IngestKeyCreated(**IngestKeyOut.of(key).model_dump(), key=secret)
@@ -175,9 +173,9 @@ async def create_ingest_key(
 )
 async def list_ingest_keys(
     team_id: str,
+    _: AdminPrincipal,
+    session: SessionDep,
     include_revoked: bool = Query(False),
-    _: Principal = Depends(admin_only),
-    session: AsyncSession = Session,
 ) -> IngestKeyList:
     found = await keys.listed(session, team_id, include_revoked)
     return IngestKeyList(data=[IngestKeyOut.of(k) for k in found])
@@ -192,8 +190,8 @@ async def list_ingest_keys(
 async def revoke_ingest_key(
     team_id: str,
     key_id: str,
-    _: Principal = Depends(admin_only),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    session: SessionDep,
 ) -> Response:
     await keys.revoke(session, team_id, key_id)
     return Response(status_code=204)

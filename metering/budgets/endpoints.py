@@ -2,12 +2,12 @@
 GET /v1/{tokens,users,teams}/{id}/limits: the rate, parallel and model limits and their use
 (admin, or self)."""
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
-from metering.auth.principal import RULE_ERRORS, Principal, any_principal
+from metering.auth.principal import RULE_ERRORS, SelfPrincipal
 from metering.budgets import queries
 from metering.budgets.schemas import BudgetOut, LimitsOut
-from metering.container import Services, get_services
+from metering.container import ServicesDep
 from metering.errors import error_responses
 
 router = APIRouter(prefix="/v1", responses=error_responses(*RULE_ERRORS["self"]))
@@ -16,8 +16,8 @@ router = APIRouter(prefix="/v1", responses=error_responses(*RULE_ERRORS["self"])
 @router.get("/tokens/{token_id}/budget")
 async def token_budget(
     token_id: str,
-    _: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    _: SelfPrincipal,
+    services: ServicesDep,
 ) -> BudgetOut:
     return BudgetOut.of(await queries.current_budget(services.db, "token", token_id))
 
@@ -25,8 +25,8 @@ async def token_budget(
 @router.get("/users/{user_id}/budget")
 async def user_budget(
     user_id: str,
-    _: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    _: SelfPrincipal,
+    services: ServicesDep,
 ) -> BudgetOut:
     return BudgetOut.of(await queries.current_budget(services.db, "user", user_id))
 
@@ -34,8 +34,8 @@ async def user_budget(
 @router.get("/teams/{team_id}/budget")
 async def team_budget(
     team_id: str,
-    _: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    _: SelfPrincipal,
+    services: ServicesDep,
 ) -> BudgetOut:
     return BudgetOut.of(await queries.current_budget(services.db, "team", team_id))
 
@@ -43,8 +43,8 @@ async def team_budget(
 @router.get("/tokens/{token_id}/limits")
 async def token_limits(
     token_id: str,
-    _: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    _: SelfPrincipal,
+    services: ServicesDep,
 ) -> LimitsOut:
     return LimitsOut.of(await queries.current_limits(services.db, "token", token_id))
 
@@ -52,8 +52,8 @@ async def token_limits(
 @router.get("/users/{user_id}/limits")
 async def user_limits(
     user_id: str,
-    _: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    _: SelfPrincipal,
+    services: ServicesDep,
 ) -> LimitsOut:
     return LimitsOut.of(await queries.current_limits(services.db, "user", user_id))
 
@@ -61,7 +61,7 @@ async def user_limits(
 @router.get("/teams/{team_id}/limits")
 async def team_limits(
     team_id: str,
-    _: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    _: SelfPrincipal,
+    services: ServicesDep,
 ) -> LimitsOut:
     return LimitsOut.of(await queries.current_limits(services.db, "team", team_id))

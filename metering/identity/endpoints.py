@@ -1,11 +1,11 @@
 """The identity API: teams, users and API tokens (their budgets: metering.budgets.endpoints)."""
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Query, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
+from metering.auth.principal import RULE_ERRORS, AdminPrincipal, Principal, SelfPrincipal
 from metering.auth.schemas import PrincipalOut
-from metering.container import Services, get_services, unit_of_work
+from metering.container import Services, ServicesDep, SessionDep
 from metering.errors import InvalidRequest, error_responses
 from metering.identity import service
 from metering.identity.schemas import (
@@ -28,7 +28,6 @@ router = APIRouter(prefix="/v1")
 
 ADMIN = RULE_ERRORS["admin"]
 SELF = RULE_ERRORS["self"]
-Session = Depends(unit_of_work, scope="function")
 
 
 def _limits(body, services: Services) -> dict:
@@ -70,9 +69,9 @@ async def _tokens(session: AsyncSession, tokens) -> list[TokenOut]:
 @router.post("/teams", status_code=201, responses=error_responses(400, 409, *ADMIN))
 async def create_team(
     body: TeamCreate,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> TeamOut:
     team = await service.create_team(
         session, body.name, body.credit_limit, body.reset_interval, _limits(body, services)
@@ -83,8 +82,8 @@ async def create_team(
 
 @router.get("/teams", responses=error_responses(400, *ADMIN))
 async def list_teams(
-    _: Principal = Depends(admin_only),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    session: SessionDep,
     limit: int = Query(100, ge=1, le=1000),
     after: str | None = Query(None, max_length=40),
 ) -> TeamList:
@@ -93,9 +92,7 @@ async def list_teams(
 
 
 @router.get("/teams/{team_id}", responses=error_responses(404, *ADMIN))
-async def get_team(
-    team_id: str, _: Principal = Depends(admin_only), session: AsyncSession = Session
-) -> TeamOut:
+async def get_team(team_id: str, _: AdminPrincipal, session: SessionDep) -> TeamOut:
     team = await service.get_team(session, team_id)
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
@@ -104,9 +101,9 @@ async def get_team(
 async def patch_team(
     team_id: str,
     body: TeamPatch,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> TeamOut:
     _limits(body, services)
     team = await service.update_team(session, team_id, body.model_dump(exclude_unset=True))
@@ -114,15 +111,13 @@ async def patch_team(
 
 
 @router.delete("/teams/{team_id}", status_code=204, responses=error_responses(404, *ADMIN))
-async def delete_team(
-    team_id: str, _: Principal = Depends(admin_only), session: AsyncSession = Session
-) -> Response:
+async def delete_team(team_id: str, _: AdminPrincipal, session: SessionDep) -> Response:
     await service.delete_team(session, team_id)
     return Response(status_code=204)
 
 
 @router.get("/me", responses=error_responses(401, 403, 429, 503))
-async def whoami(principal: Principal = Depends(any_principal)) -> PrincipalOut:
+async def whoami(principal: SelfPrincipal) -> PrincipalOut:
     """Who this credential is: what a script or the dashboard needs to find its own objects."""
     return PrincipalOut(
         kind=principal.kind,
@@ -138,9 +133,9 @@ async def whoami(principal: Principal = Depends(any_principal)) -> PrincipalOut:
 @router.post("/users", status_code=201, responses=error_responses(400, 409, *ADMIN))
 async def create_user(
     body: UserCreate,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> UserOut:
     password_hash = services.passwords.hash(body.password) if body.password else None
     user = await service.create_user(
@@ -159,8 +154,8 @@ async def create_user(
 
 @router.get("/users", responses=error_responses(400, *ADMIN))
 async def list_users(
-    _: Principal = Depends(admin_only),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    session: SessionDep,
     team_id: str | None = Query(None, max_length=40),
     limit: int = Query(100, ge=1, le=1000),
     after: str | None = Query(None, max_length=40),
@@ -170,9 +165,7 @@ async def list_users(
 
 
 @router.get("/users/{user_id}", responses=error_responses(*SELF))
-async def get_user(
-    user_id: str, principal: Principal = Depends(any_principal), session: AsyncSession = Session
-) -> UserOut:
+async def get_user(user_id: str, principal: SelfPrincipal, session: SessionDep) -> UserOut:
     principal.ensure_user(user_id)
     user = await service.get_user(session, user_id)
     return UserOut.of(user, await service.get_budget(session, user.id))
@@ -182,9 +175,9 @@ async def get_user(
 async def patch_user(
     user_id: str,
     body: UserPatch,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    _: AdminPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> UserOut:
     _limits(body, services)
     password_hash = services.passwords.hash(body.password) if body.password is not None else None
@@ -194,9 +187,7 @@ async def patch_user(
 
 
 @router.delete("/users/{user_id}", status_code=204, responses=error_responses(404, *ADMIN))
-async def delete_user(
-    user_id: str, _: Principal = Depends(admin_only), session: AsyncSession = Session
-) -> Response:
+async def delete_user(user_id: str, _: AdminPrincipal, session: SessionDep) -> Response:
     await service.delete_user(session, user_id)
     return Response(status_code=204)
 
@@ -208,9 +199,9 @@ async def delete_user(
 async def create_token(
     user_id: str,
     body: TokenCreate,
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    principal: SelfPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> TokenCreated:
     principal.ensure_user(user_id)
     token, secret = await service.create_token(
@@ -232,8 +223,8 @@ async def create_token(
 @router.get("/users/{user_id}/tokens", responses=error_responses(400, *SELF))
 async def list_tokens(
     user_id: str,
-    principal: Principal = Depends(any_principal),
-    session: AsyncSession = Session,
+    principal: SelfPrincipal,
+    session: SessionDep,
     include_revoked: bool = False,
 ) -> TokenList:
     principal.ensure_user(user_id)
@@ -248,9 +239,7 @@ async def _own_token(session: AsyncSession, principal: Principal, token_id: str)
 
 
 @router.get("/tokens/{token_id}", responses=error_responses(*SELF))
-async def get_token(
-    token_id: str, principal: Principal = Depends(any_principal), session: AsyncSession = Session
-) -> TokenOut:
+async def get_token(token_id: str, principal: SelfPrincipal, session: SessionDep) -> TokenOut:
     token = await _own_token(session, principal, token_id)
     return TokenOut.of(token, await service.get_budget(session, token.id))
 
@@ -259,9 +248,9 @@ async def get_token(
 async def patch_token(
     token_id: str,
     body: TokenPatch,
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
-    session: AsyncSession = Session,
+    principal: SelfPrincipal,
+    services: ServicesDep,
+    session: SessionDep,
 ) -> TokenOut:
     """A user's own credential may tighten its token's limits, not raise or remove them, and
     may set or shorten its expiry (`expires_at`, `expires_in`), not extend or remove it: 403
@@ -279,9 +268,7 @@ async def patch_token(
 
 
 @router.delete("/tokens/{token_id}", status_code=204, responses=error_responses(*SELF))
-async def revoke_token(
-    token_id: str, principal: Principal = Depends(any_principal), session: AsyncSession = Session
-) -> Response:
+async def revoke_token(token_id: str, principal: SelfPrincipal, session: SessionDep) -> Response:
     await _own_token(session, principal, token_id)
     await service.revoke_token(session, token_id)
     return Response(status_code=204)

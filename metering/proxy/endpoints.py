@@ -5,7 +5,7 @@ import json
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -16,7 +16,8 @@ from metering import metrics
 from metering.auth.principal import (
     RULE_ERRORS,
     Principal,
-    any_principal,
+    SelfPrincipal,
+    UserPrincipal,
     authenticate,
     refreshed_headers,
     user_principal,
@@ -28,7 +29,7 @@ from metering.budgets.reserve import BudgetShortfall, HoldSpec, Shortfall, reser
 from metering.budgets.runs import RunKey, UnknownRun
 from metering.container import get_services
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
-from metering.ledger.outcome import Attribution
+from metering.ledger.outcome import Billing
 from metering.money import format_usd
 from metering.proxy import admission
 from metering.proxy.attempt import Attempt
@@ -46,6 +47,9 @@ from metering.timefmt import rfc3339
 log = logging.getLogger("metering")
 
 router = APIRouter(prefix="/v1")
+
+# The container, as the proxy's functions take it.
+ProxyServicesDep = Annotated[ProxyServices, Depends(get_services)]
 
 
 class BudgetExceeded(MeteringError):
@@ -134,8 +138,8 @@ CHAT_RESPONSES = {
 @router.post("/chat/completions", responses=CHAT_RESPONSES)
 async def chat_completions(
     request: Request,
-    principal: Principal = Depends(user_principal),
-    services: ProxyServices = Depends(get_services),
+    principal: UserPrincipal,
+    services: ProxyServicesDep,
 ) -> Response:
     t0 = time.perf_counter()
     raw = await read_body(request, services.settings.max_body_bytes)
@@ -241,7 +245,7 @@ async def try_route(
     if target.endpoint:
         route = replace(route, upstream_model=f"{route.upstream_model}/ep/{target.endpoint}")
     assert principal.user_id is not None and principal.team_id is not None  # a user's credential
-    billing = Attribution(
+    billing = Billing(
         id=attempt_id,
         token_id=principal.token_id,
         user_id=principal.user_id,
@@ -291,9 +295,7 @@ async def try_route(
 
 
 @router.get("/models", responses=error_responses(*RULE_ERRORS["self"]))
-async def list_models(
-    principal: Principal = Depends(any_principal), services: ProxyServices = Depends(get_services)
-) -> dict[str, Any]:
+async def list_models(principal: SelfPrincipal, services: ProxyServicesDep) -> dict[str, Any]:
     """The catalog's models this credential may call (its allow-lists applied)."""
     catalog = services.catalog
     names = admission.visible_models(principal, sorted(catalog.models))

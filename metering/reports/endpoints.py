@@ -3,12 +3,16 @@
 
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
-from metering.auth.principal import RULE_ERRORS, Principal, admin_only, any_principal
-from metering.container import Services, get_services
+from metering.auth.principal import (
+    RULE_ERRORS,
+    AdminPrincipal,
+    SelfPrincipal,
+)
+from metering.container import ServicesDep
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
 from metering.reports import focus, reconciliation, refusals, usage
 from metering.reports.schemas import (
@@ -58,8 +62,8 @@ def _csv_stream(rows: AsyncIterator[bytes], headers: dict[str, str]) -> Streamin
     },
 )
 async def list_usage(
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    principal: SelfPrincipal,
+    services: ServicesDep,
     start: str | None = Query(None, max_length=64),
     end: str | None = Query(None, max_length=64),
     team_id: str | None = Query(None, max_length=40),
@@ -126,8 +130,8 @@ SPEND_400 = (
     },
 )
 async def spend(
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    principal: SelfPrincipal,
+    services: ServicesDep,
     start: str | None = Query(None, max_length=64),
     end: str | None = Query(None, max_length=64),
     group_by: str | None = Query(
@@ -208,8 +212,8 @@ def _json_errors(*statuses: int) -> dict:
     "row for corrections and credits. BilledCost sums to /v1/spend's cost. Streamed.",
 )
 async def focus_export(
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
+    _: AdminPrincipal,
+    services: ServicesDep,
     start: str | None = Query(None, max_length=64),
     end: str | None = Query(None, max_length=64),
     team_id: str | None = Query(None, max_length=40),
@@ -253,8 +257,8 @@ SCOPE = Query(None, pattern="^(token|user|team|request|run)$")
     },
 )
 async def list_refusals(
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    principal: SelfPrincipal,
+    services: ServicesDep,
     start: str | None = Query(None, max_length=64),
     end: str | None = Query(None, max_length=64),
     team_id: str | None = Query(None, max_length=40),
@@ -305,8 +309,8 @@ async def list_refusals(
     },
 )
 async def refusal_summary(
-    principal: Principal = Depends(any_principal),
-    services: Services = Depends(get_services),
+    principal: SelfPrincipal,
+    services: ServicesDep,
     start: str | None = Query(None, max_length=64),
     end: str | None = Query(None, max_length=64),
     group_by: str | None = Query(None, max_length=200),
@@ -397,8 +401,8 @@ async def read_export(request: Request) -> bytes:
 )
 async def create_reconciliation(
     request: Request,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
+    _: AdminPrincipal,
+    services: ServicesDep,
     provider: str = Query(..., min_length=1, max_length=100),
     tolerance: str | None = Query(None, max_length=32),
 ) -> JSONResponse:
@@ -417,8 +421,8 @@ async def create_reconciliation(
 )
 async def get_reconciliation(
     reconciliation_id: str,
-    _: Principal = Depends(admin_only),
-    services: Services = Depends(get_services),
+    _: AdminPrincipal,
+    services: ServicesDep,
 ) -> JSONResponse:
     found = None
     if len(reconciliation_id) <= 40 and "\x00" not in reconciliation_id:

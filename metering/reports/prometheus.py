@@ -9,7 +9,7 @@ a team, user or token id. With the key (as a Bearer token) it also carries the p
 import logging
 import os
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -19,10 +19,10 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
-from metering.auth.principal import open_access
+from metering.auth.principal import OpenAccess
 from metering.auth.tokens import digest, same
 from metering.budgets import queries
-from metering.container import Services, get_services
+from metering.container import ServicesDep
 from metering.errors import Unauthorized
 from metering.metrics import BUDGET_USED_RATIO, MULTIPROC_ENV
 
@@ -82,8 +82,8 @@ def _check_key(request: Request, key: str | None) -> None:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(
     request: Request,
-    _: None = Depends(open_access),
-    services: Services = Depends(get_services),
+    _: OpenAccess,
+    services: ServicesDep,
 ) -> Response:
     """Open unless METERING_METRICS_KEY is set (then that key, as a Bearer token). The series
     that name a team, user or token are served behind the key only."""
