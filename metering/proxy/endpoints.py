@@ -29,7 +29,7 @@ from metering.budgets.reserve import BudgetShortfall, HoldSpec, Shortfall, reser
 from metering.budgets.runs import RunKey, UnknownRun
 from metering.container import get_services
 from metering.errors import ErrorResponse, InvalidRequest, MeteringError, error_responses
-from metering.ledger.outcome import Billing
+from metering.ledger.outcome import Attribution
 from metering.money import format_usd
 from metering.proxy import admission
 from metering.proxy.attempt import Attempt
@@ -245,7 +245,7 @@ async def try_route(
     if target.endpoint:
         route = replace(route, upstream_model=f"{route.upstream_model}/ep/{target.endpoint}")
     assert principal.user_id is not None and principal.team_id is not None  # a user's credential
-    billing = Billing(
+    billing = Attribution(
         id=attempt_id,
         token_id=principal.token_id,
         user_id=principal.user_id,
