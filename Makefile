@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test lint bench postgres chromium lock
+.PHONY: demo test test-fast lint bench postgres chromium lock
 
 # Installed from the lock, every version exact and every file checked against its hash; then the
 # package alone, built by the locked setuptools (nothing resolved, nothing fetched).
@@ -55,6 +55,11 @@ test: $(BIN)/metering postgres chromium
 		$(BIN)/pytest -q -m serial --junitxml=test-output/junit-serial.xml; \
 		serial=$$?; \
 		test $$parallel -eq 0 -a $$serial -eq 0
+
+# The unit tests alone (tests/conftest.py marks each test unit or e2e: a unit test starts no
+# server and no database), in two processes: no PostgreSQL, no browser, under a minute.
+test-fast: $(BIN)/metering
+	$(BIN)/pytest -q -n 2 -m unit
 
 lint: $(BIN)/metering
 	$(BIN)/ruff check .

@@ -49,11 +49,39 @@ SERIAL = (
 )
 
 
+# The fixtures that start a server (the metering server, the simulated upstream, a webhook
+# receiver, a raw upstream) or a database, or hand a test a database of its backend; the rest
+# build on them. A test that uses one of them, or is marked e2e because it starts a server or a
+# database itself (`metering serve`, a bench run), is `e2e`; every other test is `unit` (no
+# socket listening, no database: `make test-fast`).
+E2E_FIXTURES = frozenset(
+    {
+        "sim",
+        "pg_url",
+        "sqlite_url",
+        "backend",
+        "fresh_pg",
+        "fresh_sqlite",
+        "fresh_db",
+        "backend_url",
+        "alerts_db",
+        "commits_db",
+        "private_pg",
+        "receiver",
+        "tls_receiver",
+        "upstreams",
+    }
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     root = config.rootpath
     for item in items:
         if item.path.relative_to(root).as_posix().startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
+        if item.get_closest_marker("e2e") is None:
+            uses = getattr(item, "fixturenames", ())
+            item.add_marker(pytest.mark.unit if E2E_FIXTURES.isdisjoint(uses) else pytest.mark.e2e)
 
 
 def catalog_for(sim: SimServer) -> dict:

@@ -31,6 +31,7 @@ def test_the_demo_takes_any_admin_key():
     assert DemoSettings(admin_key="demo", _env_file=None).admin_key == "demo"
 
 
+@pytest.mark.e2e  # starts a `metering serve` process
 def test_metering_serve_refuses_to_start_with_a_short_admin_key(tmp_path):
     env = {
         **os.environ,
@@ -56,6 +57,7 @@ def test_metering_serve_refuses_to_start_with_a_short_admin_key(tmp_path):
 @pytest.mark.parametrize(
     "key", ["change-me-to-a-random-key-of-32-characters-or-more", "ours-CHANGE-ME-" + "k" * 32]
 )
+@pytest.mark.e2e  # starts a `metering serve` process
 def test_metering_serve_refuses_to_start_with_the_example_admin_key(tmp_path, key):
     env = {
         **os.environ,

@@ -138,6 +138,7 @@ def test_a_burst_through_the_grouped_floor_shares_statements(sim, commits_db, tm
         assert holds >= 1 and events >= 1 and holds + events < 32, (holds, events)
 
 
+@pytest.mark.e2e  # starts a bench run: servers and databases
 def test_bench_run_measures_the_floor_with_commits_and_checks_its_events(tmp_path):
     done, result = run_bench(
         ["--modes", "direct,floor,floor-commits,floor-grouped,pg"]

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.e2e  # starts a bench run: servers and databases
 def test_phases_times_every_phase_of_each_request(tmp_path):
     requests = 30
     done = subprocess.run(

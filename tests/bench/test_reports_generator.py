@@ -27,6 +27,7 @@ def url():
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.mark.e2e  # starts a PostgreSQL database of its own (`url`)
 def test_the_last_events_of_ten_million(url):
     migrate.upgrade(url)
     n = 10_000_000

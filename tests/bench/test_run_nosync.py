@@ -8,6 +8,7 @@ from tests.bench.runs import run_bench
 pytestmark = pytest.mark.postgres
 
 
+@pytest.mark.e2e  # starts a bench run: servers and databases
 def test_nosync_measures_a_second_ours_on_postgresql_and_checks_its_ledger(tmp_path):
     done, result = run_bench(
         ["--modes", "pg", "--nosync", "--no-sqlite"]

@@ -29,6 +29,7 @@ def test_the_whole_variant_is_the_statement_the_proxy_runs():
     assert "UPDATE budgets" not in no_charge and "INSERT INTO ledger_events" in no_charge
 
 
+@pytest.mark.e2e  # starts PostgreSQL databases of its own
 def test_every_measured_group_writes_what_the_proxy_writes():
     with postgres_database(PG_ADMIN_DSN) as (_, url):
         migrate.upgrade(url)
@@ -74,6 +75,7 @@ def test_every_measured_group_writes_what_the_proxy_writes():
 
 
 @pytest.mark.parametrize("ids", ["ordered", "random"])
+@pytest.mark.e2e  # starts PostgreSQL databases of its own
 def test_the_ledger_is_filled_first_with_ids_of_the_kind_asked(ids):
     with postgres_database(PG_ADMIN_DSN) as (_, url):
         migrate.upgrade(url)

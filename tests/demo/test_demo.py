@@ -12,6 +12,7 @@ import time
 from decimal import Decimal
 
 import httpx
+import pytest
 
 from metering.demo import (
     DEMO_EMAIL,
@@ -111,6 +112,7 @@ def test_the_demo_token_is_made_with_the_admin_api_and_replaces_the_last(site):
     assert (me["kind"], me["user_id"]) == ("api_token", user["id"])
 
 
+@pytest.mark.e2e  # starts a `metering demo` process
 def test_metering_demo_serves_the_page_and_sends_its_traffic(tmp_path):
     port = free_port()
     env = {

@@ -6,6 +6,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import pytest
 
 from metering.proxy.upstreams import _client
 
@@ -29,6 +30,7 @@ class _SetsCookies(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.e2e  # starts an upstream and a server of its own
 def test_an_upstreams_cookie_is_never_kept_nor_sent():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _SetsCookies)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

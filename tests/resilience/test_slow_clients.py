@@ -243,6 +243,7 @@ def test_an_answered_request_whose_body_never_ends_is_closed_without_a_second_an
     assert b"HTTP/1.1" not in reply.data
 
 
+@pytest.mark.e2e  # starts a `metering serve` process
 def test_metering_serve_applies_the_limits(tmp_path):
     port = free_port()
     env = {
