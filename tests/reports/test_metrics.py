@@ -122,10 +122,40 @@ def test_budget_rejections_count_by_scope(api):
     assert delta(before, after, "metering_budget_rejections_total", scope="token") == 0
 
 
-def test_open_holds_is_read_from_the_database(api):
-    samples = scrape(api.url)
-    assert ("metering_open_holds", ()) in samples
-    assert samples[("metering_open_holds", ())] >= 0
+def test_open_holds_is_read_from_the_database(tmp_path, sim):
+    """On a database of its own: no hold, then the hold of a request under way, then none
+    once it is settled."""
+    url = f"sqlite:///{tmp_path / 'metering.db'}"
+    migrate.upgrade(url)
+    settings = Settings(database_url=url, admin_key=ADMIN_KEY, _env_file=None)
+    server = metering_server(settings, parse_catalog(catalog_for(sim), environ=SIM_KEYS))
+    try:
+        api = Api(server.url, "sqlite", settings)
+        _, _, token = api.principal()
+        assert scrape(api.url)[("metering_open_holds", ())] == 0
+        body = {
+            "model": "gpt-sim",
+            "stream": True,
+            "messages": [
+                {"role": "user", "content": "sim:tokens=20 sim:chunks=20 sim:delay_ms=50"}
+            ],
+        }
+        headers = {"authorization": f"Bearer {token['token']}"}
+        with httpx.stream(
+            "POST", f"{api.url}/v1/chat/completions", json=body, headers=headers, timeout=30
+        ) as response:
+            chunks = response.iter_bytes()  # kept: a generator collected closes the stream
+            next(chunks)  # under way: its hold is written
+            assert scrape(api.url)[("metering_open_holds", ())] == 1
+            for _ in chunks:
+                pass
+        deadline = time.monotonic() + 10
+        while scrape(api.url)[("metering_open_holds", ())] != 0:
+            assert time.monotonic() < deadline, "the hold was never released"
+            time.sleep(0.05)
+        assert len(api.events(token_id=token["id"])) == 1
+    finally:
+        server.stop()
 
 
 def test_a_metrics_key_is_required_when_set(api, sim):
