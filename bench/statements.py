@@ -35,8 +35,8 @@ import psycopg
 from bench.run import postgres_database
 from metering import migrate
 from metering.budgets import settle_pg
-from metering.budgets.leases import LeaseBook
 from metering.budgets.reserve import HoldSpec, hold_json, hold_row, reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle import hold_additions
 from metering.budgets.settle_queue import settle
 from metering.budgets.views import new_budget
@@ -127,12 +127,12 @@ async def _leases(db: Database, subjects: dict[str, str]) -> dict[str, str]:
     async with db.transaction() as session:
         for scope, subject in subjects.items():
             session.add(new_budget(subject, scope, usd_to_pico(Decimal(10**6)), "never", utcnow()))
-    book = LeaseBook(db, share=8, ttl_s=3600, trusted=lambda: True)
+    budgets = BudgetRuntime(db, lease_share=8, hold_ttl_s=3600)
     spec = _spec(subjects)
-    reservation = await reserve(db, spec, ttl_s=3600, leases=book)
-    if not await settle(db, _event(spec), reservation):
+    reservation = await reserve(budgets, spec, ttl_s=3600, leases=budgets.leases)
+    if not await settle(budgets.settles, _event(spec), reservation):
         raise SystemExit("the first request did not settle")
-    return {scope: book.leases[subject].id for scope, subject in subjects.items()}
+    return {scope: budgets.leases.leases[subject].id for scope, subject in subjects.items()}
 
 
 class Meter:

@@ -24,8 +24,8 @@ from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
 from metering.billing.endpoints import router as billing_router
 from metering.budgets.endpoints import router as budgets_router
-from metering.budgets.leases import LeaseBook
 from metering.budgets.refusals import RefusalLog
+from metering.budgets.runtime import BudgetRuntime
 from metering.catalog import CatalogStore, record_prices
 from metering.clock import SYSTEM, Clock, reset_current, set_current
 from metering.container import Services, ServicesDep, install
@@ -162,14 +162,14 @@ def create_app(
         credentials = Credentials(
             db, size=settings.credential_cache_size, ttl_s=settings.credential_cache_ttl_s
         )
-        leases = LeaseBook(
+        budgets = BudgetRuntime(
             db,
-            share=settings.lease_share,
-            ttl_s=settings.hold_ttl_s,
+            lease_share=settings.lease_share,
+            hold_ttl_s=settings.hold_ttl_s,
             trusted=credentials.cache.trusted,
         )
         # A change to a credential or a budget drops its leases before it is acknowledged.
-        credentials.cache.on_change.append(leases.drop)
+        credentials.cache.on_change.append(budgets.leases.drop)
         services = Services(
             settings=settings,
             db=db,
@@ -183,7 +183,7 @@ def create_app(
             ),
             # The holds of the requests being served here, extended while they run.
             live_holds=LiveHolds(),
-            leases=leases,
+            budgets=budgets,
             catalog=catalog,
             refusals=RefusalLog(db, metrics.refusal_dropped),
             clock=clock,
@@ -193,7 +193,7 @@ def create_app(
         if isinstance(app, Application) and app.direct is not None:
             app.direct.services = services  # the chat route's own way to the container
         services.credentials.start()
-        leases.start()
+        budgets.start()
         await record_prices(db, catalog)
         keep_alive = asyncio.create_task(services.live_holds.keep_alive(db, settings.hold_ttl_s))
 
@@ -243,7 +243,7 @@ def create_app(
             if services.outbox is not None:
                 await services.outbox.close()
             await services.upstreams.close()
-            await leases.close()
+            await budgets.close()
             await services.credentials.stop()
             await db.dispose()
 

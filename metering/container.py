@@ -40,8 +40,9 @@ class Services:
     upstreams: Any
     breakers: Any
     live_holds: Any
-    # budgets': slices of budgets' credit this process admits requests against in memory.
-    leases: Any
+    # budgets' (metering.budgets.runtime.BudgetRuntime): the settle and admission queues, the
+    # exhausted budgets recorded, the credit leases this process admits requests against.
+    budgets: Any
     # Replaced when the catalog file changes; a request reads it once, when it starts.
     catalog: Catalog
     # budgets': requests refused before anything was reserved (402, 429, 403), written in

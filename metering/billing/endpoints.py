@@ -64,6 +64,7 @@ async def post_events(
             services.catalog,
             principal,
             body.events,
+            admissions=services.budgets.admissions,
             refusals=services.refusals,
             run=run,
         )

@@ -35,7 +35,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from metering.auth.service import Principal
 from metering.budgets import rates
 from metering.budgets.dated import Dated, Unfit, charge_dated, fit
-from metering.budgets.rates import RateClaim, RateLimited
+from metering.budgets.rates import AdmissionQueue, RateClaim, RateLimited
 from metering.budgets.refusals import RefusalLog, Refused
 from metering.budgets.runs import RunKey, UnknownRun
 from metering.db import Database, dialect_name, utcnow
@@ -346,7 +346,7 @@ def _without_parallel(limits: Limits | None) -> Limits | None:
     return kept if kept is not None and kept.rated else None
 
 
-async def _admit(db: Database, principal: Principal, items: list[Item]) -> None:
+async def _admit(admissions: AdmissionQueue, principal: Principal, items: list[Item]) -> None:
     """A user's own events, in order, through its model allow-lists and rate limits, as its
     proxied requests go: one refused is rejected with the limit that refused it."""
     limits = principal.limits
@@ -369,7 +369,7 @@ async def _admit(db: Database, principal: Principal, items: list[Item]) -> None:
             continue
         tokens = event.prompt_tokens + event.completion_tokens
         try:
-            item.claim = await rates.admit(db, rated, tokens)
+            item.claim = await admissions.admit(rated, tokens)
         except RateLimited as exc:
             refusal = exc.refusal
             item.reject(
@@ -517,10 +517,12 @@ async def ingest(
     principal: Principal,
     raws: list,
     *,
+    admissions: AdmissionQueue,
     refusals: RefusalLog | None = None,
     run: RunKey | None = None,
 ) -> list[dict]:
-    """Record a batch; one answer per event, in the order sent. `run`: the run a user's
+    """Record a batch; one answer per event, in the order sent. `admissions`: the process's
+    rate admission queue, a user's own events are counted in; `run`: the run a user's
     credential reports in (x-metering-run), held against as its requests are."""
     now = utcnow()
     items = [Item(_key(raw)) for raw in raws]
@@ -549,7 +551,7 @@ async def ingest(
     limited = not principal.charged_in_full
     try:
         if limited:
-            await _admit(db, principal, new)
+            await _admit(admissions, principal, new)
         await _record(db, [i for i in new if i.status is None], now, limited, run)
     finally:
         await _end(db, principal, new, refusals)

@@ -48,7 +48,7 @@ from sqlalchemy import exc as sa_exc
 from metering.budgets import settle_pg
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.reserve import Claim, HoldSpec, Reservation, hold_json, hold_row
-from metering.budgets.settle_queue import settle_queue
+from metering.budgets.settle_queue import SettleQueue
 from metering.budgets.views import current_window, load, roll, view
 from metering.db import Database, utcnow
 from metering.models import Budget, BudgetLease, Hold
@@ -188,13 +188,14 @@ class HoldWriter:
     settles and the holds waiting together (one round trip for both); a group that fails is
     written here, as a multi-row INSERT and then, if that fails, one hold at a time."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, settles: SettleQueue) -> None:
         self.db = db
+        self.settles = settles
         self.groups = GroupWriter(self.write, lambda: RuntimeError("hold not written"))
 
     async def insert(self, row: dict) -> None:
         if self.db.dialect == "postgresql":
-            await settle_queue(self.db).hold(row, self.write)
+            await self.settles.hold(row, self.write)
         else:
             await self.groups.submit(row)
 
@@ -227,10 +228,17 @@ class HoldWriter:
 
 
 class LeaseBook:
-    """This process's leases, by budget (subject_id)."""
+    """This process's leases, by budget (subject_id); its leased holds join `settles`, the
+    process's settle queue, on PostgreSQL."""
 
     def __init__(
-        self, db: Database, *, share: int, ttl_s: int, trusted: Callable[[], bool]
+        self,
+        db: Database,
+        settles: SettleQueue,
+        *,
+        share: int,
+        ttl_s: int,
+        trusted: Callable[[], bool],
     ) -> None:
         self.db = db
         self.share = share
@@ -241,7 +249,7 @@ class LeaseBook:
         self.retiring: list[Lease] = []  # dropped while requests were in flight
         # Budgets found too near their limit to lease, until when (monotonic).
         self.too_small: dict[str, float] = {}
-        self.holds = HoldWriter(db)
+        self.holds = HoldWriter(db, settles)
         self._lock: asyncio.Lock | None = None
         self._task: asyncio.Task | None = None
         self.admitted = 0  # requests admitted against leases

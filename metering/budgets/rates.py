@@ -28,7 +28,6 @@ with no such limit anywhere costs nothing: its limits come with its cached crede
 import asyncio
 import logging
 import math
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -282,13 +281,6 @@ def headers(limits: Limits, used: dict[tuple[str, str], int], now: datetime) -> 
     return out
 
 
-async def admit(db: Database, limits: Limits, tokens: int) -> RateClaim:
-    """Count one request (and `tokens` for tpm) against every limit at once, or raise
-    RateLimited naming the first limit it would pass. Requests of one process that arrive
-    together with the same limits are counted in one statement (AdmissionQueue)."""
-    return await _queue(db).admit(limits, tokens)
-
-
 def _counter_rows(taken: list[tuple[ScopeLimits, str, int]], start: datetime, now: datetime):
     """The admission upsert's rows, in (subject, kind) order: the one order every writer uses."""
     rows = (
@@ -306,7 +298,7 @@ def _counter_rows(taken: list[tuple[ScopeLimits, str, int]], start: datetime, no
 
 
 async def admit_one(db: Database, limits: Limits, tokens: int) -> RateClaim:
-    """admit() in a statement of its own."""
+    """AdmissionQueue.admit() in a statement of its own."""
     now = utcnow()
     start, end = window_of(now)
     taken = _amounts(limits, tokens)
@@ -363,13 +355,14 @@ class AdmissionQueue:
     request is admitted exactly when it alone would be: exact, and one statement (and one
     wait on the counters' row locks) for many requests of a busy subject."""
 
-    def __init__(self, db: Database, loop) -> None:
+    def __init__(self, db: Database) -> None:
         self.db = db
-        self.loop = loop
         self.groups = GroupWriter(self._write_batch, lambda: RuntimeError("admission interrupted"))
         self.grouped = 0  # requests admitted in groups of two or more
 
     async def admit(self, limits: Limits, tokens: int) -> RateClaim:
+        """Count one request (and `tokens` for tpm) against every limit at once, or raise
+        RateLimited naming the first limit it would pass."""
         _check_fits(_amounts(limits, tokens), window_of(utcnow())[1])
         return await self.groups.submit((limits, tokens))
 
@@ -461,17 +454,6 @@ async def _admit_group(db: Database, group: list) -> list[RateClaim] | None:
         }
         claims.append(RateClaim(kinds, window, tokens, headers(limits, used, now)))
     return claims
-
-
-_QUEUES: "weakref.WeakKeyDictionary[Database, AdmissionQueue]" = weakref.WeakKeyDictionary()
-
-
-def _queue(db: Database) -> AdmissionQueue:
-    loop = asyncio.get_running_loop()
-    queue = _QUEUES.get(db)
-    if queue is None or queue.loop is not loop:
-        queue = _QUEUES[db] = AdmissionQueue(db, loop)
-    return queue
 
 
 async def counters(conn, subject_ids: list[str]) -> dict[tuple[str, str], tuple[datetime, int]]:

@@ -121,10 +121,41 @@ def _window_end(interval: str, anchor: datetime, start: datetime) -> datetime | 
     return window_for(parse_interval(interval), anchor, start)[1]
 
 
+class Exhausted:
+    """The budget.exhausted events this process has recorded (the database keeps each once
+    anyway): a budget refusing request after request costs one write per window, not one per
+    refusal. Forgotten all at once past `size` keys."""
+
+    __slots__ = ("keys", "size")
+
+    def __init__(self, size: int = 10_000) -> None:
+        self.keys: set[str] = set()
+        self.size = size
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys
+
+    def add(self, key: str) -> None:
+        if len(self.keys) >= self.size:
+            self.keys.clear()
+        self.keys.add(key)
+
+
 class Admits(Protocol):
     """What reserve() asks of this process's credit leases (metering.budgets.leases.LeaseBook)."""
 
     async def admit(self, spec: HoldSpec) -> Reservation | None: ...
+
+
+class Budgets(Protocol):
+    """What reserve() takes of this process's budget state (metering.budgets.runtime.
+    BudgetRuntime): the database and the exhausted budgets recorded."""
+
+    @property
+    def db(self) -> Database: ...
+
+    @property
+    def exhausted(self) -> Exhausted: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,31 +307,28 @@ async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl
 
 
 async def reserve(
-    db: Database, spec: HoldSpec, ttl_s: int, leases: Admits | None = None
+    budgets: Budgets, spec: HoldSpec, ttl_s: int, leases: Admits | None = None
 ) -> Reservation:
     """Reserve the request's worst case against every budget at once, or raise BudgetShortfall.
-    With `leases`, a request their slices cover is admitted in memory (one INSERT of its hold,
-    written in a group); any other takes the database path below."""
+    With `leases` (the process's: BudgetRuntime.leases), a request their slices cover is
+    admitted in memory (one INSERT of its hold, written in a group); any other takes the
+    database path below."""
     try:
-        return await _reserve(db, spec, ttl_s, leases)
+        return await _reserve(budgets.db, spec, ttl_s, leases)
     except BudgetShortfall as refused:
-        await record_exhausted(db, spec, refused.shortfall.budget)
+        await record_exhausted(budgets.db, budgets.exhausted, spec, refused.shortfall.budget)
         raise
 
 
-# Exhausted budgets this process has recorded (the database keeps each once anyway): a budget
-# refusing request after request costs one write per window, not one per refusal.
-_EXHAUSTED_SEEN: set[str] = set()
-_EXHAUSTED_SEEN_MAX = 10_000
-
-
-async def record_exhausted(db: Database, spec: HoldSpec, budget: BudgetView) -> None:
+async def record_exhausted(
+    db: Database, seen: Exhausted, spec: HoldSpec, budget: BudgetView
+) -> None:
     """budget.exhausted: the first refusal of a window, per budget and credit_limit (a limit
     changed inside the window re-arms it). Never fails the refusal."""
     if budget.scope in ("request", "run"):  # x-metering-max-cost and a run: no budget row
         return
     key = f"{budget.subject_id}:{rfc3339(budget.window_start)}:{budget.credit_limit}"
-    if key in _EXHAUSTED_SEEN:
+    if key in seen:
         return
     billing = spec.billing
     user_id = None if budget.scope == "team" else billing.user_id
@@ -320,9 +348,7 @@ async def record_exhausted(db: Database, spec: HoldSpec, budget: BudgetView) -> 
     except Exception:  # the refusal stands; a later one records it
         log.warning("could not record budget.exhausted for %s", budget.subject_id, exc_info=True)
         return
-    if len(_EXHAUSTED_SEEN) >= _EXHAUSTED_SEEN_MAX:
-        _EXHAUSTED_SEEN.clear()
-    _EXHAUSTED_SEEN.add(key)
+    seen.add(key)
 
 
 async def _reserve(db: Database, spec: HoldSpec, ttl_s: int, leases: Admits | None) -> Reservation:

@@ -14,7 +14,6 @@ the general path, which records the alert in the charge's transaction.
 
 import asyncio
 import logging
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,23 +28,6 @@ from metering.errors import LedgerUnavailable
 from metering.ledger.event import UNSETTLED, Event
 
 log = logging.getLogger("metering.budgets")
-
-
-async def settle(db: Database, event: Event, reservation: Reservation | None = None) -> bool:
-    """Turn a hold into its ledger event (the event's id is the hold's); False when it was
-    already settled (or expired). Settles that arrive together are written in one
-    transaction (see SettleQueue); this returns once the event is committed."""
-    claim = reservation.claim if reservation is not None else None
-    if claim is None:
-        return await _queue(db).settle(event, reservation)
-    settled = None
-    try:
-        settled = await _queue(db).settle(event, reservation)
-        return settled
-    finally:
-        # Charged from its hold: the lease lost exactly the cost; otherwise (not settled here,
-        # or its hold swept first) the whole hold.
-        claim.end(cost=event.cost if settled and not claim.swept else None)
 
 
 class _Crossed(Exception):
@@ -140,9 +122,8 @@ class SettleQueue:
     threshold passed) keeps nothing, and its holds and settles are written apart, as they are
     when some settle of the group must take the general path."""
 
-    def __init__(self, db: Database, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, db: Database) -> None:
         self.db = db
-        self.loop = loop
         self.groups = GroupWriter(
             self._write, lambda: LedgerUnavailable("settle interrupted; retry")
         )
@@ -268,17 +249,19 @@ class SettleQueue:
                 answer(future, end)
 
 
-_QUEUES: "weakref.WeakKeyDictionary[Database, SettleQueue]" = weakref.WeakKeyDictionary()
-
-
-def _queue(db: Database) -> SettleQueue:
-    loop = asyncio.get_running_loop()
-    queue = _QUEUES.get(db)
-    if queue is None or queue.loop is not loop:
-        queue = _QUEUES[db] = SettleQueue(db, loop)
-    return queue
-
-
-def settle_queue(db: Database) -> SettleQueue:
-    """The process's settle queue for this database (for its counters)."""
-    return _queue(db)
+async def settle(queue: SettleQueue, event: Event, reservation: Reservation | None = None) -> bool:
+    """Turn a hold into its ledger event (the event's id is the hold's); False when it was
+    already settled (or expired). Settles that arrive together are written in one
+    transaction (`queue`, the process's: BudgetRuntime.settles); this returns once the event is
+    committed."""
+    claim = reservation.claim if reservation is not None else None
+    if claim is None:
+        return await queue.settle(event, reservation)
+    settled = None
+    try:
+        settled = await queue.settle(event, reservation)
+        return settled
+    finally:
+        # Charged from its hold: the lease lost exactly the cost; otherwise (not settled here,
+        # or its hold swept first) the whole hold.
+        claim.end(cost=event.cost if settled and not claim.swept else None)

@@ -92,7 +92,7 @@ async def admit(
             spec = replace(spec, model_max_output=fits)
     wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
     try:
-        claim = await rates.admit(services.db, limits, prompt_bound + wanted * choices)
+        claim = await services.budgets.admissions.admit(limits, prompt_bound + wanted * choices)
     except RateLimited as exc:
         raise rate_limited(exc) from None
     return replace(spec, rates=claim)

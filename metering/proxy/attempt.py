@@ -154,7 +154,7 @@ class Attempt:
             self.services,
             "settle",
             self.spec.hold_id,
-            lambda: settle(self.services.db, event, self.reservation),
+            lambda: settle(self.services.budgets.settles, event, self.reservation),
         )
         if settled:
             metrics.observe_event(event)

@@ -271,9 +271,8 @@ async def try_route(
     )
     spec = await admission.admit(services, principal, spec, billing.prompt_bound, chat.choices)
     try:
-        reservation = await reserve(
-            services.db, spec, services.settings.hold_ttl_s, services.leases
-        )
+        budgets = services.budgets
+        reservation = await reserve(budgets, spec, services.settings.hold_ttl_s, budgets.leases)
     except BaseException as exc:
         if spec.rates is not None and principal.limits is not None:
             # No hold carries the rate claim: given back here.

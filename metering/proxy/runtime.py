@@ -5,8 +5,8 @@ ProxyServices, which it satisfies."""
 from typing import Protocol
 
 from metering.auth.runtime import AuthServices
-from metering.budgets.leases import LeaseBook
 from metering.budgets.refusals import RefusalLog
+from metering.budgets.runtime import BudgetRuntime
 from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
@@ -23,6 +23,6 @@ class ProxyServices(AuthServices, Protocol):
     @property
     def live_holds(self) -> LiveHolds: ...
     @property
-    def leases(self) -> LeaseBook: ...
+    def budgets(self) -> BudgetRuntime: ...
     @property
     def refusals(self) -> RefusalLog: ...

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import select
 
 from metering.budgets.reserve import reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.models import AlertEvent, Budget
@@ -33,7 +34,7 @@ async def test_the_sweepers_charge_crosses_thresholds_once(fresh_db):
                 .values(alert_thresholds=json.dumps([50, 70, 80]))
             )
         for _ in range(3):
-            await reserve(db, _spec(subjects), ttl_s=0)
+            await reserve(BudgetRuntime(db), _spec(subjects), ttl_s=0)
         results = await asyncio.gather(*(expire_holds(r) for r in replicas))
         assert sum(results) == 3
         async with db.sessions() as session:

@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import func, select
 
 from metering.budgets.reserve import HoldSpec, reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle import settle_in
 from metering.budgets.settle_queue import settle
 from metering.budgets.views import new_budget
@@ -190,11 +191,12 @@ async def test_expire_holds_charges_each_hold_once(fresh_db):
     # Three "replicas": three engines on one database, sweeping at the same moment.
     replicas = [Database(fresh_db, 4) for _ in range(3)]
     db = replicas[0]
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        expired = [await reserve(db, _spec(subjects), ttl_s=0) for _ in range(5)]
-        live = await reserve(db, _spec(subjects), ttl_s=3600)
+        expired = [await reserve(runtime, _spec(subjects), ttl_s=0) for _ in range(5)]
+        live = await reserve(runtime, _spec(subjects), ttl_s=3600)
         amounts = {r.hold_id: r.amount for r in expired}
         held = sum(amounts.values()) + live.amount
         assert {b.reserved for b in (await _budgets(db, subjects)).values()} == {held}
@@ -215,8 +217,8 @@ async def test_expire_holds_charges_each_hold_once(fresh_db):
 
         # A late settle of a charged hold replaces its unsettled charge: still one event.
         late = _event(_spec(subjects), 3, id=expired[0].hold_id)
-        assert await settle(db, late) is True
-        assert await settle(db, replace(late)) is False
+        assert await settle(runtime.settles, late) is True
+        assert await settle(runtime.settles, replace(late)) is False
         assert await _count(db, LedgerEvent) == len(expired)
         for row in (await _budgets(db, subjects)).values():
             assert row.spent == sum(amounts.values()) - amounts[late.id] + late.cost
@@ -266,14 +268,15 @@ async def test_close_windows_records_a_closed_window_once(fresh_db):
 @pytest.mark.anyio
 async def test_expired_hold_after_settle_is_not_charged(fresh_db):
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "daily", utcnow())
         spec = _spec(subjects)
-        await reserve(db, spec, ttl_s=0)
+        await reserve(runtime, spec, ttl_s=0)
         event = _event(spec, 7)
         assert event.cost == 10 * 150_000 + 7 * 600_000
-        assert await settle(db, event) is True
+        assert await settle(runtime.settles, event) is True
         assert await expire_holds(db) == 0
         for row in (await _budgets(db, subjects)).values():
             assert (row.spent, row.reserved) == (event.cost, 0)

@@ -11,7 +11,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import func, select, update
 
 from metering.budgets.reserve import reserve
-from metering.budgets.settle_queue import settle, settle_queue
+from metering.budgets.runtime import BudgetRuntime
+from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
 from metering.ledger import rollup
@@ -57,15 +58,16 @@ async def _alerts(db: Database, subjects: dict[str, str]) -> list[tuple[str, str
 @pytest.mark.anyio
 async def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
     db = Database(fresh_db, 8)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "daily", utcnow())
 
         async def one(completion_tokens: int) -> tuple[str, int]:
             spec = _spec(subjects)
-            reservation = await reserve(db, spec, ttl_s=60)
+            reservation = await reserve(runtime, spec, ttl_s=60)
             event = _event(spec, completion_tokens)
-            assert await settle(db, event, reservation) is True
+            assert await settle(runtime.settles, event, reservation) is True
             return event.id, event.cost
 
         done = await asyncio.gather(*(one(1 + i % 40) for i in range(REQUESTS)))
@@ -73,7 +75,7 @@ async def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
         assert total == REQUESTS * 10 * 150_000 + sum(
             (1 + i % 40) * 600_000 for i in range(REQUESTS)
         )
-        queue = settle_queue(db)
+        queue = runtime.settles
         assert queue.grouped >= 2  # some settles shared a transaction
         # On PostgreSQL every one of them took the one-statement path.
         assert queue.one_statement == (REQUESTS if db.dialect == "postgresql" else 0)
@@ -92,20 +94,21 @@ async def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
 @pytest.mark.anyio
 async def test_a_group_with_a_bad_row_commits_the_others(fresh_db):
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "daily", utcnow())
         specs = [_spec(subjects) for _ in range(5)]
-        reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+        reservations = [await reserve(runtime, spec, ttl_s=60) for spec in specs]
         events = [_event(spec, 3 + i) for i, spec in enumerate(specs)]
         events[2] = replace(events[2], model=None)  # refused by the ledger (NOT NULL)
         results = await asyncio.gather(
-            *(settle(db, e, r) for e, r in zip(events, reservations, strict=True)),
+            *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True)),
             return_exceptions=True,
         )
         assert results[:2] + results[3:] == [True] * 4
         assert isinstance(results[2], sa_exc.IntegrityError)
-        queue = settle_queue(db)
+        queue = runtime.settles
         assert (queue.grouped, queue.retried) == (0, 1)  # the group failed, then one by one
 
         good = [e for i, e in enumerate(events) if i != 2]
@@ -126,19 +129,20 @@ async def test_a_group_with_a_bad_row_commits_the_others(fresh_db):
 @pytest.mark.anyio
 async def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db, caplog):
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
         specs = [_spec(subjects) for _ in range(3)]
-        swept = await reserve(db, specs[0], ttl_s=0)
+        swept = await reserve(runtime, specs[0], ttl_s=0)
         assert await expire_holds(db) == 1  # charged in full as `unsettled`
-        live = [await reserve(db, spec, ttl_s=60) for spec in specs[1:]]
+        live = [await reserve(runtime, spec, ttl_s=60) for spec in specs[1:]]
         events = [_event(spec, 4) for spec in specs]
         results = await asyncio.gather(
-            *(settle(db, e, r) for e, r in zip(events, [swept, *live], strict=True))
+            *(settle(runtime.settles, e, r) for e, r in zip(events, [swept, *live], strict=True))
         )
         assert results == [True, True, True]
-        assert settle_queue(db).grouped == 2
+        assert runtime.settles.grouped == 2
         token = subjects["token"]
         assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 3
         assert await _count(db, LedgerEvent, LedgerEvent.status == "unsettled") == 0
@@ -161,11 +165,12 @@ async def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fre
     the others of its group are committed by the statement."""
 
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
         specs = [_spec(subjects) for _ in range(3)]
-        reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+        reservations = [await reserve(runtime, spec, ttl_s=60) for spec in specs]
         changed = specs[1].hold_id
         async with db.transaction() as session:
             await session.execute(
@@ -178,10 +183,10 @@ async def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fre
             )
         events = [_event(spec, 5) for spec in specs]
         results = await asyncio.gather(
-            *(settle(db, e, r) for e, r in zip(events, reservations, strict=True))
+            *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True))
         )
         assert results == [True, True, True]
-        queue = settle_queue(db)
+        queue = runtime.settles
         # The changed hold never goes through the statement: nothing charged twice.
         assert queue.one_statement == (2 if db.dialect == "postgresql" else 0)
         if db.dialect == "postgresql":
@@ -202,18 +207,19 @@ async def test_a_settle_passing_a_threshold_is_written_with_its_alert(fresh_db):
     one per budget, in the charge's transaction."""
 
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         # 0.0002 USD: four holds of 50 tokens fit; four events of 40 tokens pass 50%.
         await _add_budgets(db, subjects, "0.0002", "never", utcnow())
         specs = [_spec(subjects) for _ in range(4)]
-        reservations = [await reserve(db, spec, ttl_s=60) for spec in specs]
+        reservations = [await reserve(runtime, spec, ttl_s=60) for spec in specs]
         events = [_event(spec, 40) for spec in specs]
         limit = 200_000_000
         assert sum(e.cost for e in events[:3]) * 2 < limit <= sum(e.cost for e in events) * 2
-        queue = settle_queue(db)
+        queue = runtime.settles
         for i, (event, reservation) in enumerate(zip(events, reservations, strict=True)):
-            assert await settle(db, event, reservation) is True
+            assert await settle(runtime.settles, event, reservation) is True
             if db.dialect == "postgresql":
                 assert queue.one_statement == min(i + 1, 3)
         total = sum(e.cost for e in events)

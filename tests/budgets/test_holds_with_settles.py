@@ -8,9 +8,10 @@ import asyncio
 import pytest
 
 from metering import migrate
-from metering.budgets.leases import LeaseBook, give_back
+from metering.budgets.leases import give_back
 from metering.budgets.reserve import reserve
-from metering.budgets.settle_queue import settle, settle_queue
+from metering.budgets.runtime import BudgetRuntime
+from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.ledger.tables import LedgerEvent
 from metering.models import Hold
@@ -26,8 +27,8 @@ from tests.budgets.test_crash_recovery import (
 from tests.budgets.test_group_settle import _alerts, _rollup
 
 
-def _book(db: Database) -> LeaseBook:
-    return LeaseBook(db, share=8, ttl_s=3600, trusted=lambda: True)
+def _runtime(db: Database) -> BudgetRuntime:
+    return BudgetRuntime(db, lease_share=8, hold_ttl_s=3600, trusted=lambda: True)
 
 
 async def _spent(db: Database, subjects: dict) -> set[tuple[int, int]]:
@@ -42,11 +43,12 @@ async def test_holds_admitted_while_settles_wait_are_inserted_by_the_settles_sta
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        book = _book(db)
+        runtime = _runtime(db)
+        book = runtime.leases
         specs = [_spec(subjects) for _ in range(6)]
-        first = [await reserve(db, spec, 3600, book) for spec in specs[:3]]
+        first = [await reserve(runtime, spec, 3600, book) for spec in specs[:3]]
         assert all(r.claim is not None for r in first)  # against the lease, in memory
-        queue = settle_queue(db)
+        queue = runtime.settles
         assert queue.carried == 0  # each hold alone: no settle was waiting
         events = [
             _event(spec, 7 + i, id=r.hold_id)
@@ -55,8 +57,8 @@ async def test_holds_admitted_while_settles_wait_are_inserted_by_the_settles_sta
         # Three settles and three new holds submitted in one turn of the loop: the first
         # settle's statement may start alone, the rest wait together.
         done = await asyncio.gather(
-            *(settle(db, e, r) for e, r in zip(events, first, strict=True)),
-            *(reserve(db, spec, 3600, book) for spec in specs[3:]),
+            *(settle(runtime.settles, e, r) for e, r in zip(events, first, strict=True)),
+            *(reserve(runtime, spec, 3600, book) for spec in specs[3:]),
         )
         assert done[:3] == [True] * 3
         later = done[3:]
@@ -67,7 +69,7 @@ async def test_holds_admitted_while_settles_wait_are_inserted_by_the_settles_sta
         assert book.admitted == 6
         more = [_event(spec, 3, id=r.hold_id) for spec, r in zip(specs[3:], later, strict=True)]
         for event, reservation in zip(more, later, strict=True):
-            assert await settle(db, event, reservation) is True
+            assert await settle(runtime.settles, event, reservation) is True
         assert await _count(db, Hold, Hold.token_id == subjects["token"]) == 0
         costs = sum(e.cost for e in events + more)
         assert await book.return_idle(idle_s=0) == 3
@@ -87,16 +89,17 @@ async def test_a_hold_refused_in_a_combined_statement_fails_alone_and_the_settle
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        book = _book(db)
+        runtime = _runtime(db)
+        book = runtime.leases
         # Two requests on the database path, one against a fresh lease (then settled).
         plain = [_spec(subjects) for _ in range(2)]
-        waiting = [await reserve(db, spec, 3600) for spec in plain]
+        waiting = [await reserve(runtime, spec, 3600) for spec in plain]
         assert all(r.claim is None for r in waiting)
         leased_spec = _spec(subjects)
-        leased = await reserve(db, leased_spec, 3600, book)
+        leased = await reserve(runtime, leased_spec, 3600, book)
         assert leased.claim is not None
         first = _event(leased_spec, 4, id=leased.hold_id)
-        assert await settle(db, first, leased) is True
+        assert await settle(runtime.settles, first, leased) is True
         # The token's lease is returned by another replica while this process still
         # trusts it (as when it stalled past the lease's expiry).
         lease = book.leases[subjects["token"]]
@@ -105,19 +108,19 @@ async def test_a_hold_refused_in_a_combined_statement_fails_alone_and_the_settle
         events = [_event(spec, 6, id=r.hold_id) for spec, r in zip(plain, waiting, strict=True)]
         refused_spec = _spec(subjects)
         done = await asyncio.gather(
-            *(settle(db, e, r) for e, r in zip(events, waiting, strict=True)),
-            reserve(db, refused_spec, 3600, book),
+            *(settle(runtime.settles, e, r) for e, r in zip(events, waiting, strict=True)),
+            reserve(runtime, refused_spec, 3600, book),
         )
         assert done[:2] == [True, True]
         fallback = done[2]
         # The hold naming the returned lease failed alone; the request took the database
         # path and was reserved there.
         assert fallback.claim is None
-        queue = settle_queue(db)
+        queue = runtime.settles
         assert (queue.carried, queue.split) == (0, 1)  # tried together, written apart
         assert subjects["token"] not in book.leases  # the lease is dropped
         last = _event(refused_spec, 2, id=fallback.hold_id)
-        assert await settle(db, last, fallback) is True
+        assert await settle(runtime.settles, last, fallback) is True
         await book.return_idle(idle_s=0)
         costs = sum(e.cost for e in [first, *events, last])
         assert await _spent(db, subjects) == {(costs, 0)}
@@ -141,24 +144,25 @@ async def test_a_threshold_passed_in_a_combined_statement_keeps_the_holds_and_re
         # 0.0002 USD: four holds of 50 tokens fit; four events of 40 tokens pass 50%.
         await _add_budgets(db, near, "0.0002", "never", utcnow())
         await _add_budgets(db, far, "1", "never", utcnow())
-        book = _book(db)
+        runtime = _runtime(db)
+        book = runtime.leases
         specs = [_spec(near) for _ in range(4)]
-        reservations = [await reserve(db, spec, 3600) for spec in specs]
+        reservations = [await reserve(runtime, spec, 3600) for spec in specs]
         events = [
             _event(spec, 40, id=r.hold_id) for spec, r in zip(specs, reservations, strict=True)
         ]
         far_specs = [_spec(far) for _ in range(3)]
-        far_first = await reserve(db, far_specs[0], 3600, book)  # takes the leases
+        far_first = await reserve(runtime, far_specs[0], 3600, book)  # takes the leases
         assert far_first.claim is not None
         done = await asyncio.gather(
-            *(settle(db, e, r) for e, r in zip(events, reservations, strict=True)),
-            *(reserve(db, spec, 3600, book) for spec in far_specs[1:]),
+            *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True)),
+            *(reserve(runtime, spec, 3600, book) for spec in far_specs[1:]),
         )
         assert done[:4] == [True] * 4
         far_later = done[4:]
         assert all(r.claim is not None for r in far_later)  # admitted, holds written
         assert await _count(db, Hold, Hold.id.in_([r.hold_id for r in far_later])) == 2
-        queue = settle_queue(db)
+        queue = runtime.settles
         # The combined statement was aborted (nothing of it kept), then written apart.
         assert (queue.carried, queue.split) == (0, 1)
         total = sum(e.cost for e in events)
@@ -171,7 +175,7 @@ async def test_a_threshold_passed_in_a_combined_statement_keeps_the_holds_and_re
             for spec, r in zip(far_specs, [far_first, *far_later], strict=True)
         ]
         for event, reservation in zip(far_events, [far_first, *far_later], strict=True):
-            assert await settle(db, event, reservation) is True
+            assert await settle(runtime.settles, event, reservation) is True
         await book.return_idle(idle_s=0)
         assert await _spent(db, far) == {(sum(e.cost for e in far_events), 0)}
         assert await _count(db, LedgerEvent, LedgerEvent.token_id == near["token"]) == 4

@@ -18,8 +18,9 @@ import openai
 import pytest
 from sqlalchemy import select, update
 
-from metering.budgets.leases import MIN_REQUESTS, LeaseBook, expire_leases
+from metering.budgets.leases import MIN_REQUESTS, expire_leases
 from metering.budgets.reserve import BudgetShortfall, reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle_queue import settle
 from metering.budgets.views import lease_slack
 from metering.db import Database, utcnow
@@ -52,8 +53,8 @@ from tests.budgets.test_crash_recovery import (
 )
 
 
-def _book(db: Database, share: int = 8, ttl_s: int = 3600) -> LeaseBook:
-    return LeaseBook(db, share=share, ttl_s=ttl_s, trusted=lambda: True)
+def _runtime(db: Database, share: int = 8, ttl_s: int = 3600) -> BudgetRuntime:
+    return BudgetRuntime(db, lease_share=share, hold_ttl_s=ttl_s, trusted=lambda: True)
 
 
 async def _lease_rows(db: Database) -> dict[str, int]:
@@ -68,8 +69,9 @@ async def test_a_lease_admits_in_memory_and_its_row_covers_every_hold(fresh_db):
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        book = _book(db)
-        first = await reserve(db, _spec(subjects), 3600, book)
+        runtime = _runtime(db)
+        book = runtime.leases
+        first = await reserve(runtime, _spec(subjects), 3600, book)
         assert first.claim is not None  # admitted against a lease
         amount = first.amount
         leases = await _lease_rows(db)
@@ -79,7 +81,7 @@ async def test_a_lease_admits_in_memory_and_its_row_covers_every_hold(fresh_db):
         for row in (await _budgets(db, subjects)).values():
             assert row.reserved == pico("0.125")
         # The next requests take no lock on the budgets: the same leases cover them.
-        more = [await reserve(db, _spec(subjects), 3600, book) for _ in range(5)]
+        more = [await reserve(runtime, _spec(subjects), 3600, book) for _ in range(5)]
         assert all(r.claim is not None for r in more)
         assert book.taken == 1 and book.admitted == 6
         assert await _count(db, Hold, Hold.leased.is_(True)) == 6
@@ -92,7 +94,7 @@ async def test_a_lease_admits_in_memory_and_its_row_covers_every_hold(fresh_db):
         costs = 0
         for i, reservation in enumerate([first, *more]):
             event = _event(_spec(subjects), 10 + i, id=reservation.hold_id)
-            assert await settle(db, event, reservation) is True
+            assert await settle(runtime.settles, event, reservation) is True
             costs += event.cost
         for row in (await _budgets(db, subjects)).values():
             assert row.spent == costs
@@ -122,21 +124,22 @@ async def test_a_burst_against_leases_never_passes_the_limit_and_uses_the_last_c
         hold = _spec(subjects).amount(50)
         limit = 50 * hold + hold // 3
         await _add_budgets(dbs[0], subjects, str(Decimal(limit) / 10**12), "never", utcnow())
-        books = [_book(db) for db in dbs]
+        runtimes = [_runtime(db) for db in dbs]
+        books = [r.leases for r in runtimes]
         served, refused = [], 0
 
         async def one(i: int) -> bool:
             nonlocal refused
-            db, book = dbs[i % 2], books[i % 2]
+            runtime, book = runtimes[i % 2], books[i % 2]
             spec = _spec(subjects)
             try:
-                reservation = await reserve(db, spec, 3600, book)
+                reservation = await reserve(runtime, spec, 3600, book)
             except BudgetShortfall:
                 refused += 1
                 return False
             await asyncio.sleep(0.001 * (i % 7))
             event = _event(spec, 50, id=reservation.hold_id)
-            assert await settle(db, event, reservation) is True
+            assert await settle(runtime.settles, event, reservation) is True
             served.append(event.cost)
             return True
 
@@ -176,15 +179,16 @@ async def test_a_slice_too_small_takes_the_database_path(fresh_db):
         # 1/8 of what is left covers fewer than MIN_REQUESTS holds: no lease.
         limit = 8 * MIN_REQUESTS * hold - 1
         await _add_budgets(db, subjects, str(Decimal(limit) / 10**12), "never", utcnow())
-        book = _book(db)
-        reservation = await reserve(db, _spec(subjects), 3600, book)
+        runtime = _runtime(db)
+        book = runtime.leases
+        reservation = await reserve(runtime, _spec(subjects), 3600, book)
         assert reservation.claim is None
         assert await _lease_rows(db) == {}
         for row in (await _budgets(db, subjects)).values():
             assert row.reserved == reservation.amount
         # For a while its requests go straight to the database path, without trying.
         assert set(book.too_small) == {subjects["token"]}
-        again = await reserve(db, _spec(subjects), 3600, book)
+        again = await reserve(runtime, _spec(subjects), 3600, book)
         assert again.claim is None and book.taken == 0
         # A change to the budget (a raised limit) lets it lease again at once.
         book.drop(frozenset({f"budget:{subjects['token']}"}))
@@ -201,25 +205,26 @@ async def test_a_dropped_lease_admits_nothing_and_is_given_back_when_its_request
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        book = _book(db)
-        inflight = await reserve(db, _spec(subjects), 3600, book)
+        runtime = _runtime(db)
+        book = runtime.leases
+        inflight = await reserve(runtime, _spec(subjects), 3600, book)
         assert inflight.claim is not None
         book.drop(frozenset({f"budget:{subjects['team']}"}))
         assert subjects["team"] not in book.leases
         # The next request cannot use the dropped lease: it takes a new one.
-        after = await reserve(db, _spec(subjects), 3600, book)
+        after = await reserve(runtime, _spec(subjects), 3600, book)
         assert after.claim is not None
         assert after.claim.leases[2] is not inflight.claim.leases[2]
         assert await _count(db, BudgetLease) == 4  # the dropped one waits for its request
         await book.return_idle(idle_s=3600)
         assert await _count(db, BudgetLease) == 4
         event = _event(_spec(subjects), 5, id=inflight.hold_id)
-        assert await settle(db, event, inflight) is True
+        assert await settle(runtime.settles, event, inflight) is True
         assert await book.return_idle(idle_s=3600) == 1
         assert await _count(db, BudgetLease) == 3
         # An untrusted book (its listener is down) admits nothing against leases.
         book.trusted = lambda: False
-        direct = await reserve(db, _spec(subjects), 3600, book)
+        direct = await reserve(runtime, _spec(subjects), 3600, book)
         assert direct.claim is None
     finally:
         await db.dispose()
@@ -234,11 +239,12 @@ async def test_a_dead_processs_leases_and_holds_are_swept_to_the_cent(fresh_db):
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        dead = _book(db)
-        settled = await reserve(db, _spec(subjects), 3600, dead)
+        runtime = _runtime(db)
+        dead = runtime.leases
+        settled = await reserve(runtime, _spec(subjects), 3600, dead)
         event = _event(_spec(subjects), 7, id=settled.hold_id)
-        assert await settle(db, event, settled) is True
-        lost = [await reserve(db, _spec(subjects), 3600, dead) for _ in range(3)]
+        assert await settle(runtime.settles, event, settled) is True
+        lost = [await reserve(runtime, _spec(subjects), 3600, dead) for _ in range(3)]
         assert all(r.claim is not None for r in lost)
         # The process dies: nothing extends its holds and leases any more.
         past = utcnow() - timedelta(seconds=1)
@@ -258,7 +264,7 @@ async def test_a_dead_processs_leases_and_holds_are_swept_to_the_cent(fresh_db):
         assert len(events) == 1 + len(lost)
         # A late settle of a swept leased hold replaces its event; its lease is gone.
         late = _event(_spec(subjects), 3, id=lost[0].hold_id)
-        assert await settle(db, late, lost[0]) is True
+        assert await settle(runtime.settles, late, lost[0]) is True
         assert lost[0].claim.swept
         for row in (await _budgets(db, subjects)).values():
             assert row.spent == total - lost[0].amount + late.cost
@@ -463,8 +469,9 @@ async def test_leases_can_be_turned_off(fresh_db):
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        book = _book(db, share=0)
-        reservation = await reserve(db, _spec(subjects), 3600, book)
+        runtime = _runtime(db, share=0)
+        book = runtime.leases
+        reservation = await reserve(runtime, _spec(subjects), 3600, book)
         assert reservation.claim is None
         assert await _lease_rows(db) == {}
         for row in (await _budgets(db, subjects)).values():
@@ -481,10 +488,11 @@ async def test_a_lease_returned_while_its_process_stalled_is_never_used_again(fr
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
-        book = _book(db)
-        first = await reserve(db, _spec(subjects), 3600, book)
+        runtime = _runtime(db)
+        book = runtime.leases
+        first = await reserve(runtime, _spec(subjects), 3600, book)
         event = _event(_spec(subjects), 5, id=first.hold_id)
-        assert await settle(db, event, first) is True
+        assert await settle(runtime.settles, event, first) is True
         # The process stalls past the TTL: a sweeper returns its leases.
         past = utcnow() - timedelta(seconds=1)
         async with db.begin() as conn:
@@ -493,7 +501,7 @@ async def test_a_lease_returned_while_its_process_stalled_is_never_used_again(fr
         # Back, its upkeep finds them gone: no request is admitted against them.
         await book.extend()
         assert book.leases == {}
-        again = await reserve(db, _spec(subjects), 3600, book)
+        again = await reserve(runtime, _spec(subjects), 3600, book)
         assert again.claim is not None and book.taken == 2
         for row in (await _budgets(db, subjects)).values():
             assert row.spent == event.cost

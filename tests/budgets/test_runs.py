@@ -175,19 +175,21 @@ async def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(
 
     from metering.budgets.reserve import reserve
     from metering.budgets.runs import RunKey
+    from metering.budgets.runtime import BudgetRuntime
     from metering.budgets.settle_queue import settle
     from metering.jobs import expire_holds
     from metering.ledger.tables import LedgerEvent
     from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects
 
     db = Database(fresh_db, 2)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
         run = RunKey(subjects["team"], "late-run", pico("0.01"), 3600)
         spec = replace(_spec(subjects), run=run)
         spec = replace(spec, billing=replace(spec.billing, run_id=run.run_id))
-        held = await reserve(db, spec, ttl_s=0)
+        held = await reserve(runtime, spec, ttl_s=0)
         assert await expire_holds(db) == 1
         async with db.sessions() as session:
             row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
@@ -196,7 +198,7 @@ async def test_a_runs_hold_swept_and_settled_late_charges_the_run_its_real_cost(
             assert placeholder.run_id == run.run_id and placeholder.cost == held.amount
         late = _event(spec, 3, id=held.hold_id)
         assert late.run_id == run.run_id
-        assert await settle(db, late) is True
+        assert await settle(runtime.settles, late) is True
         async with db.sessions() as session:
             row = (await session.execute(select(Run).where(Run.id == run.run_id))).scalar_one()
             assert (row.spent, row.reserved) == (late.cost, 0)

@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import select
 
 from metering.budgets.reserve import reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
@@ -52,11 +53,12 @@ def _real(spec, reservation, prompt: int, completion: int) -> dict:
 @pytest.mark.anyio
 async def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
         spec = _spec(subjects)
-        swept = await reserve(db, spec, ttl_s=0)
+        swept = await reserve(runtime, spec, ttl_s=0)
         assert await expire_holds(db) == 1
         placeholder = (await _events(db, spec.hold_id))[spec.hold_id]
         assert (placeholder.status, placeholder.cost) == ("unsettled", swept.amount)
@@ -64,7 +66,7 @@ async def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
 
         event = _real(spec, swept, 10, 7)
         assert event.cost == 10 * 150_000 + 7 * 600_000 < swept.amount
-        assert await settle(db, event, swept) is True
+        assert await settle(runtime.settles, event, swept) is True
 
         row = (await _events(db, spec.hold_id))[spec.hold_id]
         assert (row.status, row.usage_source, row.http_status) == ("ok", "reported", 200)
@@ -84,7 +86,7 @@ async def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
         )
 
         # Settled now: a retry (or the sweeper) changes nothing.
-        assert await settle(db, _real(spec, swept, 99, 99), swept) is False
+        assert await settle(runtime.settles, _real(spec, swept, 99, 99), swept) is False
         assert await expire_holds(db) == 0
         assert (await _events(db, spec.hold_id))[spec.hold_id].cost == event.cost
         for budget in (await _budgets(db, subjects)).values():
@@ -96,17 +98,18 @@ async def test_a_late_settle_replaces_the_unsettled_charge(fresh_db):
 @pytest.mark.anyio
 async def test_a_late_settle_is_capped_at_the_hold_and_reports_the_rest(fresh_db):
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "never", utcnow())
         spec = _spec(subjects, max_tokens=50)
-        swept = await reserve(db, spec, ttl_s=0)
+        swept = await reserve(runtime, spec, ttl_s=0)
         assert await expire_holds(db) == 1
         event = _real(spec, swept, 10, 5000)  # 5000 completion tokens for max_tokens 50
         reported = 10 * 150_000 + 5000 * 600_000
         assert (event.cost, event.uncharged) == (swept.amount, reported - swept.amount)
         assert event.usage_anomaly == "completion_above_max_tokens"
-        assert await settle(db, event, swept) is True
+        assert await settle(runtime.settles, event, swept) is True
         row = (await _events(db, spec.hold_id))[spec.hold_id]
         assert (row.cost, row.uncharged) == (swept.amount, reported - swept.amount)
         assert row.completion_tokens == 5000
@@ -125,19 +128,20 @@ async def test_a_late_settle_is_capped_at_the_hold_and_reports_the_rest(fresh_db
 @pytest.mark.anyio
 async def test_a_late_settle_corrects_the_closed_window_it_was_charged_in(fresh_db, task_clock):
     db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
     try:
         subjects = _subjects()
         # 1 s windows: the sweep charges the first, the late settle comes in a later one.
         created = utcnow()
         await _add_budgets(db, subjects, "1", "1s", created)
         spec = _spec(subjects)
-        swept = await reserve(db, spec, ttl_s=0)
+        swept = await reserve(runtime, spec, ttl_s=0)
         assert await expire_holds(db) == 1
         charged_at = (await _events(db, spec.hold_id))[spec.hold_id].created_at
         task_clock.advance(2.2)
         assert await close_windows(db) == 3  # the charge is now in closed windows
         event = _real(spec, swept, 10, 7)
-        assert await settle(db, event, swept) is True
+        assert await settle(runtime.settles, event, swept) is True
         async with db.sessions() as session:
             windows = list(
                 await session.scalars(

@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from metering.budgets.reserve import HoldSpec, reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds
@@ -56,7 +57,7 @@ async def test_a_hold_for_several_choices_is_priced_per_choice_and_kept_at_the_r
         async with db.transaction() as session:
             for scope, subject in zip(("token", "user", "team"), billing.subjects, strict=True):
                 session.add(new_budget(subject, scope, usd_to_pico(Decimal(1)), "never", utcnow()))
-        held = await reserve(db, _spec(billing), ttl_s=0)
+        held = await reserve(BudgetRuntime(db), _spec(billing), ttl_s=0)
         assert held.amount == 100 * 150_000 + 50 * CHOICES * 600_000
         async with db.sessions() as session:
             hold = await session.scalar(select(Hold).where(Hold.id == billing.id))

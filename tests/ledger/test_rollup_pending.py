@@ -11,7 +11,8 @@ from sqlalchemy import func, select, text
 
 from metering import migrate
 from metering.budgets.reserve import reserve
-from metering.budgets.settle_queue import settle, settle_queue
+from metering.budgets.runtime import BudgetRuntime
+from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.ledger import rollup
 from metering.ledger.event import NAMES, Event
@@ -26,11 +27,11 @@ pytestmark = pytest.mark.postgres
 FIGURES = ("requests", "prompt_tokens", "completion_tokens", "cost")
 
 
-async def _settle_many(db: Database, subjects: dict, n: int, first: int = 0) -> None:
+async def _settle_many(runtime: BudgetRuntime, subjects: dict, n: int, first: int = 0) -> None:
     async def one(i: int) -> None:
         spec = _spec(subjects)
-        reservation = await reserve(db, spec, ttl_s=60)
-        assert await settle(db, _event(spec, 1 + i % 17), reservation) is True
+        reservation = await reserve(runtime, spec, ttl_s=60)
+        assert await settle(runtime.settles, _event(spec, 1 + i % 17), reservation) is True
 
     await asyncio.gather(*(one(first + i) for i in range(n)))
 
@@ -121,8 +122,9 @@ async def test_settles_write_pending_increments_the_report_reads_and_fold_moves(
         subjects = _subjects()
         token, team = subjects["token"], subjects["team"]
         await _add_budgets(db, subjects, "1", "daily", utcnow())
-        await _settle_many(db, subjects, 40)
-        assert settle_queue(db).one_statement == 40
+        runtime = BudgetRuntime(db)
+        await _settle_many(runtime, subjects, 40)
+        assert runtime.settles.one_statement == 40
         ledger = await _ledger(db, team)
         assert ledger[0] == 40
         # Every increment is pending; no rollup holds any of them yet.
@@ -172,15 +174,16 @@ async def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):
             {"cost": 10**9, "uncharged": 5},  # above the hold: capped, the rest uncharged
             {"token_id": None},
         ]
+        runtime = BudgetRuntime(db)
 
         async def one(overrides: dict) -> None:
             spec = _spec(subjects)
-            reservation = await reserve(db, spec, ttl_s=60)
+            reservation = await reserve(runtime, spec, ttl_s=60)
             event = _event(spec, 9, **overrides)
-            assert await settle(db, event, reservation) is True
+            assert await settle(runtime.settles, event, reservation) is True
 
         await asyncio.gather(*(one(v) for v in variants))
-        assert settle_queue(db).one_statement == len(variants)
+        assert runtime.settles.one_statement == len(variants)
         async with db.sessions() as session:
             events = (
                 await session.execute(
@@ -227,8 +230,9 @@ async def test_replicas_folding_while_settles_go_on_count_each_increment_once(fr
             return folded
 
         folders = [asyncio.create_task(folding(r)) for r in replicas]
+        runtimes = [BudgetRuntime(r) for r in replicas]
         for round_ in range(6):
-            await _settle_many(replicas[round_ % 3], subjects, 25, first=round_ * 25)
+            await _settle_many(runtimes[round_ % 3], subjects, 25, first=round_ * 25)
         settling = False
         folded = sum(await asyncio.gather(*folders))
         folded += await rollup.fold(db)

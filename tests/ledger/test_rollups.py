@@ -13,6 +13,7 @@ import pytest
 from sqlalchemy import select, union_all
 
 from metering.budgets.reserve import reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle_queue import settle
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds
@@ -76,6 +77,7 @@ async def settle_past_traffic(db: Database, now: datetime, count: int) -> None:
         for user in range(2):
             tokens = [f"tok_{uuid.uuid4().hex[:10]}", None]
             people.append((f"team_{team}_{now:%H%M%S}", f"usr_{team}_{user}", tokens))
+    runtime = BudgetRuntime(db)
 
     async def one(i: int) -> None:
         team_id, user_id, tokens = people[i % len(people)]
@@ -85,8 +87,8 @@ async def settle_past_traffic(db: Database, now: datetime, count: int) -> None:
         event = ledger_event(
             spec, created, rng.randrange(1, 9000), completion, reasoning=completion // 3
         )
-        reservation = await reserve(db, spec, ttl_s=900)
-        assert await settle(db, as_event(event), reservation)
+        reservation = await reserve(runtime, spec, ttl_s=900)
+        assert await settle(runtime.settles, as_event(event), reservation)
 
     await asyncio.gather(*(one(i) for i in range(count)))
 
@@ -96,6 +98,7 @@ async def test_every_rollup_equals_the_ledger_after_rolls_late_settles_and_reten
     fresh_db, task_clock
 ):
     db = Database(fresh_db, 8)
+    runtime = BudgetRuntime(db)
     try:
         now = utcnow()
         await settle_past_traffic(db, now, 120)
@@ -105,17 +108,17 @@ async def test_every_rollup_equals_the_ledger_after_rolls_late_settles_and_reten
         subjects = _subjects()
         await _add_budgets(db, subjects, "1", "1s", utcnow())
         spec = _spec(subjects)
-        swept = await reserve(db, spec, ttl_s=0)
+        swept = await reserve(runtime, spec, ttl_s=0)
         assert await expire_holds(db) == 1
         task_clock.advance(1.5)
         assert await close_windows(db) == 3
         late = _real(spec, swept, 10, 7)
         assert late.cost < swept.amount
-        assert await settle(db, late, swept) is True
+        assert await settle(runtime.settles, late, swept) is True
         # And one settled in time in the new window.
         fresh = _spec(subjects)
-        reservation = await reserve(db, fresh, ttl_s=900)
-        assert await settle(db, _real(fresh, reservation, 20, 3), reservation) is True
+        reservation = await reserve(runtime, fresh, ttl_s=900)
+        assert await settle(runtime.settles, _real(fresh, reservation, 20, 3), reservation) is True
 
         moved = await archive_old_events(db, RETENTION_DAYS, batch=16, now=now)
         assert moved > 0

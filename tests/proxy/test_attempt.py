@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from sqlalchemy import select
 
 from metering.budgets.reserve import reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.ledger.charge import Usage
@@ -42,9 +43,13 @@ def run(database_url: str, scenario) -> dict:
                 for scope, subject in subjects.items():
                     session.add(new_budget(subject, scope, None, "never", utcnow()))
             spec = hold_spec(subjects)
-            reservation = await reserve(db, spec, ttl_s=60)
+            runtime = BudgetRuntime(db)
+            reservation = await reserve(runtime, spec, ttl_s=60)
             services = SimpleNamespace(
-                settings=SimpleNamespace(settle_retry_s=1.0), db=db, live_holds=LiveHolds()
+                settings=SimpleNamespace(settle_retry_s=1.0),
+                db=db,
+                budgets=runtime,
+                live_holds=LiveHolds(),
             )
             chat = validate(
                 {"model": "gpt-sim", "messages": [{"role": "user", "content": "hi"}]}, 60

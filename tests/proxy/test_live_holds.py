@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import event, select
 
 from metering.budgets.reserve import reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds, sweep_interval_s
@@ -188,7 +189,8 @@ async def test_live_holds_are_extended_in_one_statement_and_never_swept(fresh_db
             for scope, subject in subjects.items():
                 session.add(new_budget(subject, scope, None, "never", utcnow()))
         # Every hold has already expired; all but one belong to requests still running.
-        held = [await reserve(db, hold_spec(subjects), ttl_s=0) for _ in range(BATCH + 2)]
+        runtime = BudgetRuntime(db)
+        held = [await reserve(runtime, hold_spec(subjects), ttl_s=0) for _ in range(BATCH + 2)]
         live = LiveHolds()
         for reservation in held[1:]:
             live.add(reservation.hold_id)

@@ -14,6 +14,7 @@ from decimal import Decimal
 import pytest
 
 from metering.budgets.reserve import HoldSpec, reserve
+from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle import settle_in
 from metering.db import Database
 from metering.ledger.event import Event
@@ -239,7 +240,7 @@ def ledger_event(
 
 async def reserve_and_settle(db: Database, spec: HoldSpec, event: dict) -> None:
     """The proxy's own two steps: a hold, then the settle that appends the event."""
-    await reserve(db, spec, ttl_s=900)
+    await reserve(BudgetRuntime(db), spec, ttl_s=900)
     async with db.transaction() as session:
         assert await settle_in(session, as_event(event))
 
