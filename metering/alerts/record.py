@@ -45,6 +45,30 @@ def thresholds_of(stored: str | None) -> tuple[int, ...]:
     return tuple(json.loads(stored))
 
 
+# When a charge passes an alert level: the one rule, written once and used in two forms. A
+# budget's levels are its soft limit S and each threshold p (a percentage) of its credit_limit
+# L > 0, a threshold's level being L x p at the scale PERCENT, so the arithmetic stays in whole
+# numbers. `spent` has reached a level when level <= spent x scale; a charge taking spent from
+# `before` to `after` passes it when it had not reached it before and has after. `reached` and
+# `passes` use operators only: called with integers they decide here (`passed`, `crossings`,
+# metering.budgets.views.BudgetView.threshold_passed); called with SQL expressions
+# (SQLAlchemy) they are the SQL the one-statement settle decides with, in exact numeric
+# arithmetic (metering.budgets.settle_pg). tests/alerts/test_levels.py holds every form to
+# one table of cases.
+PERCENT = 100
+
+
+def reached(spent, level, scale: int = 1):
+    """Whether `spent` has reached `level` (`scale`: PERCENT for a threshold's level)."""
+    return level <= (spent if scale == 1 else spent * scale)
+
+
+def passes(before, after, level, scale: int = 1):
+    """Whether spent going from `before` to `after` passes `level`: not reached before, reached
+    after."""
+    return ((before if scale == 1 else before * scale) < level) & reached(after, level, scale)
+
+
 def new_event_id() -> str:
     return f"evt_{uuid.uuid4().hex}"
 
@@ -122,12 +146,11 @@ def crossings(
     limit = figures.credit_limit
     if limit is not None and limit > 0:
         for percent in thresholds:
-            # Exact integers: crossed when before < limit * p / 100 <= after.
-            if before * 100 < limit * percent <= after * 100:
+            if passes(before, after, limit * percent, PERCENT):
                 key = f"{figures.subject_id}:{percent}:{window}"
                 data = figures.data(threshold=percent)
                 rows.append(event_row(THRESHOLD_CROSSED, key, data, now, user_id=user_id))
-    if soft_limit is not None and before < soft_limit <= after:
+    if soft_limit is not None and passes(before, after, soft_limit):
         key = f"{figures.subject_id}:{window}"
         data = figures.data(soft_limit=format_usd(soft_limit))
         rows.append(event_row(SOFT_LIMIT_REACHED, key, data, now, user_id=user_id))
@@ -168,11 +191,11 @@ def passed(
     soft_limit: int | None,
 ) -> bool:
     """Whether going from `before` to `after` passes a threshold or the soft limit."""
-    if soft_limit is not None and before < soft_limit <= after:
+    if soft_limit is not None and passes(before, after, soft_limit):
         return True
     if limit is None or limit <= 0:
         return False
-    return any(before * 100 < limit * p <= after * 100 for p in thresholds)
+    return any(passes(before, after, limit * p, PERCENT) for p in thresholds)
 
 
 async def owners(conn, scope: str, subject_id: str) -> tuple[str | None, str | None]:

@@ -26,9 +26,10 @@ import functools
 from dataclasses import dataclass
 
 import orjson
+from sqlalchemy import BigInteger, Numeric, Text, cast, literal_column
 from sqlalchemy.dialects import postgresql
 
-from metering.alerts.record import DEFAULT_THRESHOLDS
+from metering.alerts.record import DEFAULT_THRESHOLDS, PERCENT, passes
 from metering.db import Prepared
 from metering.ledger import rollup, writer
 from metering.ledger.event import Event
@@ -87,24 +88,44 @@ leases AS (
   WHERE l.id = s.lease_id
 )"""
 
-# What record.passed decides in Python, in exact numeric arithmetic: a charged budget went past
-# its soft limit or one of its thresholds (percentages of credit_limit). Any such charge aborts
-# the statement (metering_abort raises SQLSTATE MT001): nothing of it is kept.
-_CROSSED = f"""
+
+def _sql(expression) -> str:
+    return str(
+        expression.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True})
+    )
+
+
+def _crossed() -> str:
+    """What record.passed decides in Python, made of the same rule (record.passes) as SQL, in
+    exact numeric arithmetic: a charged budget went past its soft limit or one of its
+    thresholds (percentages of credit_limit). Any such charge aborts the statement
+    (metering_abort raises SQLSTATE MT001): nothing of it is kept."""
+    after = literal_column("c.spent", BigInteger)
+    before = after - literal_column("s.cost", BigInteger)
+    soft = passes(before, after, literal_column("c.soft_limit", BigInteger))
+
+    def exact(column):
+        return cast(column, Numeric)
+
+    level = exact(literal_column("c.credit_limit", BigInteger)) * exact(
+        literal_column("p.percent", Text)
+    )
+    threshold = passes(exact(before), exact(after), level, PERCENT)
+    return f"""
 crossed AS (
   SELECT 1 FROM charged c JOIN sums s ON s.subject_id = c.subject_id
   WHERE s.cost > 0 AND (
-    (c.soft_limit IS NOT NULL AND c.spent - s.cost < c.soft_limit AND c.soft_limit <= c.spent)
+    (c.soft_limit IS NOT NULL AND {_sql(soft)})
     OR (c.credit_limit > 0 AND EXISTS (
       SELECT 1 FROM jsonb_array_elements_text(
         CAST(COALESCE(c.alert_thresholds, '{_DEFAULT_THRESHOLDS}') AS jsonb)) AS p(percent)
-      WHERE CAST(c.spent - s.cost AS numeric) * 100
-          < CAST(c.credit_limit AS numeric) * CAST(p.percent AS numeric)
-        AND CAST(c.credit_limit AS numeric) * CAST(p.percent AS numeric)
-          <= CAST(c.spent AS numeric) * 100
+      WHERE {_sql(threshold)}
     ))
   )
 )"""
+
+
+_CROSSED = _crossed()
 
 _RESULT = f"""
 SELECT (SELECT array_agg(id) FROM ok) AS ok,

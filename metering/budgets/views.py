@@ -51,7 +51,10 @@ class BudgetView:
         """The highest alert threshold `spent` has reached in this window, if any."""
         if not self.credit_limit:
             return None
-        passed = [p for p in self.thresholds if self.spent * 100 >= self.credit_limit * p]
+        limit = self.credit_limit
+        passed = [
+            p for p in self.thresholds if record.reached(self.spent, limit * p, record.PERCENT)
+        ]
         return max(passed, default=None)
 
 
