@@ -12,6 +12,7 @@ import asyncpg
 from sqlalchemy import BigInteger, DateTime, MetaData, Table, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
@@ -285,7 +286,7 @@ class Database:
                 # through it); a connection beyond the pool's size is closed there, which is I/O.
                 await greenlet_spawn(pooled.close)
 
-    def single(self):
+    def single(self) -> AsyncConnection:
         """A Core connection in autocommit: each statement is its own transaction, with no
         BEGIN and COMMIT round trips. Only for work that is one statement."""
         return self._autocommit.connect()

@@ -10,6 +10,7 @@ On PostgreSQL the increments not yet folded in (rollup_pending) count with the r
 """
 
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -23,7 +24,7 @@ from metering.timefmt import rfc3339
 CHECKED = ("cost", "adjustments")
 
 
-async def _sums(conn: AsyncConnection, rollup: Rollup, part: dict) -> list[int]:
+async def _sums(conn: AsyncConnection, rollup: Rollup, part: dict[str, Any]) -> list[int]:
     """The row's current `cost` and `adjustments`, with its pending increments."""
     table = rollup.table
     found = (

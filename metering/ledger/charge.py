@@ -11,7 +11,7 @@ authorisation. `cost` is what was charged, `uncharged` the reported cost above i
 MAX_UNCHARGED per event).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,7 +45,7 @@ ANOMALIES = (
 UNUSABLE = (INVALID_COUNT, MISSING_COUNT)
 
 
-def first_anomaly(found) -> str | None:
+def first_anomaly(found: Iterable[str | None]) -> str | None:
     """The most serious of the reason codes found (see ANOMALIES), or None."""
     found = set(found) - {None}
     return next((code for code in ANOMALIES if code in found), None)
@@ -90,6 +90,14 @@ class Usage:
         }
 
 
+class Bounded(Protocol):
+    """What an allowance reads of a request's attribution (metering.ledger.outcome)."""
+
+    @property
+    def prompt_bound(self) -> int:
+        """The most prompt tokens the request can count."""
+
+
 class Held(Protocol):
     """What was reserved for a request (a budgets Reservation)."""
 
@@ -111,7 +119,7 @@ class Allowance:
     hold: int | None = None  # picodollars held: the most the budgets may be charged
 
     @classmethod
-    def of(cls, attribution, held: Held | None, choices: int = 1) -> "Allowance":
+    def of(cls, attribution: Bounded, held: Held | None, choices: int = 1) -> "Allowance":
         """`attribution`: a metering.ledger.outcome.Attribution (its prompt bound)."""
         if held is None:
             return cls(prompt_tokens=attribution.prompt_bound)

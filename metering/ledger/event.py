@@ -9,6 +9,7 @@ Money is integer picodollars (cost, uncharged); prices are micro-USD per 1M toke
 picodollars per token.
 """
 
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import datetime
 from types import NoneType, UnionType
@@ -35,7 +36,7 @@ ADJUSTMENT = "adjustment"  # kind of an event that corrects another's charge (or
 class Spec:
     """How one column is stored and shown."""
 
-    sql: TypeEngine
+    sql: TypeEngine[Any]
     limit: int | None = None  # the longest text kept (a String's length unless given)
     public: bool = True  # shown by GET /v1/usage
     group: str | None = None  # the object GET /v1/usage nests it in
@@ -44,11 +45,11 @@ class Spec:
     server_default: str | None = None
 
 
-def column(sql: TypeEngine, *, default: object = MISSING, **spec) -> Any:
+def column(sql: TypeEngine[Any], *, default: object = MISSING, **spec: Any) -> Any:
     return field(default=default, metadata={"spec": Spec(sql, **spec)})
 
 
-def _args(annotation) -> tuple:
+def _args(annotation: object) -> tuple[object, ...]:
     return get_args(annotation) if isinstance(annotation, UnionType) else ()
 
 
@@ -106,7 +107,7 @@ class Event:
     # The run (x-metering-run) the request belonged to, within its team, or None.
     run_id: str | None = column(String(100), default=None)
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, Any]:
         """The event as the insert's parameters (replaced below by its written-out form)."""
         return {name: getattr(self, name) for name in NAMES}
 
@@ -129,23 +130,24 @@ LIMITS = {
 }
 
 
-def _params_method():
+def _params_method() -> Callable[[Event], dict[str, Any]]:
     """Event.params(), written out for the declared columns when this module loads: a dict
     display of attributes is the fastest way to the insert's parameters (settle runs it for
     every request; dataclasses.asdict copies deeply and takes twenty times as long)."""
     items = ", ".join(f"{name!r}: self.{name}" for name in NAMES)
-    namespace: dict = {}
+    namespace: dict[str, Any] = {}
     exec(f"def params(self):\n    return {{{items}}}\n", namespace)
-    params = namespace["params"]
+    params: Callable[[Event], dict[str, Any]] = namespace["params"]
     params.__doc__ = "The event as the insert's parameters: every column, by name."
     params.__qualname__ = "Event.params"
     return params
 
 
-Event.params = _params_method()  # type: ignore[method-assign]
+# The same method, written out: mypy sees a plain callable replacing a method.
+Event.params = _params_method()  # type: ignore[method-assign, assignment]
 
 
-def columns() -> list[Column]:
+def columns() -> list[Column[Any]]:
     """The table's columns, new for each table built from them (ledger_events, its archive)."""
     return [
         Column(

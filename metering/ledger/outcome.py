@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from metering.db import utcnow
 from metering.ledger.charge import Allowance, Usage, charge_for
@@ -123,7 +124,7 @@ def event_for(
 NO_USAGE = Usage()  # an event that counts no tokens
 
 
-def unsettled_event(hold, now: datetime) -> Event:
+def unsettled_event(hold: Any, now: datetime) -> Event:
     """A hold (a metering.models.Hold) whose request never settled, its replica gone, is charged
     in full. Should the request settle after all, its real outcome replaces this event."""
     return Event(

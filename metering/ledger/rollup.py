@@ -15,12 +15,15 @@ into every rollup in one statement each batch. The rollups plus rollup_pending e
 ledger's sums at every instant, and the spend report reads both (PENDING) in one statement.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
+    Insert,
+    SQLColumnExpression,
     String,
     Table,
     case,
@@ -34,7 +37,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from metering.db import Database, dialect_name
+from metering.db import Base, Database, dialect_name
 from metering.ledger.event import ADJUSTMENT, Event
 from metering.ledger.tables import (
     RollupPending,
@@ -75,7 +78,7 @@ class Rollup:
         return (self.grain, *self.keys)
 
 
-def _rollup(model, grain: str) -> Rollup:
+def _rollup(model: type[Base], grain: str) -> Rollup:
     table = model.__table__
     return Rollup(table, grain, tuple(c.name for c in table.primary_key.columns if c.name != grain))
 
@@ -112,7 +115,7 @@ def ceil_day(value: datetime) -> datetime:
     return floor if floor == value else floor + timedelta(days=1)
 
 
-def row_for(event: Event, **override) -> dict:
+def row_for(event: Event, **override: int) -> dict[str, Any]:
     """The hourly rollup increment one ledger event makes (`override`: e.g. requests=0 and the
     cost difference, when an event replaces a placeholder already counted). An adjustment
     counts no request: its cost is a correction, also summed in `adjustments`."""
@@ -136,7 +139,7 @@ def row_for(event: Event, **override) -> dict:
     }
 
 
-def project(rollup: Rollup, row: dict) -> dict:
+def project(rollup: Rollup, row: dict[str, Any]) -> dict[str, Any]:
     """An hourly row (row_for's shape) as the increment it makes to `rollup`."""
     if rollup is HOURLY:
         return row
@@ -146,10 +149,10 @@ def project(rollup: Rollup, row: dict) -> dict:
     return out
 
 
-def summed(rollup: Rollup, rows: list[dict]) -> list[dict]:
+def summed(rollup: Rollup, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Hourly rows summed into `rollup`'s rows, in key order (concurrent writers, other
     processes, lock shared rows in one order), each sum saturated where it must be."""
-    out: dict[tuple, dict] = {}
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in rows:
         part = project(rollup, row)
         key = tuple(part[name] for name in rollup.key)
@@ -166,12 +169,13 @@ def summed(rollup: Rollup, rows: list[dict]) -> list[dict]:
     return [out[key] for key in sorted(out)]
 
 
-def _upsert(insert, rollup: Rollup):
+def _upsert(insert: Callable[[Table], Any], rollup: Rollup) -> Any:
     table = rollup.table
     statement = insert(table)
 
-    def added(name: str):
-        column, more = table.c[name], statement.excluded[name]
+    def added(name: str) -> ColumnElement[Any]:
+        column: ColumnElement[Any] = table.c[name]
+        more: ColumnElement[Any] = statement.excluded[name]
         if name in SATURATED:
             most = SATURATED[name]
             return case((column > most - more, most), else_=column + more)
@@ -334,7 +338,7 @@ def _statement_pg() -> str:
 _ALL_PG = text(_statement_pg())
 
 
-async def _add_rows(session: AsyncConnection | AsyncSession, rows: list[dict]) -> None:
+async def _add_rows(session: AsyncConnection | AsyncSession, rows: list[dict[str, Any]]) -> None:
     if dialect_name(session) == "postgresql":
         arrays = {name: [row[name] for row in rows] for name in (*KEY, *FIGURES)}
         await session.execute(_ALL_PG, arrays)
@@ -343,7 +347,7 @@ async def _add_rows(session: AsyncConnection | AsyncSession, rows: list[dict]) -
         await session.execute(upsert, summed(rollup, rows))
 
 
-async def add(session: AsyncConnection | AsyncSession, event: Event, **override) -> None:
+async def add(session: AsyncConnection | AsyncSession, event: Event, **override: int) -> None:
     """Add one ledger event to its row in every rollup, in the caller's transaction."""
     await _add_rows(session, [row_for(event, **override)])
 
@@ -355,7 +359,7 @@ async def add_many(session: AsyncConnection | AsyncSession, events: list[Event])
     await _add_rows(session, [row_for(event) for event in events])
 
 
-def hour_text(column, dialect: str):
+def hour_text(column: SQLColumnExpression[Any], dialect: str) -> ColumnElement[Any]:
     """A UTC datetime column as RFC 3339 text on its hour (`2026-11-30T05:00:00Z`), in SQL."""
     if dialect == "postgresql":
         return func.to_char(
@@ -364,14 +368,14 @@ def hour_text(column, dialect: str):
     return func.strftime("%Y-%m-%dT%H:00:00Z", column, type_=String)
 
 
-def day_text(column, dialect: str):
+def day_text(column: SQLColumnExpression[Any], dialect: str) -> ColumnElement[Any]:
     """A UTC datetime column as its UTC day (`2026-11-30`), in SQL."""
     if dialect == "postgresql":
         return func.to_char(column.op("AT TIME ZONE")(literal_column("'UTC'")), "YYYY-MM-DD")
     return func.strftime("%Y-%m-%d", column, type_=String)
 
 
-def hour_value(column, dialect: str):
+def hour_value(column: SQLColumnExpression[Any], dialect: str) -> ColumnElement[Any]:
     """A UTC datetime column truncated to its hour, stored the way a UTCDateTime is."""
     if dialect == "postgresql":
         utc = column.op("AT TIME ZONE")(literal_column("'UTC'"))
@@ -379,7 +383,7 @@ def hour_value(column, dialect: str):
     return func.strftime("%Y-%m-%d %H:00:00.000000", column)
 
 
-def rebuild_statement(source, dialect: str, *, adjustments: bool = True):
+def rebuild_statement(source: Table, dialect: str, *, adjustments: bool = True) -> Insert:
     """INSERT INTO spend_hourly the sums of a ledger-shaped table (for tools that write events
     in bulk, e.g. the benchmark's generator; appending keeps the rollup itself). Without
     `adjustments`: a table and rollup from before adjustment events (revision 0012)."""
@@ -409,7 +413,7 @@ def rebuild_statement(source, dialect: str, *, adjustments: bool = True):
     return insert(table).from_select(names, query, include_defaults=False)
 
 
-def day_value(column, dialect: str):
+def day_value(column: SQLColumnExpression[Any], dialect: str) -> ColumnElement[Any]:
     """A UTC datetime column truncated to its day, stored the way a UTCDateTime is."""
     if dialect == "postgresql":
         utc = column.op("AT TIME ZONE")(literal_column("'UTC'"))
@@ -417,11 +421,11 @@ def day_value(column, dialect: str):
     return func.strftime("%Y-%m-%d 00:00:00.000000", column)
 
 
-def derive_statement(rollup: Rollup, dialect: str, *where):
+def derive_statement(rollup: Rollup, dialect: str, *where: ColumnElement[bool]) -> Insert:
     """INSERT INTO a coarser rollup the sums of spend_hourly's rows (`where`: only some of them):
     for tools that write spend_hourly in bulk; settle keeps every rollup itself."""
     source = SpendHourly.__table__
-    at = source.c.hour
+    at: ColumnElement[Any] = source.c.hour
     if rollup.grain == "day":
         at = day_value(at, dialect)
     keys = (at, *(source.c[name] for name in rollup.keys))
@@ -443,15 +447,17 @@ _WIDEST = (_rollup(SpendDailyToken, "day"), _rollup(SpendDailyModel, "day"))
 _CHECKED = ("prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost")
 
 
-def _day_key(rollup: Rollup, row: dict) -> tuple:
+def _day_key(rollup: Rollup, row: dict[str, Any]) -> tuple[Any, ...]:
     return (floor_day(row["hour"]), *(row[name] for name in rollup.keys))
 
 
-async def _sums(session: AsyncSession, rollup: Rollup, keys: set[tuple]) -> dict[tuple, list]:
+async def _sums(
+    session: AsyncSession, rollup: Rollup, keys: set[tuple[Any, ...]]
+) -> dict[tuple[Any, ...], list[int]]:
     """The current sums of `rollup`'s rows at `keys`, with the increments not yet folded in."""
     table = rollup.table
     columns = [table.c[name] for name in rollup.key]
-    found: dict[tuple, list] = {}
+    found: dict[tuple[Any, ...], list[int]] = {}
     ordered = sorted(keys)
     for start in range(0, len(ordered), 500):
         part = ordered[start : start + 500]

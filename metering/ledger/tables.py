@@ -109,7 +109,7 @@ _KEY_COLUMNS = {"team_id": 40, "user_id": 40, "token_id": 40, "model": 200, "pro
 _SUM_COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
-def _rollup_table(name: str, grain: str, keys: tuple[str, ...], indexed: tuple[str, ...]):
+def _rollup_table(name: str, grain: str, keys: tuple[str, ...], indexed: tuple[str, ...]) -> Table:
     """A rollup table: its grain and keys the primary key (the grain first, so a time range is
     an index range), an index (key, grain) for each key a report filters on."""
     return Table(

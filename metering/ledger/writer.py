@@ -77,7 +77,7 @@ def pg_insert_cte(name: str = "ev", gate: str = "", returning: str = "") -> str:
     )
 
 
-def pg_events(events: list[Event]) -> list[dict]:
+def pg_events(events: list[Event]) -> list[dict[str, Any]]:
     """The events as pg_insert_cte reads them (to be sent as JSON)."""
     return [event.params() for event in events]
 

@@ -227,7 +227,7 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
         .having((func.sum(source.c.requests) > 0) | (func.sum(source.c.adjustments) != 0))
         .subquery("grouped")
     )
-    out = []
+    out: list[ColumnElement[Any]] = []
     for key in keys:
         if key == "day":
             out.append(day_text(grouped.c.bucket, dialect).label(key))
