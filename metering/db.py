@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import DeclarativeBase, Session
 from sqlalchemy.types import TypeDecorator
-from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util import await_only, greenlet_spawn
 
 from metering import clock
 
@@ -104,6 +104,70 @@ def _sqlite_pragmas(dbapi_connection, _record) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
+    _exact_sum(dbapi_connection)
+
+
+INT64 = (-(2**63), 2**63 - 1)
+
+
+class ExactSum:
+    """sum() on SQLite, exact past 64 bits. The builtin raises "integer overflow" once a total
+    passes 9,223,372,036,854,775,807 (9,223,372 USD in picodollars): a report adding up the
+    rows of several budgets each under the counters' ceiling would fail. Here a total that fits
+    is an integer as before; one that does not is its digits as text, which the reports read
+    with int(). Also sum() as a window function (OVER). PostgreSQL sums bigints as numeric."""
+
+    __slots__ = ("total", "real", "seen")
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.real: float | None = None
+        self.seen = 0
+
+    def step(self, value: Any) -> None:
+        if value is None:
+            return
+        self.seen += 1
+        self._add(value, 1)
+
+    def inverse(self, value: Any) -> None:
+        if value is None:
+            return
+        self.seen -= 1
+        self._add(value, -1)
+
+    def _add(self, value: Any, sign: int) -> None:
+        if isinstance(value, str | bytes):
+            try:
+                value = int(value)
+            except ValueError:
+                try:
+                    value = float(value)
+                except ValueError:
+                    value = 0
+        if isinstance(value, float):
+            self.real = (self.real or 0.0) + sign * value
+        else:
+            self.total += sign * int(value)
+
+    def value(self) -> int | float | str | None:
+        if not self.seen:
+            return None
+        if self.real is not None:
+            return self.total + self.real
+        if INT64[0] <= self.total <= INT64[1]:
+            return self.total
+        return str(self.total)
+
+    def finalize(self) -> int | float | str | None:
+        return self.value()
+
+
+def _exact_sum(dbapi_connection) -> None:
+    """Replace SQLite's sum() with ExactSum on this connection (in aiosqlite's own thread, where
+    the sqlite3 connection must be used)."""
+    driver = dbapi_connection.driver_connection  # the aiosqlite connection
+    await_only(driver._execute(driver._conn.create_window_function, "sum", 1, ExactSum))
 
 
 # The pool's connections never plan a sequential scan unless they read for a report: the

@@ -196,3 +196,21 @@ def test_a_rerate_past_a_limit_reports_the_budget_and_alerts(own_server):
     # Nothing left to correct: nothing reported.
     again = api.ok("POST", "/v1/rerate", json=body)
     assert again == {"adjusted": 0, "difference": "0", "over_limit": []}
+
+
+def test_reports_add_up_teams_past_what_one_counter_holds(api):
+    """Each team under the counters' ceiling, together past 64 bits of picodollars: every
+    report still adds them up exactly (SQLite's own sum() would raise "integer overflow")."""
+    teams = [api.team() for _ in range(2)]
+    for team in teams:
+        for _ in range(9):
+            assert adjust(api, team_id=team["id"], amount=MILLION).status_code == 201
+    ids = [t["id"] for t in teams]
+    for group_by in ("team", "day", "team,day"):
+        report = api.ok("GET", "/v1/spend", params={"group_by": group_by, "limit": 1000})
+        assert Decimal(report["total"]["cost"]) >= Decimal("18000000"), group_by
+        if "team" in group_by:
+            ours = [r for r in report["rows"] if r["team_id"] in ids]
+            assert sorted(Decimal(r["cost"]) for r in ours) == [Decimal("9000000")] * 2
+    everything = api.request("GET", "/v1/spend", params={"group_by": "team", "format": "csv"})
+    assert everything.status_code == 200, everything.text
