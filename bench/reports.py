@@ -12,7 +12,7 @@ and fills ledger_events in SQL (INSERT ... SELECT FROM generate_series, a millio
 statement; the columns are read from the migrated table, so columns added later are filled
 too), events spread evenly over the last 30 days across --tokens tokens (token t belongs to
 user t mod --users, user u to team u mod --teams) and --models models; then the hourly rollup
-from them with the statement metering.ledger.rollup gives tools that write events in bulk. It
+from them with the statements bench.rollups gives tools that write events in bulk. It
 starts `metering serve` as a subprocess and times, through HTTP, every report the dashboard
 and the README name (median of --repeat after one warm-up), /v1/usage pages at the start,
 middle and end of the range, and streams GET /v1/usage?format=csv over the whole ledger once,
@@ -36,9 +36,10 @@ from sqlalchemy import create_engine, pool
 from sqlalchemy.dialects import postgresql
 
 from bench.procs import Process, free_port, metering_command, rss_kib
+from bench.rollups import derive_statement, rebuild_statement
 from metering import migrate
 from metering.db import sync_url
-from metering.ledger.rollup import DERIVED, derive_statement, rebuild_statement
+from metering.ledger.rollup import DERIVED
 from metering.ledger.tables import LedgerEvent
 from metering.reports.spend import (
     GROUPS,

@@ -40,7 +40,7 @@ from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle import hold_additions
 from metering.budgets.settle_queue import settle
 from metering.budgets.views import new_budget
-from metering.db import SERVING_SETTINGS, Database, utcnow
+from metering.db import SERVING_SETTINGS, Database, Prepared, utcnow
 from metering.ids import time_ordered
 from metering.ledger.charge import Allowance, Usage
 from metering.ledger.event import Event
@@ -56,6 +56,16 @@ VARIANTS = {
     "no budget or lease charge": ["take", "events", "pending"],
     "holds taken only": ["take"],
 }
+
+
+def statement_of(parts: list[str]) -> Prepared:
+    """The settle statement made of some of settle_pg.PARTS only (each part needs those before
+    it that it reads: charge take's, crossed charge's, pending events'): for measuring what
+    each costs. Without `crossed` it returns the holds taken alone."""
+    result = settle_pg.RESULT
+    if "crossed" not in parts:
+        result = "\nSELECT (SELECT array_agg(id) FROM ok) AS ok"
+    return Prepared("WITH " + ",\n".join(settle_pg.PARTS[name] for name in parts) + result)
 
 
 def random_id() -> str:
@@ -179,7 +189,7 @@ async def _group(
         events.append(event)
         holds.append(hold)
         adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]
-    statement = settle_pg.statement_of(parts)
+    statement = statement_of(parts)
     params = settle_pg.parameters(events, holds, adds)
     settled, row = await meter.run(statement.sql, statement.args(params), fetch=True)
     if len(row["ok"] or ()) != size:

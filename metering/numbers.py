@@ -20,11 +20,6 @@ class NumberError(ValueError):
     """The message names the field; the caller adds where it was (a parameter, a line)."""
 
 
-def is_decimal_text(text: str, max_chars: int = MAX_CHARS) -> bool:
-    """Plain decimal notation (optional exponent), ASCII only, at most `max_chars` long."""
-    return len(text) <= max_chars and _DECIMAL.fullmatch(text) is not None
-
-
 def _range(value, name: str, low, high):
     if low is not None and value < low:
         raise NumberError(f"{name} must be at least {low}")

@@ -127,12 +127,14 @@ crossed AS (
 
 _CROSSED = _crossed()
 
-_RESULT = f"""
+# What the statement returns: the holds it took; a threshold passed aborts it.
+RESULT = f"""
 SELECT (SELECT array_agg(id) FROM ok) AS ok,
   CASE WHEN EXISTS (SELECT 1 FROM crossed) THEN metering_abort('{CROSSED_MESSAGE}') END
     AS aborted"""
 
-# The statement's parts, in order (bench.statements measures it without some of them).
+# The statement's parts, in order (bench.statements measures it without some of them,
+# made of PARTS and RESULT).
 PARTS = {
     "take": _TAKE.strip(),
     "charge": _CHARGE.strip(),
@@ -141,15 +143,7 @@ PARTS = {
     "pending": rollup.pg_pending_insert("ev"),
 }
 _BODY = ",\n".join(PARTS.values())
-STATEMENT = Prepared("WITH " + _BODY + _RESULT)
-
-
-def statement_of(parts: list[str]) -> Prepared:
-    """The statement made of some of PARTS only (each part needs those before it that it
-    reads: charge take's, crossed charge's, pending events'): for measuring what each costs.
-    Without `crossed` it returns the holds taken alone."""
-    result = _RESULT if "crossed" in parts else "\nSELECT (SELECT array_agg(id) FROM ok) AS ok"
-    return Prepared("WITH " + ",\n".join(PARTS[name] for name in parts) + result)
+STATEMENT = Prepared("WITH " + _BODY + RESULT)
 
 
 # Which of the holds a statement did not take are there (as it left them): read only when some
@@ -182,7 +176,7 @@ def with_holds(columns: tuple[str, ...]) -> Prepared:
     writer was busy): one round trip for both. Atomic like the rest: a hold refused (its lease
     returned) or a threshold passed keeps nothing of either, and the caller writes them
     apart."""
-    return Prepared(f"WITH new_holds AS ({_hold_rows(columns)}),\n{_BODY}{_RESULT}")
+    return Prepared(f"WITH new_holds AS ({_hold_rows(columns)}),\n{_BODY}{RESULT}")
 
 
 @dataclass(frozen=True, slots=True)

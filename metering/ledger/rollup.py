@@ -22,7 +22,6 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
-    Insert,
     SQLColumnExpression,
     String,
     Table,
@@ -383,59 +382,12 @@ def hour_value(column: SQLColumnExpression[Any], dialect: str) -> ColumnElement[
     return func.strftime("%Y-%m-%d %H:00:00.000000", column)
 
 
-def rebuild_statement(source: Table, dialect: str, *, adjustments: bool = True) -> Insert:
-    """INSERT INTO spend_hourly the sums of a ledger-shaped table (for tools that write events
-    in bulk, e.g. the benchmark's generator; appending keeps the rollup itself). Without
-    `adjustments`: a table and rollup from before adjustment events (revision 0012)."""
-    hour = hour_value(source.c.created_at, dialect)
-    token = func.coalesce(source.c.token_id, "")
-    keys = (hour, source.c.team_id, source.c.user_id, token, source.c.model, source.c.provider)
-    sums = [
-        func.sum(source.c.prompt_tokens),
-        func.sum(source.c.cached_tokens),
-        func.sum(source.c.completion_tokens),
-        func.sum(func.coalesce(source.c.reasoning_tokens, 0)),
-        func.sum(source.c.cost),
-        func.sum(source.c.uncharged),
-    ]
-    names = [*KEY, "requests", *SUMS]
-    requests: ColumnElement[Any]
-    if adjustments:
-        adjusting = source.c.kind == ADJUSTMENT
-        requests = func.sum(case((adjusting, 0), else_=1))
-        sums.append(func.sum(case((adjusting, source.c.cost), else_=0)))
-    else:
-        requests = func.count()
-        names.remove("adjustments")
-    query = select(*keys, requests, *sums).group_by(*keys)
-    insert = pg_insert if dialect == "postgresql" else sqlite_insert
-    table = SpendHourly.__table__
-    return insert(table).from_select(names, query, include_defaults=False)
-
-
 def day_value(column: SQLColumnExpression[Any], dialect: str) -> ColumnElement[Any]:
     """A UTC datetime column truncated to its day, stored the way a UTCDateTime is."""
     if dialect == "postgresql":
         utc = column.op("AT TIME ZONE")(literal_column("'UTC'"))
         return func.date_trunc("day", utc).op("AT TIME ZONE")(literal_column("'UTC'"))
     return func.strftime("%Y-%m-%d 00:00:00.000000", column)
-
-
-def derive_statement(rollup: Rollup, dialect: str, *where: ColumnElement[bool]) -> Insert:
-    """INSERT INTO a coarser rollup the sums of spend_hourly's rows (`where`: only some of them):
-    for tools that write spend_hourly in bulk; settle keeps every rollup itself."""
-    source = SpendHourly.__table__
-    at: ColumnElement[Any] = source.c.hour
-    if rollup.grain == "day":
-        at = day_value(at, dialect)
-    keys = (at, *(source.c[name] for name in rollup.keys))
-    query = (
-        select(*keys, *(func.sum(source.c[name]) for name in ("requests", *SUMS)))
-        .where(*where)
-        .group_by(*keys)
-    )
-    insert = pg_insert if dialect == "postgresql" else sqlite_insert
-    return insert(rollup.table).from_select([*rollup.key, "requests", *SUMS], query)
 
 
 # The most a rollup's sum may hold after an append that can be refused (ingested usage), in

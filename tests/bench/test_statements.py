@@ -20,12 +20,12 @@ pytestmark = pytest.mark.postgres
 
 
 def test_the_whole_variant_is_the_statement_the_proxy_runs():
-    whole = settle_pg.statement_of(statements.VARIANTS["whole"])
+    whole = statements.statement_of(statements.VARIANTS["whole"])
     assert whole.sql == settle_pg.STATEMENT.sql
     assert whole.names == settle_pg.STATEMENT.names
     # Each other variant leaves out what its name says, and only that.
-    assert "crossed AS" not in settle_pg.statement_of(statements.VARIANTS["no alert check"]).sql
-    no_charge = settle_pg.statement_of(statements.VARIANTS["no budget or lease charge"]).sql
+    assert "crossed AS" not in statements.statement_of(statements.VARIANTS["no alert check"]).sql
+    no_charge = statements.statement_of(statements.VARIANTS["no budget or lease charge"]).sql
     assert "UPDATE budgets" not in no_charge and "INSERT INTO ledger_events" in no_charge
 
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from sqlalchemy import BigInteger, Boolean, Integer, MetaData, String, Table, create_engine, pool
 from sqlalchemy import select as sql_select
 
+from bench.rollups import rebuild_statement
 from metering.db import Database, sync_url
 from metering.ledger import rollup, writer
 from metering.ledger.charge import Usage
@@ -205,7 +206,7 @@ def test_the_rollup_projects_declared_columns(api):
                 await session.execute(SpendHourly.__table__.delete().where(key))
                 ledger = LedgerEvent.__table__
                 only = sql_select(ledger).where(ledger.c.token_id == event.token_id).subquery()
-                await session.execute(rollup.rebuild_statement(only, db.dialect))
+                await session.execute(rebuild_statement(only, db.dialect))
             async with db.sessions() as session:
                 rebuilt = [
                     tuple(r)

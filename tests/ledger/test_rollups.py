@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import select, union_all
 
+from bench.rollups import rebuild_statement
 from metering.budgets.reserve import reserve
 from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle_queue import settle
@@ -146,7 +147,7 @@ async def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(reques
 
     from metering import migrate
     from metering.db import sync_url
-    from metering.ledger import rollup, writer
+    from metering.ledger import writer
 
     url = backend_url
     command.upgrade(migrate.alembic_config(url), "0007")
@@ -168,7 +169,7 @@ async def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(reques
     old = [{k: v for k, v in e.params().items() if k not in added} for e in events[:50]]
     with engine.begin() as conn:
         conn.execute(insert(LedgerEvent.__table__), old)
-        conn.execute(rollup.rebuild_statement(LedgerEvent.__table__, dialect, adjustments=False))
+        conn.execute(rebuild_statement(LedgerEvent.__table__, dialect, adjustments=False))
     engine.dispose()
     command.upgrade(migrate.alembic_config(url), "head")
 

@@ -1,0 +1,58 @@
+"""The rollups of events written in bulk: for tools that fill a ledger with INSERT ... SELECT
+(bench.reports' generator) and for the tests that rebuild a rollup to compare it. The service
+itself never needs them: every append keeps every rollup (metering.ledger.rollup)."""
+
+from typing import Any
+
+from sqlalchemy import ColumnElement, Insert, Table, case, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+from metering.ledger.event import ADJUSTMENT
+from metering.ledger.rollup import KEY, SUMS, Rollup, day_value, hour_value
+from metering.ledger.tables import SpendHourly
+
+
+def rebuild_statement(source: Table, dialect: str, *, adjustments: bool = True) -> Insert:
+    """INSERT INTO spend_hourly the sums of a ledger-shaped table. Without `adjustments`: a
+    table and rollup from before adjustment events (revision 0012)."""
+    hour = hour_value(source.c.created_at, dialect)
+    token = func.coalesce(source.c.token_id, "")
+    keys = (hour, source.c.team_id, source.c.user_id, token, source.c.model, source.c.provider)
+    sums = [
+        func.sum(source.c.prompt_tokens),
+        func.sum(source.c.cached_tokens),
+        func.sum(source.c.completion_tokens),
+        func.sum(func.coalesce(source.c.reasoning_tokens, 0)),
+        func.sum(source.c.cost),
+        func.sum(source.c.uncharged),
+    ]
+    names = [*KEY, "requests", *SUMS]
+    if adjustments:
+        adjusting = source.c.kind == ADJUSTMENT
+        requests = func.sum(case((adjusting, 0), else_=1))
+        sums.append(func.sum(case((adjusting, source.c.cost), else_=0)))
+    else:
+        requests = func.count()
+        names.remove("adjustments")
+    query = select(*keys, requests, *sums).group_by(*keys)
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    table = SpendHourly.__table__
+    return insert(table).from_select(names, query, include_defaults=False)
+
+
+def derive_statement(rollup: Rollup, dialect: str, *where: ColumnElement[bool]) -> Insert:
+    """INSERT INTO a coarser rollup the sums of spend_hourly's rows (`where`: only some of
+    them)."""
+    source = SpendHourly.__table__
+    at: ColumnElement[Any] = source.c.hour
+    if rollup.grain == "day":
+        at = day_value(at, dialect)
+    keys = (at, *(source.c[name] for name in rollup.keys))
+    query = (
+        select(*keys, *(func.sum(source.c[name]) for name in ("requests", *SUMS)))
+        .where(*where)
+        .group_by(*keys)
+    )
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    return insert(rollup.table).from_select([*rollup.key, "requests", *SUMS], query)
