@@ -16,7 +16,7 @@ from metering.alerts.targets import Reach, Refused, kind_of, literal
 
 
 @pytest.mark.parametrize(
-    "host, kind",
+    ("host", "kind"),
     [
         ("127.0.0.1", "loopback"),
         ("127.255.255.254", "loopback"),

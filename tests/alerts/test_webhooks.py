@@ -68,7 +68,7 @@ def test_a_deleted_webhook_is_gone(alerts_api, receiver):
 
 
 @pytest.mark.parametrize(
-    "body, param",
+    ("body", "param"),
     [
         ({"url": "http://example.com/hook", "events": [CROSSED]}, "url"),
         ({"url": "http://10.0.0.1/hook", "events": [CROSSED]}, "url"),
@@ -128,7 +128,7 @@ PRIVATE = "allowed with METERING_WEBHOOKS_ALLOW_PRIVATE=true"
 
 
 @pytest.mark.parametrize(
-    "url, reason",
+    ("url", "reason"),
     [
         ("https://127.0.0.1:5432/hook", f"127.0.0.1 (loopback; {LOOPBACK})"),
         ("https://127.1/hook", f"127.0.0.1 (loopback; {LOOPBACK})"),

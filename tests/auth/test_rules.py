@@ -126,7 +126,7 @@ def test_a_route_without_a_rule_is_found():
 
 
 def test_an_unknown_rule_cannot_be_declared():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown rule 'everyone'"):
         declare(Route("/x", lambda r: None), "everyone")
 
 

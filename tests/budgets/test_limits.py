@@ -58,7 +58,7 @@ def test_limits_are_set_at_creation_shown_and_removed(api):
 
 
 @pytest.mark.parametrize(
-    "fields, param",
+    ("fields", "param"),
     [
         ({"rpm_limit": "10"}, "rpm_limit"),
         ({"rpm_limit": 10.5}, "rpm_limit"),

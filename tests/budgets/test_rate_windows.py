@@ -111,7 +111,7 @@ def _start_of_a_window(clock: MovableClock) -> datetime:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    "rpm, tpm, expected", [(100, None, 20), (7, None, 7), (100, 1000, 1000 // 150)]
+    ("rpm", "tpm", "expected"), [(100, None, 20), (7, None, 7), (100, 1000, 1000 // 150)]
 )
 async def test_requests_counted_in_groups_are_admitted_exactly_as_alone(
     fresh_db, rpm, tpm, expected, task_clock

@@ -106,13 +106,13 @@ def test_invalid_interval_is_value_error():
 
 
 def test_interval_validates_fields():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unknown interval kind 'yearly'"):
         Interval("yearly", None, "yearly")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="fixed interval needs 1.."):
         Interval("fixed", None, "5s")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="fixed interval needs 1.."):
         Interval("fixed", 0, "0s")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'daily' interval takes no seconds"):
         Interval("daily", 5, "daily")
 
 

@@ -400,7 +400,7 @@ def test_tokenchange_error_mid_stream_with_the_sdk_raises_after_the_delivered_te
         stream=True,
     )
     received = []
-    with pytest.raises(openai.APIError, match="upstream stream interrupted"):
+    with pytest.raises(openai.APIError, match="upstream stream interrupted"):  # noqa: PT012 - raised while read
         for chunk in stream:
             received.append(chunk.choices[0].delta.content or "")
     assert "".join(received)

@@ -233,7 +233,7 @@ def test_a_wider_tolerance_accepts_the_small_cost_difference(api, scenario):
 
 
 @pytest.mark.parametrize(
-    "body, line",
+    ("body", "line"),
     [
         (HEADER + "\n2025-01-01,{p},m,10,5,0.001,a\n2025-01-01,{p},m,ten,5,0.001,b\n", 3),
         (HEADER + "\n2025-13-01,{p},m,10,5,0.001,a\n", 2),

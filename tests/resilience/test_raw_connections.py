@@ -160,7 +160,7 @@ async def test_a_connection_the_server_ended_is_never_handed_out_again_postgres(
                 admin.execute("SELECT pg_terminate_backend(%s)", (victim,))
 
         killer = asyncio.ensure_future(terminate())
-        with pytest.raises(asyncpg.PostgresError) as failed:
+        with pytest.raises(asyncpg.PostgresError) as failed:  # noqa: PT012 - the pid, then the kill
             async with db.raw() as conn:
                 assert await conn.fetchval("SELECT pg_backend_pid()") == victim
                 await conn.execute("SELECT pg_sleep(5)")
