@@ -3,8 +3,8 @@
 A request either fails before the upstream with 503 ledger_unavailable, or reaches the upstream
 and ends as exactly one ledger event (settled after the reconnect, or charged as `unsettled`
 when its settle met the outage). The database is a private instance, restarted with
-`pg_ctl restart -m fast` or stopped while requests are refused, so the machine's shared
-cluster is never touched."""
+`pg_ctl restart -m fast` or stopped for a second, so the machine's shared cluster is never
+touched."""
 
 import threading
 import time
@@ -28,7 +28,9 @@ BEFORE_RESTART = 40  # responses before the restart
 AFTER_RESTART = 60  # 200s needed after it (the database is back)
 MAX_REQUESTS = 600
 MAX_SECONDS = 120
-OUTAGE_REFUSALS = 2 * WORKERS  # refused while the database is away, before it comes back
+# Long enough for every worker's request under way to meet it (their settles retry across it:
+# METERING_SETTLE_RETRY_S, 30 s), shorter than anything that would give up.
+OUTAGE_S = 1
 RETRY_PAUSE_S = 0.1
 
 
@@ -122,10 +124,6 @@ class Load:
         with self.lock:
             return sum(r["status"] == 200 for r in self.results)
 
-    def refused_count(self) -> int:
-        with self.lock:
-            return sum(r["status"] == 503 for r in self.results)
-
     def run(self, during) -> None:
         threads = [threading.Thread(target=self._work, daemon=True) for _ in range(WORKERS)]
         for thread in threads:
@@ -154,14 +152,8 @@ def test_postgres_restarted_under_load_loses_nothing(private_pg, served, sim, ou
         if outage == "restart":
             private_pg.restart()  # pg_ctl restart -m fast
         else:
-            refused_before = load.refused_count()
             private_pg.stop()
-            # Requests keep coming while the database is away, and are refused.
-            wait_for(
-                lambda: load.refused_count() >= refused_before + OUTAGE_REFUSALS,
-                timeout=MAX_SECONDS,
-                message="refusals during the outage",
-            )
+            time.sleep(OUTAGE_S)  # requests keep coming while the database is away
             private_pg.start()
         restarted["ok_at_restart"] = load.ok_count()
         while load.ok_count() < restarted["ok_at_restart"] + AFTER_RESTART:
