@@ -27,6 +27,7 @@ from tests.budgets.test_crash_recovery import (
     _spec,
     _subjects,
 )
+from tests.budgets.writes import Writes
 
 REQUESTS = 100
 
@@ -70,15 +71,15 @@ async def test_concurrent_settles_commit_in_groups_with_exact_budgets(fresh_db):
             assert await settle(runtime.settles, event, reservation) is True
             return event.id, event.cost
 
-        done = await asyncio.gather(*(one(1 + i % 40) for i in range(REQUESTS)))
+        with Writes(db) as seen:
+            done = await asyncio.gather(*(one(1 + i % 40) for i in range(REQUESTS)))
         total = sum(cost for _, cost in done)
         assert total == REQUESTS * 10 * 150_000 + sum(
             (1 + i % 40) * 600_000 for i in range(REQUESTS)
         )
-        queue = runtime.settles
-        assert queue.grouped >= 2  # some settles shared a transaction
-        # On PostgreSQL every one of them took the one-statement path.
-        assert queue.one_statement == (REQUESTS if db.dialect == "postgresql" else 0)
+        # Some settles shared a transaction; on PostgreSQL each group was one statement alone.
+        assert len(seen.events) < REQUESTS and all(w.committed for w in seen.events)
+        assert {w.alone for w in seen.events} == {db.dialect == "postgresql"}
         token = subjects["token"]
         assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == REQUESTS
         ids = {event_id for event_id, _ in done}
@@ -102,14 +103,16 @@ async def test_a_group_with_a_bad_row_commits_the_others(fresh_db):
         reservations = [await reserve(runtime, spec, ttl_s=60) for spec in specs]
         events = [_event(spec, 3 + i) for i, spec in enumerate(specs)]
         events[2] = replace(events[2], model=None)  # refused by the ledger (NOT NULL)
-        results = await asyncio.gather(
-            *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True)),
-            return_exceptions=True,
-        )
+        with Writes(db) as seen:
+            results = await asyncio.gather(
+                *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True)),
+                return_exceptions=True,
+            )
         assert results[:2] + results[3:] == [True] * 4
         assert isinstance(results[2], sa_exc.IntegrityError)
-        queue = runtime.settles
-        assert (queue.grouped, queue.retried) == (0, 1)  # the group failed, then one by one
+        # The group failed, nothing of it kept; then one settle at a time, the bad one failing.
+        first, *alone = [w.committed for w in seen.events]
+        assert (first, sorted(alone)) == (False, [False, True, True, True, True])
 
         good = [e for i, e in enumerate(events) if i != 2]
         total = sum(e.cost for e in good)
@@ -138,11 +141,16 @@ async def test_a_group_settles_a_request_whose_hold_was_swept(fresh_db, caplog):
         assert await expire_holds(db) == 1  # charged in full as `unsettled`
         live = [await reserve(runtime, spec, ttl_s=60) for spec in specs[1:]]
         events = [_event(spec, 4) for spec in specs]
-        results = await asyncio.gather(
-            *(settle(runtime.settles, e, r) for e, r in zip(events, [swept, *live], strict=True))
-        )
+        with Writes(db) as seen:
+            results = await asyncio.gather(
+                *(
+                    settle(runtime.settles, e, r)
+                    for e, r in zip(events, [swept, *live], strict=True)
+                )
+            )
         assert results == [True, True, True]
-        assert runtime.settles.grouped == 2
+        # The two live settles in one transaction, the swept one's in another.
+        assert [w.committed for w in seen.events] == [True, True]
         token = subjects["token"]
         assert await _count(db, LedgerEvent, LedgerEvent.token_id == token) == 3
         assert await _count(db, LedgerEvent, LedgerEvent.status == "unsettled") == 0
@@ -182,15 +190,18 @@ async def test_a_hold_not_as_its_reservation_wrote_it_takes_the_general_path(fre
                 .values(reserved=Budget.reserved + 7)
             )
         events = [_event(spec, 5) for spec in specs]
-        results = await asyncio.gather(
-            *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True))
-        )
+        with Writes(db) as seen:
+            results = await asyncio.gather(
+                *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True))
+            )
         assert results == [True, True, True]
-        queue = runtime.settles
-        # The changed hold never goes through the statement: nothing charged twice.
-        assert queue.one_statement == (2 if db.dialect == "postgresql" else 0)
+        # The changed hold never goes through the statement: nothing charged twice. On
+        # PostgreSQL the statement writes the two others, the general path the changed one.
         if db.dialect == "postgresql":
+            assert [w.alone for w in seen.events] == [True, False]
             assert "not the ones written" in caplog.text and changed in caplog.text
+        else:
+            assert not any(w.alone for w in seen.events)
         total = sum(e.cost for e in events)
         for row in (await _budgets(db, subjects)).values():
             assert (row.spent, row.reserved) == (total, 0)
@@ -217,11 +228,16 @@ async def test_a_settle_passing_a_threshold_is_written_with_its_alert(fresh_db):
         events = [_event(spec, 40) for spec in specs]
         limit = 200_000_000
         assert sum(e.cost for e in events[:3]) * 2 < limit <= sum(e.cost for e in events) * 2
-        queue = runtime.settles
-        for i, (event, reservation) in enumerate(zip(events, reservations, strict=True)):
-            assert await settle(runtime.settles, event, reservation) is True
-            if db.dialect == "postgresql":
-                assert queue.one_statement == min(i + 1, 3)
+        with Writes(db) as seen:
+            for event, reservation in zip(events, reservations, strict=True):
+                assert await settle(runtime.settles, event, reservation) is True
+        written = [(w.alone, w.committed) for w in seen.events]
+        if db.dialect == "postgresql":
+            # Three statements alone; the fourth's is aborted (nothing of it kept), and the
+            # general path writes it.
+            assert written == [(True, True)] * 3 + [(True, False), (False, True)]
+        else:
+            assert written == [(False, True)] * 4
         total = sum(e.cost for e in events)
         for row in (await _budgets(db, subjects)).values():
             assert (row.spent, row.reserved) == (total, 0)

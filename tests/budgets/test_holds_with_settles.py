@@ -25,6 +25,7 @@ from tests.budgets.test_crash_recovery import (
     _subjects,
 )
 from tests.budgets.test_group_settle import _alerts, _rollup
+from tests.budgets.writes import Writes
 
 
 def _runtime(db: Database) -> BudgetRuntime:
@@ -46,25 +47,28 @@ async def test_holds_admitted_while_settles_wait_are_inserted_by_the_settles_sta
         runtime = _runtime(db)
         book = runtime.leases
         specs = [_spec(subjects) for _ in range(6)]
-        first = [await reserve(runtime, spec, 3600, book) for spec in specs[:3]]
+        with Writes(db) as seen:
+            first = [await reserve(runtime, spec, 3600, book) for spec in specs[:3]]
         assert all(r.claim is not None for r in first)  # against the lease, in memory
-        queue = runtime.settles
-        assert queue.carried == 0  # each hold alone: no settle was waiting
+        # Each hold alone: no settle was waiting.
+        assert seen.events == [] and len(seen.holds_alone) == 3
         events = [
             _event(spec, 7 + i, id=r.hold_id)
             for i, (spec, r) in enumerate(zip(specs, first, strict=False))
         ]
         # Three settles and three new holds submitted in one turn of the loop: the first
         # settle's statement may start alone, the rest wait together.
-        done = await asyncio.gather(
-            *(settle(runtime.settles, e, r) for e, r in zip(events, first, strict=True)),
-            *(reserve(runtime, spec, 3600, book) for spec in specs[3:]),
-        )
+        with Writes(db) as seen:
+            done = await asyncio.gather(
+                *(settle(runtime.settles, e, r) for e, r in zip(events, first, strict=True)),
+                *(reserve(runtime, spec, 3600, book) for spec in specs[3:]),
+            )
         assert done[:3] == [True] * 3
         later = done[3:]
         assert all(r.claim is not None for r in later)
-        assert (queue.carried, queue.split) == (3, 0)  # every new hold rode with settles
-        assert queue.one_statement == 3
+        # Every new hold rode with settles, in statements alone that all committed.
+        assert seen.holds_alone == [] and any(w.holds for w in seen.events)
+        assert all(w.alone and w.committed for w in seen.events)
         assert await _count(db, Hold, Hold.id.in_([r.hold_id for r in later])) == 3
         assert book.admitted == 6
         more = [_event(spec, 3, id=r.hold_id) for spec, r in zip(specs[3:], later, strict=True)]
@@ -107,17 +111,19 @@ async def test_a_hold_refused_in_a_combined_statement_fails_alone_and_the_settle
 
         events = [_event(spec, 6, id=r.hold_id) for spec, r in zip(plain, waiting, strict=True)]
         refused_spec = _spec(subjects)
-        done = await asyncio.gather(
-            *(settle(runtime.settles, e, r) for e, r in zip(events, waiting, strict=True)),
-            reserve(runtime, refused_spec, 3600, book),
-        )
+        with Writes(db) as seen:
+            done = await asyncio.gather(
+                *(settle(runtime.settles, e, r) for e, r in zip(events, waiting, strict=True)),
+                reserve(runtime, refused_spec, 3600, book),
+            )
         assert done[:2] == [True, True]
         fallback = done[2]
         # The hold naming the returned lease failed alone; the request took the database
         # path and was reserved there.
         assert fallback.claim is None
-        queue = runtime.settles
-        assert (queue.carried, queue.split) == (0, 1)  # tried together, written apart
+        # Tried together in one statement, which kept nothing; the settles written apart.
+        assert [w.committed for w in seen.events if w.holds] == [False]
+        assert [w.committed for w in seen.events if not w.holds] == [True]
         assert subjects["token"] not in book.leases  # the lease is dropped
         last = _event(refused_spec, 2, id=fallback.hold_id)
         assert await settle(runtime.settles, last, fallback) is True
@@ -154,17 +160,18 @@ async def test_a_threshold_passed_in_a_combined_statement_keeps_the_holds_and_re
         far_specs = [_spec(far) for _ in range(3)]
         far_first = await reserve(runtime, far_specs[0], 3600, book)  # takes the leases
         assert far_first.claim is not None
-        done = await asyncio.gather(
-            *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True)),
-            *(reserve(runtime, spec, 3600, book) for spec in far_specs[1:]),
-        )
+        with Writes(db) as seen:
+            done = await asyncio.gather(
+                *(settle(runtime.settles, e, r) for e, r in zip(events, reservations, strict=True)),
+                *(reserve(runtime, spec, 3600, book) for spec in far_specs[1:]),
+            )
         assert done[:4] == [True] * 4
         far_later = done[4:]
         assert all(r.claim is not None for r in far_later)  # admitted, holds written
         assert await _count(db, Hold, Hold.id.in_([r.hold_id for r in far_later])) == 2
-        queue = runtime.settles
         # The combined statement was aborted (nothing of it kept), then written apart.
-        assert (queue.carried, queue.split) == (0, 1)
+        assert [w.committed for w in seen.events if w.holds] == [False]
+        assert seen.events[-1].committed and not seen.events[-1].holds
         total = sum(e.cost for e in events)
         assert await _spent(db, near) == {(total, 0)}
         assert await _alerts(db, near) == sorted(

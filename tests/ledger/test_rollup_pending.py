@@ -21,6 +21,7 @@ from metering.ledger.tables import LedgerEvent, RollupPending
 from metering.reports import spend
 from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite, wait_for  # noqa: F401
 from tests.budgets.test_crash_recovery import _add_budgets, _event, _spec, _subjects
+from tests.budgets.writes import Writes
 
 pytestmark = pytest.mark.postgres
 
@@ -123,8 +124,10 @@ async def test_settles_write_pending_increments_the_report_reads_and_fold_moves(
         token, team = subjects["token"], subjects["team"]
         await _add_budgets(db, subjects, "1", "daily", utcnow())
         runtime = BudgetRuntime(db)
-        await _settle_many(runtime, subjects, 40)
-        assert runtime.settles.one_statement == 40
+        with Writes(db) as seen:
+            await _settle_many(runtime, subjects, 40)
+        # Every settle by the one statement: each group's events written by a statement alone.
+        assert seen.events and all(w.alone and w.committed for w in seen.events)
         ledger = await _ledger(db, team)
         assert ledger[0] == 40
         # Every increment is pending; no rollup holds any of them yet.
@@ -182,8 +185,9 @@ async def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):
             event = _event(spec, 9, **overrides)
             assert await settle(runtime.settles, event, reservation) is True
 
-        await asyncio.gather(*(one(v) for v in variants))
-        assert runtime.settles.one_statement == len(variants)
+        with Writes(db) as seen:
+            await asyncio.gather(*(one(v) for v in variants))
+        assert seen.events and all(w.alone and w.committed for w in seen.events)
         async with db.sessions() as session:
             events = (
                 await session.execute(
