@@ -4,7 +4,7 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -304,7 +304,7 @@ class Database:
         async with self.sessions() as session, session.begin():
             yield session
 
-    def begin(self):
+    def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A Core connection in a transaction, for the proxy's hot path: lighter than a Session."""
         return self.engine.begin()
 

@@ -25,9 +25,10 @@ requests settling meanwhile, whose charges are never refused.
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select, tuple_
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.alerts import record
 from metering.budgets.runs import RunKey, lock_run
@@ -113,10 +114,11 @@ class _Place:
 
 @dataclass(frozen=True, slots=True)
 class _Windows:
-    budgets: dict  # subject -> its row as locked (before its roll)
-    now: dict  # subject -> its current window (start, end)
+    budgets: dict[str, Any]  # subject -> its row as locked (before its roll)
+    now: dict[str, Any]  # subject -> its current window (start, end)
     places: list[list[_Place]]  # per charge, in order
-    kept: dict  # (subject, closed window start) -> (spent, credit_limit) recorded
+    # (subject, closed window start) -> (spent, credit_limit) recorded
+    kept: dict[tuple[str, datetime], Any]
 
     def current(self, subject: str) -> tuple[datetime, int]:
         """A budget's current window start and spent (a window that has ended restarted at 0
@@ -130,10 +132,15 @@ class _Windows:
     def closed(self, place: _Place) -> tuple[int, int | None]:
         """A closed window's kept spent and credit_limit (none kept: nothing, today's limit)."""
         budget = self.budgets[place.subject_id]
-        return self.kept.get((place.subject_id, place.start), (0, budget.credit_limit))
+        kept: tuple[int, int | None] = self.kept.get(
+            (place.subject_id, place.start), (0, budget.credit_limit)
+        )
+        return kept
 
 
-async def _windows(session: AsyncSession, charges: list[Dated], now: datetime) -> _Windows:
+async def _windows(
+    session: AsyncConnection | AsyncSession, charges: list[Dated], now: datetime
+) -> _Windows:
     """Lock and roll the charges' budgets, and find the window of each budget each charge falls
     in, with the kept totals of the closed ones."""
     subjects = sorted({s for charge in charges for s in charge.subjects})
@@ -160,7 +167,9 @@ async def _windows(session: AsyncSession, charges: list[Dated], now: datetime) -
     return _Windows(budgets, windows, places, kept)
 
 
-async def _closed_totals(session: AsyncSession, keys: set[tuple[str, datetime]]) -> dict:
+async def _closed_totals(
+    session: AsyncConnection | AsyncSession, keys: set[tuple[str, datetime]]
+) -> dict[tuple[str, datetime], Any]:
     """(subject, window start) -> (spent, credit_limit) of the closed windows kept."""
     if not keys:
         return {}
@@ -176,7 +185,15 @@ async def _closed_totals(session: AsyncSession, keys: set[tuple[str, datetime]])
 # --- fit ----------------------------------------------------------------------------------
 
 
-def _exceeded(scope, subject_id, limit, spent, reserved, amount, resets) -> Unfit:
+def _exceeded(
+    scope: str,
+    subject_id: str,
+    limit: int,
+    spent: int,
+    reserved: int,
+    amount: int,
+    resets: datetime | None,
+) -> Unfit:
     when = f"resets at {rfc3339(resets)}" if resets else "never resets"
     left = max(limit - spent - reserved, 0)
     return Unfit(
@@ -189,7 +206,7 @@ def _exceeded(scope, subject_id, limit, spent, reserved, amount, resets) -> Unfi
     )
 
 
-def _ceiling(scope, subject_id, held, amount) -> Unfit:
+def _ceiling(scope: str, subject_id: str, held: int, amount: int) -> Unfit:
     return Unfit(
         COUNTER_CEILING_REACHED,
         scope,
@@ -200,7 +217,7 @@ def _ceiling(scope, subject_id, held, amount) -> Unfit:
 
 
 async def fit(
-    session: AsyncSession,
+    session: AsyncConnection | AsyncSession,
     charges: list[Dated],
     now: datetime,
     *,
@@ -275,7 +292,7 @@ def check_bounds(window: Charged) -> None:
         )
 
 
-def _closed_upsert(session: AsyncSession):
+def _closed_upsert(session: AsyncConnection | AsyncSession) -> Any:
     statement = upsert_ignore(session)(BudgetWindow.__table__)
     return statement.on_conflict_do_update(
         index_elements=["subject_id", "window_start"],
@@ -284,7 +301,11 @@ def _closed_upsert(session: AsyncSession):
 
 
 async def charge_dated(
-    session: AsyncSession, charges: list[Dated], now: datetime, *, bounded: bool = False
+    session: AsyncConnection | AsyncSession,
+    charges: list[Dated],
+    now: datetime,
+    *,
+    bounded: bool = False,
 ) -> list[Charged]:
     """Charge each amount to the window of each budget it falls in, in the caller's
     transaction: the current window's `spent`, or a closed window's kept total. With
@@ -294,8 +315,8 @@ async def charge_dated(
         return []
     windows = await _windows(session, charges, now)
     current: dict[str, int] = {}
-    closed: dict[tuple[str, datetime], dict] = {}
-    people: dict = {}
+    closed: dict[tuple[str, datetime], dict[str, Any]] = {}
+    people: dict[str, Any] = {}
     for charge, found in zip(charges, windows.places, strict=True):
         for place in found:
             subject = place.subject_id
@@ -346,7 +367,7 @@ async def charge_dated(
     return charged
 
 
-def _charged_now(windows: _Windows, subject: str, amount: int, people: dict) -> Charged:
+def _charged_now(windows: _Windows, subject: str, amount: int, people: dict[str, Any]) -> Charged:
     """The current window `amount` is charged to, as it leaves it."""
     budget = windows.budgets[subject]
     start, spent = windows.current(subject)
@@ -363,7 +384,9 @@ def _charged_now(windows: _Windows, subject: str, amount: int, people: dict) -> 
     )
 
 
-async def alert_over_limit(session: AsyncSession, charged: list[Charged], now: datetime) -> None:
+async def alert_over_limit(
+    session: AsyncConnection | AsyncSession, charged: list[Charged], now: datetime
+) -> None:
     """budget.exhausted for each window a charge that is never refused (a rerate: the price was
     wrong) left above its credit_limit, once per window and limit (the key a refusal's has)."""
     rows = []

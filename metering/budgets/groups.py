@@ -12,10 +12,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 Item = TypeVar("Item")
-Waiter = tuple[Any, asyncio.Future]
+Waiter = tuple[Any, asyncio.Future[Any]]
 
 
-def answer(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+def answer(
+    future: asyncio.Future[Any], result: object = None, error: BaseException | None = None
+) -> None:
     """Give a waiter its answer; nothing when it is gone (cancelled): the work still happened,
     or not, as it was recorded."""
     if future.done():
@@ -27,7 +29,7 @@ def answer(future: asyncio.Future, result=None, error: BaseException | None = No
 
 
 async def write_and_answer(
-    batch: list[tuple[Item, asyncio.Future]], write: Callable[[list[Item]], Awaitable[None]]
+    batch: list[tuple[Item, asyncio.Future[Any]]], write: Callable[[list[Item]], Awaitable[None]]
 ) -> None:
     """A group written whole by `write(items)`: every waiter is answered, done or with the
     write's error."""
@@ -48,13 +50,13 @@ class GroupWriter(Generic[Item]):
 
     def __init__(
         self,
-        write: Callable[[list[tuple[Item, asyncio.Future]]], Awaitable[None]],
+        write: Callable[[list[tuple[Item, asyncio.Future[Any]]]], Awaitable[None]],
         interrupted: Callable[[], Exception],
     ) -> None:
         self._write = write
         self._interrupted = interrupted
-        self.pending: list[tuple[Item, asyncio.Future]] = []
-        self.writing: asyncio.Task | None = None
+        self.pending: list[tuple[Item, asyncio.Future[Any]]] = []
+        self.writing: asyncio.Task[None] | None = None
 
     async def submit(self, item: Item) -> Any:
         loop = asyncio.get_running_loop()
@@ -65,7 +67,7 @@ class GroupWriter(Generic[Item]):
         return await future
 
     async def _write_all(self) -> None:
-        batch: list[tuple[Item, asyncio.Future]] = []
+        batch: list[tuple[Item, asyncio.Future[Any]]] = []
         try:
             while self.pending:
                 batch, self.pending = self.pending, []

@@ -41,6 +41,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
@@ -78,13 +79,22 @@ class Lease:
         "dropped",
     )
 
-    def __init__(self, lease_id, subject_id, scope, amount, window, resets_at, usable_until):
+    def __init__(
+        self,
+        lease_id: str | None,
+        subject_id: str,
+        scope: str,
+        amount: int,
+        window: tuple[Any, ...],
+        resets_at: datetime | None,
+        usable_until: float,
+    ) -> None:
         self.id: str | None = lease_id
         self.subject_id: str = subject_id
         self.scope: str = scope
         self.amount: int = amount  # what may be admitted in all, at most the row's amount
         self.inflight = 0  # taken by requests not yet ended
-        self.window: tuple = window  # (reset_interval, anchor, window start)
+        self.window: tuple[Any, ...] = window  # (reset_interval, anchor, window start)
         self.resets_at: datetime | None = resets_at
         self.usable_until: float = usable_until  # monotonic
         self.last_used = time.monotonic()
@@ -193,18 +203,18 @@ class HoldWriter:
         self.settles = settles
         self.groups = GroupWriter(self.write, lambda: RuntimeError("hold not written"))
 
-    async def insert(self, row: dict) -> None:
+    async def insert(self, row: dict[str, Any]) -> None:
         if self.db.dialect == "postgresql":
             await self.settles.hold(row, self.write)
         else:
             await self.groups.submit(row)
 
-    async def _one(self, rows: list[dict]) -> None:
+    async def _one(self, rows: list[dict[str, Any]]) -> None:
         # One statement (one multi-row INSERT): atomic on its own, so no BEGIN/COMMIT.
         async with self.db.single() as conn:
             await conn.execute(_INSERT_HOLDS, rows)
 
-    async def _many(self, rows: list[dict]) -> None:
+    async def _many(self, rows: list[dict[str, Any]]) -> None:
         if self.db.dialect != "postgresql":
             await self._one(rows)
             return
@@ -212,7 +222,7 @@ class HoldWriter:
         async with self.db.raw() as conn:
             await conn.execute(statement.sql, *statement.args({"new_holds": hold_json(rows)}))
 
-    async def write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+    async def write(self, batch: list[tuple[dict[str, Any], asyncio.Future[Any]]]) -> None:
         """Write a group of holds on their own and answer each one's future."""
         try:
             await self._many([row for row, _ in batch])
@@ -251,7 +261,7 @@ class LeaseBook:
         self.too_small: dict[str, float] = {}
         self.holds = HoldWriter(db, settles)
         self._lock: asyncio.Lock | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self.admitted = 0  # requests admitted against leases
         self.taken = 0  # leases taken or grown
 
@@ -361,7 +371,7 @@ class LeaseBook:
                 strict=True,
             )
         )
-        planned: list[tuple] = []
+        planned: list[tuple[Any, ...]] = []
         async with self.db.begin() as conn:
             budgets = await load(conn, spec.subjects, lock=True)
             for subject_id in spec.subjects:

@@ -71,7 +71,7 @@ async def used_ratios(db: Database, limit: int = USED_RATIOS_SHOWN) -> list[tupl
     ]
 
 
-async def current_limits(db: Database, scope: str, subject_id: str) -> dict:
+async def current_limits(db: Database, scope: str, subject_id: str) -> dict[str, Any]:
     """A subject's limits beyond credit and how much of each is in use now."""
     table, live = _SUBJECTS[scope]
     async with db.sessions() as session:

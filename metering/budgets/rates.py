@@ -31,9 +31,21 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import anyio
-from sqlalchemy import BigInteger, String, bindparam, case, func, select, text, update
+from sqlalchemy import (
+    BigInteger,
+    String,
+    TextualSelect,
+    bindparam,
+    case,
+    func,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.budgets.groups import GroupWriter
 from metering.db import Database, UTCDateTime, dialect_name, utcnow
@@ -126,7 +138,7 @@ class RateLimited(Exception):
         self.refusal = refusal
 
 
-def _build_admit(n: int, backend: str):
+def _build_admit(n: int, backend: str) -> TextualSelect:
     """The admission upsert of n counters, its values bound by position (i: s{i} subject,
     k{i} kind, w{i} window, a{i} amount, c{i} limit). Written as SQL text: an expression of it
     would be compiled again on every request.
@@ -179,15 +191,17 @@ def _build_admit(n: int, backend: str):
 
 
 # Built once per backend and number of counters.
-_ADMITS: dict[tuple[str, int], object] = {}
+_ADMITS: dict[tuple[str, int], TextualSelect] = {}
 
 
-def _admit_statement(backend: str, rows: list[dict]):
+def _admit_statement(
+    backend: str, rows: list[dict[str, Any]]
+) -> tuple[TextualSelect, dict[str, Any]]:
     key = (backend, len(rows))
     stmt = _ADMITS.get(key)
     if stmt is None:
         stmt = _ADMITS[key] = _build_admit(len(rows), backend)
-    params: dict = {"now": rows[0]["now"]}
+    params: dict[str, Any] = {"now": rows[0]["now"]}
     for i, r in enumerate(rows):
         params.update(
             {
@@ -218,7 +232,7 @@ _GIVE_BACK = (
 )
 
 
-async def give_back(conn, returns: list[dict]) -> None:
+async def give_back(conn: AsyncConnection | AsyncSession, returns: list[dict[str, Any]]) -> None:
     """Shrink counters: rows {s_id, s_kind, s_window, s_amount}, in key order."""
     returns = [r for r in returns if r["s_amount"] > 0]
     if returns:
@@ -281,7 +295,9 @@ def headers(limits: Limits, used: dict[tuple[str, str], int], now: datetime) -> 
     return out
 
 
-def _counter_rows(taken: list[tuple[ScopeLimits, str, int]], start: datetime, now: datetime):
+def _counter_rows(
+    taken: list[tuple[ScopeLimits, str, int]], start: datetime, now: datetime
+) -> list[dict[str, Any]]:
     """The admission upsert's rows, in (subject, kind) order: the one order every writer uses."""
     rows = (
         {
@@ -364,16 +380,17 @@ class AdmissionQueue:
         """Count one request (and `tokens` for tpm) against every limit at once, or raise
         RateLimited naming the first limit it would pass."""
         _check_fits(_amounts(limits, tokens), window_of(utcnow())[1])
-        return await self.groups.submit((limits, tokens))
+        claim: RateClaim = await self.groups.submit((limits, tokens))
+        return claim
 
-    async def _write_batch(self, batch: list) -> None:
+    async def _write_batch(self, batch: list[Any]) -> None:
         """The requests that arrived together, by their limits: each set counted as a group."""
-        groups: dict[tuple, list] = {}
+        groups: dict[tuple[Any, ...], list[Any]] = {}
         for (limits, tokens), future in batch:
             groups.setdefault(_group_key(limits), []).append((limits, tokens, future))
         await asyncio.gather(*(self._write(group) for group in groups.values()))
 
-    async def _write(self, group: list) -> None:
+    async def _write(self, group: list[Any]) -> None:
         if len(group) > 1:
             try:
                 claims = await _admit_group(self.db, group)
@@ -394,7 +411,7 @@ class AdmissionQueue:
                 continue
             await self._hand_out([(limits, tokens, future)], [claim])
 
-    async def _hand_out(self, group: list, claims: list[RateClaim]) -> None:
+    async def _hand_out(self, group: list[Any], claims: list[RateClaim]) -> None:
         """Resolve each waiter; a waiter gone (cancelled) gets its share given back."""
         gone = []
         for (limits, _, future), claim in zip(group, claims, strict=True):
@@ -406,11 +423,11 @@ class AdmissionQueue:
             await release_claim(self.db, claim, limits)
 
 
-def _group_key(limits: Limits) -> tuple:
+def _group_key(limits: Limits) -> tuple[Any, ...]:
     return tuple((s.subject_id, s.rpm, s.tpm, s.parallel) for s in limits.scopes)
 
 
-async def _admit_group(db: Database, group: list) -> list[RateClaim] | None:
+async def _admit_group(db: Database, group: list[Any]) -> list[RateClaim] | None:
     """Count a group with the same limits in one statement; None if their sum does not fit
     (nothing is counted then)."""
     limits = group[0][0]
@@ -456,7 +473,9 @@ async def _admit_group(db: Database, group: list) -> list[RateClaim] | None:
     return claims
 
 
-async def counters(conn, subject_ids: list[str]) -> dict[tuple[str, str], tuple[datetime, int]]:
+async def counters(
+    conn: AsyncConnection | AsyncSession, subject_ids: list[str]
+) -> dict[tuple[str, str], tuple[datetime, int]]:
     """(subject, kind) -> (window start, used) as stored (a past window's count is stale)."""
     rows = await conn.execute(
         select(
@@ -523,7 +542,7 @@ def returns_of(
     *,
     requests: bool = True,
     parallel: bool = True,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The give-back rows of one ending: `used_tokens` of the tokens reserved are kept (None:
     all of them), the request count is given back with `requests`."""
     kept = tokens if used_tokens is None else min(max(used_tokens, 0), tokens)

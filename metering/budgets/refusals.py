@@ -49,7 +49,7 @@ class RefusalLog:
         self,
         refusal_id: str,
         *,
-        principal,
+        principal: Any,
         model: str,
         refused: Refused,
         status: int,
@@ -80,11 +80,11 @@ class RefusalLog:
             log.warning("refusal %s not recorded: %s", refusal_id, exc)
             self.on_drop(refused.reason)
 
-    async def _one(self, rows: list[dict]) -> None:
+    async def _one(self, rows: list[dict[str, Any]]) -> None:
         async with self.db.single() as conn:
             await conn.execute(insert(Refusal), rows)
 
-    async def _write(self, batch: list[tuple[dict, asyncio.Future]]) -> None:
+    async def _write(self, batch: list[tuple[dict[str, Any], asyncio.Future[Any]]]) -> None:
         await write_and_answer(batch, self._one)
 
 

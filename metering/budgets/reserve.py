@@ -17,7 +17,7 @@ from typing import Any, Protocol, cast
 import orjson
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import CursorResult
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.alerts import record
 from metering.budgets import rates
@@ -72,7 +72,7 @@ class Claim:
 
     __slots__ = ("leases", "amount", "ended", "swept")
 
-    def __init__(self, leases: tuple, amount: int) -> None:
+    def __init__(self, leases: tuple[Any, ...], amount: int) -> None:
         self.leases = leases  # metering.budgets.leases.Lease, one per budget of the request
         self.amount = amount
         self.ended = False
@@ -97,7 +97,7 @@ class Reservation:
     clamped: bool
     # subject -> (reset_interval, anchor, window start) as reserved: settle needs no re-read
     # of the budgets unless a window has ended since.
-    windows: dict = field(default_factory=dict)
+    windows: dict[str, Any] = field(default_factory=dict)
     # Set when the hold was admitted against this process's leases, not reserved in the rows.
     claim: Claim | None = None
     # No rate claim and no run on its hold: its settle may take the one-statement path.
@@ -219,8 +219,8 @@ def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
 
 
 def hold_row(
-    spec: HoldSpec, amount: int, now: datetime, ttl_s: int, leases: dict | None = None
-) -> dict:
+    spec: HoldSpec, amount: int, now: datetime, ttl_s: int, leases: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The hold's row; `leases` (scope -> lease id, limited budgets only) when it was admitted
     against leases."""
     billing = spec.billing
@@ -252,7 +252,7 @@ def hold_row(
     }
 
 
-def hold_json(rows: list[dict]) -> str:
+def hold_json(rows: list[dict[str, Any]]) -> str:
     """Hold rows (hold_row) as the one JSON parameter of settle_pg's hold INSERT."""
     return orjson.dumps(rows).decode()
 
@@ -271,7 +271,9 @@ _RESERVE = (
 _INSERT_HOLD = insert(Hold.__table__)
 
 
-async def _try_reserve(session: AsyncSession, spec: HoldSpec, now: datetime, ttl_s: int):
+async def _try_reserve(
+    session: AsyncConnection | AsyncSession, spec: HoldSpec, now: datetime, ttl_s: int
+) -> Reservation | None:
     budgets = await load(session, spec.subjects, lock=True)
     ordered = [budgets[s] for s in spec.subjects if s in budgets]
     views = [view(b, now) for b in ordered]

@@ -7,9 +7,10 @@ with nothing held.
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import bindparam, delete, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.budgets.views import BudgetView, upsert_ignore
 from metering.db import Database, utcnow
@@ -34,15 +35,15 @@ class UnknownRun(Exception):
 _runs = Run.__table__
 
 
-def run_is(key: RunKey) -> tuple:
+def run_is(key: RunKey) -> tuple[Any, ...]:
     return (_runs.c.team_id == key.team_id, _runs.c.id == key.run_id)
 
 
-def run_params(key: RunKey, amount: int, now: datetime) -> dict:
+def run_params(key: RunKey, amount: int, now: datetime) -> dict[str, Any]:
     return {"r_team": key.team_id, "r_id": key.run_id, "amount": amount, "now": now}
 
 
-def run_charge(hold, cost: int) -> dict:
+def run_charge(hold: Any, cost: int) -> dict[str, Any]:
     """CHARGE_RUN's parameters for a hold of a run: `cost` to spent, its whole amount out of
     reserved."""
     return {"r_team": hold.team_id, "r_id": hold.run_id, "cost": cost, "amount": hold.amount}
@@ -66,13 +67,13 @@ CHARGE_RUN = (
 )
 
 
-def run_view(run, now: datetime) -> BudgetView:
+def run_view(run: Any, now: datetime) -> BudgetView:
     return BudgetView(
         "run", run.id, run.credit_limit, "never", run.created_at, None, run.spent, run.reserved
     )
 
 
-async def lock_run(session: AsyncSession, key: RunKey, now: datetime):
+async def lock_run(session: AsyncConnection | AsyncSession, key: RunKey, now: datetime) -> Any:
     """The run's row, locked; made by its first request (with the budget it gives), and made
     anew when the one there has been idle past its time with nothing held."""
     if key.budget is not None:

@@ -1,6 +1,6 @@
 """Response bodies of the budget routes. Money is a decimal string of USD."""
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -63,7 +63,7 @@ class LimitsOut(BaseModel):
     in_flight: int
 
     @classmethod
-    def of(cls, current: dict) -> "LimitsOut":
+    def of(cls, current: dict[str, Any]) -> "LimitsOut":
         models = limits.parse_models(current["allowed_models"])
         return cls(
             **{

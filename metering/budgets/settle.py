@@ -12,11 +12,13 @@ budgets get back the difference, in the window that was charged. A charge that p
 threshold or a soft limit records the alert in the same transaction (`alert_crossings`).
 """
 
+from collections.abc import Iterator, Sequence
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import BigInteger, String, bindparam, delete, func, select, update
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.alerts import record
 from metering.budgets import rates
@@ -51,7 +53,9 @@ _CHARGE = add_to_budgets(
 ).returning(*CHARGED)
 
 
-def rate_returns(hold, used_tokens: int | None, *, released: bool = False) -> list[dict]:
+def rate_returns(
+    hold: Any, used_tokens: int | None, *, released: bool = False
+) -> list[dict[str, Any]]:
     """What ending this hold gives back to its rate counters (none without rate limits): a
     release all of it, a settle its parallel slot and the tokens it did not use, the sweeper's
     charge (`used_tokens` None) its parallel slot."""
@@ -82,7 +86,7 @@ async def settle_one(db: Database, event: Event, reservation: Reservation | None
 
 
 async def settle_in(
-    session: AsyncSession, event: Event, reservation: Reservation | None = None
+    session: AsyncConnection | AsyncSession, event: Event, reservation: Reservation | None = None
 ) -> bool:
     """Turn a hold into its ledger event (the event's id is the hold's), in the caller's
     transaction; False when it was already settled (or expired)."""
@@ -119,7 +123,7 @@ async def settle_in(
     return True
 
 
-def hold_additions(hold, cost: int):
+def hold_additions(hold: Any, cost: int) -> Iterator[tuple[str, int, int, str | None]]:
     """What settling one hold adds to each of its budgets: (subject, cost to spent, amount taken
     from reserved, lease id or None). A hold reserved in the rows gives its whole amount back to
     `reserved`; one admitted against leases turns `cost` of each lease into spent (the rest stays
@@ -140,7 +144,9 @@ def hold_additions(hold, cost: int):
             yield subject, cost, 0, None
 
 
-def _add_charges(charges: dict[str, list[int]], leases: dict[str, int], hold, cost: int) -> None:
+def _add_charges(
+    charges: dict[str, list[int]], leases: dict[str, int], hold: Any, cost: int
+) -> None:
     """Add one settled hold to per-budget [cost, reserved taken] and per-lease sums."""
     for subject, charged, taken, lease in hold_additions(hold, cost):
         sums = charges.setdefault(subject, [0, 0])
@@ -150,7 +156,7 @@ def _add_charges(charges: dict[str, list[int]], leases: dict[str, int], hold, co
             leases[lease] = leases.get(lease, 0) + charged
 
 
-def _people(people: dict, hold) -> dict:
+def _people(people: dict[str, Any], hold: Any) -> dict[str, Any]:
     """subject -> (team_id, user_id) of a hold's budgets, for the alerts they may raise."""
     people[hold.team_id] = (hold.team_id, None)
     people[hold.user_id] = (hold.team_id, hold.user_id)
@@ -159,10 +165,12 @@ def _people(people: dict, hold) -> dict:
     return people
 
 
-def crossings(charged, costs: dict[str, int], people, now: datetime) -> list[dict]:
+def crossings(
+    charged: Sequence[Any], costs: dict[str, int], people: dict[str, Any], now: datetime
+) -> list[dict[str, Any]]:
     """The thresholds and soft limits the charged budgets just passed (rows returned by the
     charge: `spent` after it; before it, `spent - cost`), as alert events to record."""
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     for row in charged:
         cost = costs.get(row.subject_id, 0)
         if cost <= 0 or (row.credit_limit is None and row.soft_limit is None):
@@ -187,7 +195,13 @@ def crossings(charged, costs: dict[str, int], people, now: datetime) -> list[dic
     return events
 
 
-async def alert_crossings(conn, charged, costs: dict[str, int], people, now: datetime) -> None:
+async def alert_crossings(
+    conn: AsyncConnection | AsyncSession,
+    charged: Sequence[Any],
+    costs: dict[str, int],
+    people: dict[str, Any],
+    now: datetime,
+) -> None:
     """Record the crossings of the charged budgets; nothing is written, and no round trip
     made, when none was passed."""
     await record.write(conn, crossings(charged, costs, people, now))
@@ -236,7 +250,11 @@ _CHARGE_ALL = (
 
 
 async def charge_sums(
-    conn, charges: dict[str, list[int]], leases: dict[str, int], people: dict, now: datetime
+    conn: AsyncConnection | AsyncSession,
+    charges: dict[str, list[int]],
+    leases: dict[str, int],
+    people: dict[str, Any],
+    now: datetime,
 ) -> None:
     """Charge the sums (subject -> [cost to spent, taken from reserved]): budgets in subject_id
     order (locked in the order every writer uses), then their leases. The charged rows come
@@ -268,9 +286,9 @@ async def settle_group(db: Database, items: list[tuple[Event, Reservation]]) -> 
     taken: list[Event] = []
     totals: dict[str, list[int]] = {}
     leases: dict[str, int] = {}
-    returns: list[dict] = []
-    runs: list[dict] = []
-    people: dict = {}
+    returns: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    people: dict[str, Any] = {}
     now = max(event.created_at for event, _ in items)
     async with db.begin() as conn:
         rows = await conn.execute(_TAKE_HOLDS, {"ids": [event.id for event, _ in items]})
@@ -298,9 +316,9 @@ async def settle_group(db: Database, items: list[tuple[Event, Reservation]]) -> 
     return results
 
 
-def _summed(returns: list[dict]) -> list[dict]:
+def _summed(returns: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One give-back row per counter and window (several settles of one subject sum)."""
-    sums: dict[tuple, dict] = {}
+    sums: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in returns:
         key = (row["s_id"], row["s_kind"], row["s_window"])
         if key in sums:
@@ -324,7 +342,7 @@ _CORRECT_CLOSED = (
 )
 
 
-async def _settle_late(session: AsyncSession, event: Event) -> bool:
+async def _settle_late(session: AsyncConnection | AsyncSession, event: Event) -> bool:
     """The request settled after its hold was swept: the ledger replaces its `unsettled`
     charge, and the budgets get back the difference. False when there is no such placeholder
     (the request was settled already)."""

@@ -24,10 +24,12 @@ them; the rollup rows in key order.
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
-from sqlalchemy import BigInteger, Numeric, Text, cast, literal_column
+from sqlalchemy import BigInteger, ColumnElement, Numeric, Text, cast, literal_column
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.sql import ClauseElement
 
 from metering.alerts.record import DEFAULT_THRESHOLDS, PERCENT, passes
 from metering.db import Prepared
@@ -89,7 +91,7 @@ leases AS (
 )"""
 
 
-def _sql(expression) -> str:
+def _sql(expression: ClauseElement) -> str:
     return str(
         expression.compile(dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True})
     )
@@ -104,7 +106,7 @@ def _crossed() -> str:
     before = after - literal_column("s.cost", BigInteger)
     soft = passes(before, after, literal_column("c.soft_limit", BigInteger))
 
-    def exact(column):
+    def exact(column: ColumnElement[Any]) -> ColumnElement[Any]:
         return cast(column, Numeric)
 
     level = exact(literal_column("c.credit_limit", BigInteger)) * exact(
@@ -196,7 +198,9 @@ class Expected:
     run_id: None = None
 
 
-def parameters(events: list[Event], holds: list[Expected], adds: list[tuple]) -> dict:
+def parameters(
+    events: list[Event], holds: list[Expected], adds: list[tuple[Any, ...]]
+) -> dict[str, Any]:
     """The statement's parameters, each one JSON text: the holds expected, each hold's additions
     (hold id, subject, cost, amount, lease id) and the events (whose rollup increments the
     statement makes of the rows it inserts)."""
@@ -224,5 +228,5 @@ def parameters(events: list[Event], holds: list[Expected], adds: list[tuple]) ->
     }
 
 
-def _json(value) -> str:
+def _json(value: object) -> str:
     return orjson.dumps(value).decode()

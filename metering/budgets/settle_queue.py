@@ -54,8 +54,10 @@ def expected_hold(event: Event, reservation: Reservation) -> settle_pg.Expected:
 
 
 async def _settle_group_pg(
-    db: Database, items: list[tuple[Event, Reservation]], new_holds: list[dict] | None = None
-) -> list:
+    db: Database,
+    items: list[tuple[Event, Reservation]],
+    new_holds: list[dict[str, Any]] | None = None,
+) -> list[Any]:
     """settle_group in one statement (metering.budgets.settle_pg) through asyncpg itself, for
     settles whose holds carry no rate claim and no run: True for each settle it committed,
     None for each it left to be settled alone (hold swept, or not as its reservation wrote it).
@@ -107,7 +109,7 @@ async def _not_taken(db: Database, ids: list[str]) -> None:
 
 _HOLD = object()  # marks a hold in the settle queue (PostgreSQL)
 
-HoldBatch = list[tuple[dict, asyncio.Future]]
+HoldBatch = list[tuple[dict[str, Any], asyncio.Future[Any]]]
 
 
 class SettleQueue:
@@ -141,14 +143,17 @@ class SettleQueue:
         ):
             # A window to roll first, or no reservation to vouch for the windows: alone.
             return await settle_one(self.db, event, reservation)
-        return await self.groups.submit((event, reservation))
+        settled: bool = await self.groups.submit((event, reservation))
+        return settled
 
-    async def hold(self, row: dict, apart: Callable[[HoldBatch], Awaitable[None]]) -> None:
+    async def hold(
+        self, row: dict[str, Any], apart: Callable[[HoldBatch], Awaitable[None]]
+    ) -> None:
         """Insert a hold (PostgreSQL) with the next group; `apart(batch)` writes holds on their
         own (a group of holds alone, or after a combined statement failed) and answers them."""
         await self.groups.submit((_HOLD, row, apart))
 
-    async def _write(self, batch: list[tuple[tuple, asyncio.Future]]) -> None:
+    async def _write(self, batch: list[tuple[tuple[Any, ...], asyncio.Future[Any]]]) -> None:
         holds: HoldBatch = []
         settles = []
         apart: Any = None  # the holds' writer, set with the first hold
@@ -167,7 +172,12 @@ class SettleQueue:
         else:
             await self._combined(settles, holds, apart)
 
-    async def _combined(self, settles, holds: HoldBatch, apart) -> None:
+    async def _combined(
+        self,
+        settles: list[Any],
+        holds: HoldBatch,
+        apart: Callable[[HoldBatch], Awaitable[None]],
+    ) -> None:
         """The settles and the holds in one statement; if it fails, nothing of it is kept,
         and both are written apart (the settles by the general path if they passed a
         threshold)."""
@@ -188,16 +198,16 @@ class SettleQueue:
         self._count(results, len(settles))
         await self._answer(settles, results)
 
-    async def _answer_general(self, batch) -> None:
+    async def _answer_general(self, batch: list[Any]) -> None:
         await self._answer(batch, await self._general([item for item, _ in batch]))
 
-    def _count(self, results: list, size: int) -> None:
+    def _count(self, results: list[Any], size: int) -> None:
         settled = sum(1 for result in results if result)
         self.one_statement += settled
         if size > 1:
             self.grouped += settled
 
-    async def _settles(self, batch) -> None:
+    async def _settles(self, batch: list[Any]) -> None:
         items = [item for item, _ in batch]
         if self.db.dialect == "postgresql" and all(r.plain for _, r in items):
             try:
@@ -225,7 +235,7 @@ class SettleQueue:
                 self.grouped += sum(1 for result in results if result)
         return results
 
-    async def _answer(self, batch, results: list[bool | None]) -> None:
+    async def _answer(self, batch: list[Any], results: list[bool | None]) -> None:
         """Answer the settles written; those not (a group that failed, a hold not found)
         are written one at a time."""
         alone = []

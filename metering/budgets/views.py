@@ -7,14 +7,15 @@ budget that alerts. Outstanding holds stay reserved across the roll, and a reque
 to the window it settles in.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, bindparam, func, select, update
+from sqlalchemy import BindParameter, Row, Update, bindparam, func, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.alerts import record
 from metering.budgets.windows import parse_interval, window_for
@@ -62,7 +63,7 @@ def current_window(budget: BudgetRow, now: datetime) -> tuple[datetime, datetime
     return window_for(parse_interval(budget.reset_interval), budget.anchor_at, now)
 
 
-def resets_at(row, at: datetime) -> datetime | None:
+def resets_at(row: BudgetRow, at: datetime) -> datetime | None:
     return window_for(parse_interval(row.reset_interval), row.anchor_at, at)[1]
 
 
@@ -102,7 +103,9 @@ _LEASE_HELD = (
 )
 
 
-async def lease_slack(session, subject_ids: list[str]) -> dict[str, int]:
+async def lease_slack(
+    session: AsyncConnection | AsyncSession, subject_ids: list[str]
+) -> dict[str, int]:
     """Per budget: its leases' credit that no request in flight holds."""
     leased = dict((await session.execute(_LEASED, {"ids": subject_ids})).all())
     if not leased:
@@ -128,15 +131,15 @@ def new_budget(
     )
 
 
-def upsert_ignore(session: AsyncSession):
+def upsert_ignore(session: AsyncConnection | AsyncSession) -> Callable[..., Any]:
     return pg_insert if dialect_name(session) == "postgresql" else sqlite_insert
 
 
-def literal(value: datetime | None):
+def literal(value: datetime | None) -> BindParameter[Any]:
     return bindparam(None, value, type_=UTCDateTime)
 
 
-def ids():
+def ids() -> BindParameter[Any]:
     return bindparam("ids", expanding=True)
 
 
@@ -157,7 +160,7 @@ CHARGED = (
 )
 
 
-async def roll(session: AsyncSession, budget: BudgetRow, now: datetime) -> None:
+async def roll(session: AsyncConnection | AsyncSession, budget: BudgetRow, now: datetime) -> None:
     """Close the budget's window if it has ended: keep its total, restart spent at 0."""
     start, _ = current_window(budget, now)
     old_start = budget.window_start
@@ -211,7 +214,13 @@ async def roll(session: AsyncSession, budget: BudgetRow, now: datetime) -> None:
         await _alert_reset(session, reset, closed_spent, old_start, now)
 
 
-async def _alert_reset(session, row, closed_spent: int, old_start: datetime, now) -> None:
+async def _alert_reset(
+    session: AsyncConnection | AsyncSession,
+    row: Any,
+    closed_spent: int,
+    old_start: datetime,
+    now: datetime,
+) -> None:
     """budget.window_reset, once per closed window, for a budget that alerts (a limit or a soft
     limit): its figures as the window closed; the new window re-arms its thresholds."""
     if row.credit_limit is None and row.soft_limit is None:
@@ -240,8 +249,8 @@ _LOAD_LOCKED = _LOAD.with_for_update()
 
 
 async def load(
-    session: AsyncSession, subject_ids: list[str], *, lock: bool = False
-) -> dict[str, Row]:
+    session: AsyncConnection | AsyncSession, subject_ids: list[str], *, lock: bool = False
+) -> dict[str, Row[*tuple[Any, ...]]]:
     """Budget rows as plain rows (the columns of Budget, not tracked objects): the UPDATEs
     of the writers are the writes. With `lock`, the rows are locked in subject_id order, the one
     order every writer uses, so concurrent transactions on the same budgets queue instead of
@@ -250,7 +259,7 @@ async def load(
     return {row.subject_id: row for row in rows}
 
 
-def add_to_budgets(**values):
+def add_to_budgets(**values: Any) -> Update:
     """One UPDATE of several budgets that first locks them in key order (see `load`)."""
     locked = (
         select(Budget.subject_id)

@@ -20,8 +20,10 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import httpx
 from sqlalchemy import select, update
@@ -147,7 +149,7 @@ def _due(now: datetime, full: list[str], limit: int):
     )
 
 
-def pick(due: list, room: int, per_webhook: int, busy: dict[str, int]) -> list[str]:
+def pick(due: Sequence[Any], room: int, per_webhook: int, busy: dict[str, int]) -> list[str]:
     """Of the due (id, webhook_id) rows in order, the ones to send: at most `room` in all and
     at most `per_webhook` in flight to one webhook, counting the `busy` ones already sent."""
     taken: dict[str, int] = {}
