@@ -74,8 +74,21 @@ E2E_FIXTURES = frozenset(
 )
 
 
+# The files whose tests take longest (the fuzzer, reports over 100,000 rows, holds that must
+# outlive their TTL, bench runs) are collected first: started last, one of them would keep the
+# parallel part waiting on a single process after the others had finished.
+SLOW_FIRST = (
+    "tests/fuzz/",
+    "tests/reports/test_report_stall.py",
+    "tests/reports/test_spend.py",
+    "tests/proxy/test_live_holds.py",
+    "tests/bench/",
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     root = config.rootpath
+    items.sort(key=lambda item: not item.path.relative_to(root).as_posix().startswith(SLOW_FIRST))
     for item in items:
         if item.path.relative_to(root).as_posix().startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
