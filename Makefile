@@ -42,15 +42,17 @@ postgres:
 chromium:
 	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
 
-# Most of the suite runs in three processes (pytest-xdist: most tests wait on servers and
-# sockets, not on the two cores; each process has its own servers and databases), then the
-# tests marked serial (tests/conftest.py SERIAL: load, replicas, kills, restarts) run alone.
-# TEST_WORKERS=0 runs the first part in this one process too.
-TEST_WORKERS ?= 3
+# Most of the suite runs in four processes (pytest-xdist: most tests wait on servers and
+# sockets, not on the two cores; each process has its own servers and databases; an idle
+# process takes tests queued for another, `--dist worksteal`), then the tests marked serial
+# (tests/conftest.py SERIAL: load, replicas, kills, restarts) run alone. TEST_WORKERS=0 runs
+# the first part in this one process too.
+TEST_WORKERS ?= 4
 
 test: $(BIN)/metering postgres chromium
 	rm -f test-output/junit-*.xml
-	$(BIN)/pytest -q -n $(TEST_WORKERS) -m "not serial" --junitxml=test-output/junit-parallel.xml; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" \
+		--junitxml=test-output/junit-parallel.xml; \
 		parallel=$$?; \
 		$(BIN)/pytest -q -m serial --junitxml=test-output/junit-serial.xml; \
 		serial=$$?; \

@@ -14,7 +14,15 @@ import openai
 import pytest
 
 from metering.jobs import sweep_interval_s
-from tests.budgets.conftest import chat, chat_body, marker, sim_records, wait_for
+from tests.budgets.conftest import (
+    chat,
+    chat_body,
+    marker,
+    new_pg_database,
+    replicas,
+    sim_records,
+    wait_for,
+)
 from tests.budgets.test_limits import limits, patch
 
 # The replicas run in processes of their own, on the wall clock: a run whose requests must share
@@ -27,9 +35,15 @@ def minute() -> datetime:
     return datetime.now(UTC).replace(second=0, microsecond=0)
 
 
-@pytest.fixture
-def two(fresh_pg, serve):
-    return serve(fresh_pg), serve(fresh_pg)
+@pytest.fixture(scope="module")
+def two(catalog_file, tmp_path_factory):
+    """Two replicas on a PostgreSQL database of the module's own (each test makes its own team,
+    user and token): started once, not per test."""
+    with (
+        new_pg_database() as url,
+        replicas(catalog_file, tmp_path_factory.mktemp("two")) as start,
+    ):
+        yield start(url), start(url)
 
 
 def _post(url: str, key: str, body: bytes) -> httpx.Response:

@@ -22,6 +22,11 @@ from tests.conftest import ADMIN_KEY, Api, catalog_for, database_url
 
 EXAMPLES = 10
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
+# The operations with no invalid request to generate (every value of their parameters is
+# valid; no parameters, no body), found by the first run that tries: a case is generated from
+# the schema alone, so none of them has one for another role or backend either. The runs after
+# it skip them instead of spending a hundred rejected attempts each (most of a run's time).
+NOTHING_INVALID: set[str] = set()
 
 
 @pytest.fixture(
@@ -57,6 +62,8 @@ def api_schema(fuzzed):
 
 def _failures(operation, mode: GenerationMode, api: Api, key: str) -> list[str]:
     """Runs EXAMPLES generated cases of one operation; what failed, as reproducible commands."""
+    if mode is GenerationMode.NEGATIVE and operation.label in NOTHING_INVALID:
+        return []
     headers = {"authorization": f"Bearer {key}"}
     found: list[str] = []
 
@@ -80,6 +87,7 @@ def _failures(operation, mode: GenerationMode, api: Api, key: str) -> list[str]:
     except Unsatisfiable:
         # An operation without parameters or body has no invalid request to generate.
         assert mode is GenerationMode.NEGATIVE, operation.label
+        NOTHING_INVALID.add(operation.label)
     return found
 
 
