@@ -12,6 +12,24 @@ from pathlib import Path
 import httpx
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def revision() -> str:
+    """The commit measured, and whether the product's files differed from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "metering", "migrations", "pyproject.toml"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{head} (with uncommitted changes)" if dirty else head or "unknown"
 
 
 def free_port(host: str = "127.0.0.1") -> int:

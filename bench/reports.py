@@ -35,7 +35,7 @@ import psycopg
 from sqlalchemy import create_engine, pool
 from sqlalchemy.dialects import postgresql
 
-from bench.procs import Process, free_port, metering_command, rss_kib
+from bench.procs import Process, free_port, metering_command, revision, rss_kib
 from bench.rollups import derive_statement, rebuild_statement
 from metering import migrate
 from metering.db import sync_url
@@ -692,6 +692,7 @@ def run(args) -> tuple[dict, str]:
             "usage_csv": usage,
             "latency": latency,
             "plans": plans,
+            "revision": revision(),
         }, server.log_tail()
     finally:
         if server is not None:
@@ -765,7 +766,9 @@ def markdown(result: dict, command: str, repeat: int) -> str:
         "DSN`; a fresh database, dropped at the end unless `--keep`; `--database NAME` measures "
         "one kept earlier).",
         "",
-        f"`{command}` on {datetime.now(UTC):%Y-%m-%d}, PostgreSQL, one `metering serve` process;",
+        f"`{command}` on {datetime.now(UTC):%Y-%m-%d}"
+        + (f" at commit {result['revision']}" if result.get("revision") else "")
+        + ", PostgreSQL, one `metering serve` process;",
         f"{result['events']:,} ledger events over 30 days ({org['tokens']:,} tokens, "
         f"{org['users']:,} users, {org['teams']:,} teams, {org['models']:,} models); {rollups} "
         f"({made}). Each figure: the median of {repeat} requests after one warm-up, through "
@@ -853,7 +856,7 @@ def plans_markdown(plans: dict) -> list[str]:
         "",
         "The statement the server runs for the report's first page (for the refused report, the "
         "statement that bounds its size), run by the bench with psycopg right after the timings "
-        "(a warm cache).",
+        "(a warm cache). The whole plans are printed by the run and kept by `--json`.",
         "",
         "| report | execution ms | buffers (top node) | sequential scans |",
         "| --- | ---: | --- | --- |",
@@ -870,9 +873,15 @@ def plans_markdown(plans: dict) -> list[str]:
             else ": " + "; ".join(f"{k} ({', '.join(v)})" for k, v in scanned.items()) + "."
         ),
     ]
+    return lines
+
+
+def plan_texts(plans: dict) -> str:
+    """Each named report's whole plan: printed after the section, not written to BENCHMARKS.md."""
+    lines = []
     for label, p in plans.items():
         lines += ["", f"{label}:", "", "```", *p["plan"], "```"]
-    return lines
+    return "\n".join(lines).lstrip("\n")
 
 
 def write_section(path: Path, section: str) -> None:
@@ -929,6 +938,8 @@ def main(argv=None) -> None:
     command = "python -m bench.reports" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     section = markdown(result, command.replace(" --write", ""), args.repeat)
     print(section)
+    if result.get("plans"):
+        print("\n" + plan_texts(result["plans"]))
     if args.json:
         import json
 

@@ -42,6 +42,7 @@ from bench.procs import (
     cpu_seconds,
     free_port,
     metering_command,
+    revision,
     start_sim,
     tree_cpu_seconds,
     tree_rss_kib,
@@ -846,23 +847,6 @@ def check(server: Server) -> list[tuple[bool, str]]:
 
 
 # --- main --------------------------------------------------------------------------------------
-
-
-def revision() -> str:
-    """The commit measured, and whether the product's files differed from it."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "metering", "migrations", "pyproject.toml"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-    return f"{head} (with uncommitted changes)" if dirty else head or "unknown"
 
 
 def machine(args) -> dict:
