@@ -6,7 +6,7 @@ Ids made later sort after those made earlier, so a new event's primary key goes 
 edge of its index, where the index's recent pages are, instead of to a random page of the whole
 index: at a ledger of millions of events a random id dirties a page of the index that is
 rarely in memory, and the first change to a page after each checkpoint writes the whole page
-to the WAL (BENCHMARKS.md, "Time-ordered ids").
+to the WAL (docs/decisions/time-ordered-ids.md).
 """
 
 import os
