@@ -6,12 +6,16 @@ PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
 .PHONY: demo test test-fast lint bench postgres chromium lock
 
-# Installed from the lock, every version exact and every file checked against its hash; then the
-# package alone, built by the locked setuptools (nothing resolved, nothing fetched).
+# Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
+# version exact and every file checked against its hash; then the package alone, built by the
+# locked setuptools (nothing resolved, nothing fetched).
+UV_VERSION := 0.13.9
+UV = $(BIN)/uv pip install -q --python $(BIN)/python
 $(BIN)/metering: pyproject.toml requirements-test.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --require-hashes -r requirements-test.lock
-	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip install -q uv==$(UV_VERSION)
+	$(UV) --require-hashes -r requirements-test.lock
+	$(UV) --no-deps --no-build-isolation -e .
 	touch $@
 
 # The locks, made from pyproject.toml by uv: requirements.lock, the runtime dependencies and the
@@ -19,7 +23,6 @@ $(BIN)/metering: pyproject.toml requirements-test.lock
 # the test extra (the virtualenv above installs it). A version already locked stays while
 # pyproject.toml allows it; LOCK_FLAGS=--upgrade takes the newest allowed of everything,
 # LOCK_FLAGS="--upgrade-package NAME" of one package.
-UV_VERSION := 0.13.9
 LOCK_FLAGS ?=
 COMPILE = $(BIN)/uv pip compile pyproject.toml --universal --generate-hashes --quiet \
 	--custom-compile-command "make lock" $(LOCK_FLAGS)
