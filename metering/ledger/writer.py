@@ -4,7 +4,7 @@ that moves the budget counters), so the ledger, the rollups and the budgets are 
 together.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, cast
 
@@ -100,7 +100,7 @@ async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) 
     old = (await conn.execute(_PLACEHOLDER, {"placeholder_id": event.id})).first()
     if old is None:
         return None
-    event.cap(old.cost)
+    event = event.capped(old.cost)
     params = event.params()
     values = {name: params[name] for name in _REPLACED}
     replaced = cast(
@@ -109,7 +109,7 @@ async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) 
     )
     if replaced.rowcount != 1:
         return None  # replaced meanwhile by a concurrent settle of the same request
-    event.created_at = old.created_at
+    event = replace(event, created_at=old.created_at)
     delta = event.cost - old.cost
     await rollup.add(conn, event, requests=0, cost=delta)
     subjects = [s for s in (old.token_id, old.user_id, old.team_id) if s]
