@@ -128,7 +128,7 @@ def assert_report_matches_usage(api, start: datetime, end: datetime, groupings) 
 
 def settle_random_traffic(api, base: datetime, hours: int, count: int, seed: int) -> None:
     """`count` events spread over `hours` hours from `base`, each reserved then settled by
-    metering.budgets (the proxy's own path), so the rollup upsert really runs."""
+    metering.budgets (the proxy's own path), so the rollup increments really are written."""
     rng = random.Random(seed)
     people = []
     for _ in range(2):
