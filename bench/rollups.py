@@ -1,15 +1,29 @@
 """The rollups of events written in bulk: for tools that fill a ledger with INSERT ... SELECT
 (bench.reports' generator) and for the tests that rebuild a rollup to compare it. The service
-itself never needs them: every append keeps every rollup (metering.ledger.rollup)."""
+itself never needs them: every append writes its increments, folded into every rollup
+(metering.ledger.rollup)."""
 
 from typing import Any
 
-from sqlalchemy import ColumnElement, Insert, Table, case, func, select
+from sqlalchemy import ColumnElement, Insert, Table, case, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from metering.ledger.event import ADJUSTMENT
-from metering.ledger.rollup import KEY, SUMS, Rollup, day_value, hour_value
+from metering.db import dialect_name
+from metering.ledger import writer
+from metering.ledger.event import ADJUSTMENT, Event
+from metering.ledger.rollup import (
+    _SQLITE_UPSERTS,
+    FIGURES,
+    KEY,
+    SUMS,
+    Rollup,
+    day_value,
+    hour_value,
+    pg_upserts,
+    row_for,
+    summed,
+)
 from metering.ledger.tables import SpendHourly
 
 
@@ -56,3 +70,36 @@ def derive_statement(rollup: Rollup, dialect: str, *where: ColumnElement[bool]) 
     )
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
     return insert(rollup.table).from_select([*rollup.key, "requests", *SUMS], query)
+
+
+def _direct_pg() -> Any:
+    """The increments as arrays, upserted into every rollup in one WITH statement."""
+    keys = ", ".join(KEY[1:])
+    figures = ", ".join(FIGURES)
+    arrays = ", ".join(
+        ["CAST(:hour AS timestamptz[])"]
+        + [f"CAST(:{k} AS text[])" for k in KEY[1:]]
+        + [f"CAST(:{f} AS bigint[])" for f in FIGURES]
+    )
+    source = (
+        f"e AS (SELECT hour, {keys}, {figures} FROM unnest({arrays}) "
+        f"AS e_in(hour, {keys}, {figures}))"
+    )
+    return text("WITH " + ",\n".join([source, *pg_upserts("e")]) + "\nSELECT 1")
+
+
+_DIRECT_PG = _direct_pg()
+
+
+async def direct(conn: Any, events: list[Event]) -> None:
+    """The events, then every rollup row they add to, upserted in the transaction: the way the
+    general path kept the rollups before every append wrote its increments to rollup_pending
+    (docs/decisions/rollups.md), kept for the benchmarks that compare the two."""
+    await conn.execute(writer._INSERT, [e.params() for e in events])
+    rows = [row_for(e) for e in events]
+    if dialect_name(conn) == "postgresql":
+        columns = (*KEY, *FIGURES)
+        await conn.execute(_DIRECT_PG, {name: [row[name] for row in rows] for name in columns})
+        return
+    for each, upsert in _SQLITE_UPSERTS:
+        await conn.execute(upsert, summed(each, rows))

@@ -5,9 +5,11 @@
 On a fresh PostgreSQL database (dropped at the end), migrated as `metering serve` would, it
 times the transaction settle writes its events in (the events' INSERT and the rollup upserts,
 then COMMIT): with spend_hourly only (as before the coarser rollups), with every rollup in one
-statement each, and with every rollup in one statement (metering.ledger.writer.append_many, as
-settle writes them), the three taking turns transaction by transaction, for a group of one
-event (a settle alone) and of 16 (a settle group). Each event
+statement each, with every rollup in one statement (bench.rollups.direct, as settle wrote
+them until the rollups were kept by folding alone), and with the increments to rollup_pending
+(metering.ledger.writer.append_many, as settle writes them now; folded later, not timed here:
+bench.rollup_ways times it), the four taking turns transaction by transaction, for a group of
+one event (a settle alone) and of 16 (a settle group). Each event
 is a new request of one of 200 tokens over 10 models in the current hour, so most upserts update
 a row already there, as at a steady load. Prints the median and p90 per transaction.
 """
@@ -22,7 +24,9 @@ import uuid
 from datetime import UTC, datetime
 
 import psycopg
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
+from bench.rollups import direct
 from metering import migrate
 from metering.db import Database
 from metering.ledger import rollup, writer
@@ -88,11 +92,12 @@ async def one_statement_each(session, events: list[Event]) -> None:
         await session.execute(UPSERTS[each], rollup.summed(each, rows))
 
 
-UPSERTS = dict(rollup._UPSERTS["postgresql"])
+UPSERTS = {each: rollup._upsert(pg_insert, each) for each in rollup.ROLLUPS}
 CASES = {
     "spend_hourly only (before)": hourly_only,
     "every rollup, one statement each": one_statement_each,
-    "every rollup, one statement (append_many)": writer.append_many,
+    "every rollup, one statement": direct,
+    "rollup_pending (append_many)": writer.append_many,
 }
 
 

@@ -185,7 +185,7 @@ async def _group(
             row["user_lease"],
             row["team_lease"],
         )
-        event.cap(hold.amount)
+        event = event.capped(hold.amount)
         events.append(event)
         holds.append(hold)
         adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]

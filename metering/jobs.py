@@ -20,7 +20,7 @@ from metering.models import Budget, Hold
 
 log = logging.getLogger("metering.jobs")
 RETENTION_EVERY_S = 600
-FOLD_EVERY_S = 1.0  # pending rollup increments folded into the rollups (PostgreSQL)
+FOLD_EVERY_S = 1.0  # pending rollup increments folded into the rollups
 EXPIRING_EVERY_S = 600
 
 
@@ -97,8 +97,7 @@ def start_scheduler(
 
     every(sweep_interval_s(hold_ttl_s), "expire_holds", expire_holds, db, 500, hold_ttl_s)
     every(60, "close_windows", close_windows, db)
-    if db.dialect == "postgresql":
-        every(FOLD_EVERY_S, "fold_rollups", rollup.fold, db)
+    every(FOLD_EVERY_S, "fold_rollups", rollup.fold, db)
     if run_idle_s is not None:
         every(60, "expire_runs", expire_runs, db, run_idle_s)
     every(EXPIRING_EVERY_S, "expiring_tokens", alerts.expiring_tokens, db)

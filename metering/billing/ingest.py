@@ -6,8 +6,8 @@ with the event it made and a digest of what was sent. A batch is written in one 
 the keys are inserted first (ON CONFLICT DO NOTHING, in key order, so concurrent batches on
 any number of replicas queue on the same rows instead of deadlocking); a key that was already
 there answers `duplicate` (same digest) or `conflict` (another), and changes nothing. The new
-events are appended through the ledger (rollups in the same transaction) and charged to the
-budget window each falls in (metering.budgets.dated.charge_dated).
+events are appended through the ledger (their rollup increments in the same transaction) and
+charged to the budget window each falls in (metering.budgets.dated.charge_dated).
 
 Who reports decides what is checked. The admin key and a team's ingestion key report usage
 that already happened: it is charged in full (an ingestion key only for its own team). A user's

@@ -190,9 +190,9 @@ async def _rerate_chunk(
             at=row.created_at,
             made_at=now,
             corrects=row.id,
+            event_id=_adjustment_id(row.id, count),
+            upstream_id=row.upstream_id,  # reconciled with the request it corrects
         )
-        event.id = _adjustment_id(row.id, count)
-        event.upstream_id = row.upstream_id  # reconciled with the request it corrects
         adjustments.append(event)
     charged: list[Charged] = []
     if adjustments:
@@ -354,8 +354,8 @@ async def adjust(
         made_at=now,
         corrects=corrects_event_id,
         source=MANUAL,
+        upstream_id=upstream_id,
     )
-    event.upstream_id = upstream_id
     async with db.begin() as conn:
         # Budgets first (locked, in the order every writer takes them), then the rollups.
         await charge_dated(

@@ -97,7 +97,7 @@ async def settle_in(
         if reservation is not None and reservation.claim is not None:
             reservation.claim.swept = True  # its lease lost the whole hold to the sweeper
         return await _settle_late(session, event)
-    event.cap(hold.amount)
+    event = event.capped(hold.amount)
     now = event.created_at
     subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
     if reservation is None or not reservation.window_unchanged(now):
@@ -298,7 +298,7 @@ async def settle_group(db: Database, items: list[tuple[Event, Reservation]]) -> 
             if hold is None:
                 results.append(None)
                 continue
-            event.cap(hold.amount)
+            event = event.capped(hold.amount)
             taken.append(event)
             results.append(True)
             _add_charges(totals, leases, hold, event.cost)

@@ -1,5 +1,5 @@
 """On PostgreSQL, a group of settles in one statement: the holds taken, the budgets and leases
-charged, the events inserted and every rollup kept, by one data-modifying WITH query run on its
+charged, the events inserted with their rollup increments, by one data-modifying WITH query run on its
 own, with no BEGIN and COMMIT (one round trip for the whole group, and a statement is atomic).
 The holds of leased requests admitted meanwhile ride along in the same statement
 (`with_holds`), or are inserted alone (`insert_holds`) when no settle is waiting.
@@ -19,7 +19,7 @@ A charge that passes an alert threshold or a soft limit aborts the whole stateme
 which the general path does.
 
 Budgets are locked in subject_id order before they are charged, as every writer here locks
-them; the rollup rows in key order.
+them; no rollup row is locked (the increments are new rows of rollup_pending).
 """
 
 import functools

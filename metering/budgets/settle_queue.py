@@ -63,13 +63,13 @@ async def _settle_group_pg(
     None for each it left to be settled alone (hold swept, or not as its reservation wrote it).
     Raises _Crossed, with nothing written, when a budget would pass a threshold. `new_holds`:
     hold rows the same statement inserts (all of them, or none if it fails)."""
-    holds, adds = [], []
+    events, holds, adds = [], [], []
     for event, reservation in items:
         hold = expected_hold(event, reservation)
-        event.cap(hold.amount)
+        capped = event.capped(hold.amount)
+        events.append(capped)
         holds.append(hold)
-        adds += [(hold.id, *added) for added in hold_additions(hold, event.cost)]
-    events = [event for event, _ in items]
+        adds += [(hold.id, *added) for added in hold_additions(hold, capped.cost)]
     params = settle_pg.parameters(events, holds, adds)
     statement = settle_pg.STATEMENT
     if new_holds:
@@ -264,14 +264,16 @@ async def settle(queue: SettleQueue, event: Event, reservation: Reservation | No
     already settled (or expired). Settles that arrive together are written in one
     transaction (`queue`, the process's: BudgetRuntime.settles); this returns once the event is
     committed."""
-    claim = reservation.claim if reservation is not None else None
-    if claim is None:
+    if reservation is None or reservation.claim is None:
         return await queue.settle(event, reservation)
+    claim = reservation.claim
     settled = None
     try:
         settled = await queue.settle(event, reservation)
         return settled
     finally:
-        # Charged from its hold: the lease lost exactly the cost; otherwise (not settled here,
-        # or its hold swept first) the whole hold.
-        claim.end(cost=event.cost if settled and not claim.swept else None)
+        # Charged from its hold: the lease lost exactly the cost (at most the hold: the hold's
+        # amount is the reservation's); otherwise (not settled here, or its hold swept first)
+        # the whole hold.
+        charged = settled and not claim.swept
+        claim.end(cost=event.capped(reservation.amount).cost if charged else None)

@@ -6,7 +6,7 @@ checked, not only the widest).
 Read in the transaction that then appends the event, after its team's budget is locked: every
 adjustment locks its team's budget and every rollup row it adds to is its team's, so no other
 adjustment can move them in between; settles and ingested usage only add what requests cost.
-On PostgreSQL the increments not yet folded in (rollup_pending) count with the rows.
+The increments not yet folded in (rollup_pending) count with the rows.
 """
 
 from datetime import timedelta
@@ -15,7 +15,6 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from metering.db import dialect_name
 from metering.ledger.event import Event
 from metering.ledger.rollup import PENDING, ROLLUPS, Rollup, project, row_for
 from metering.money import COUNTER_CEILING, format_usd
@@ -35,8 +34,6 @@ async def _sums(conn: AsyncConnection, rollup: Rollup, part: dict[str, Any]) -> 
         )
     ).first()
     sums = [int(value) for value in found] if found is not None else [0] * len(CHECKED)
-    if dialect_name(conn) != "postgresql":
-        return sums  # only PostgreSQL's one-statement settle writes pending increments
     pending = PENDING.table
     at = part[rollup.grain]
     length = timedelta(days=1) if rollup.grain == "day" else timedelta(hours=1)

@@ -10,10 +10,10 @@ picodollars per token.
 """
 
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import datetime
 from types import NoneType, UnionType
-from typing import Any, get_args, overload
+from typing import Any, Self, get_args, overload
 
 from sqlalchemy import BigInteger, Boolean, Column, Integer, String, Text
 from sqlalchemy.types import TypeEngine
@@ -53,10 +53,12 @@ def _args(annotation: object) -> tuple[object, ...]:
     return get_args(annotation) if isinstance(annotation, UnionType) else ()
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Event:
-    """One row of the ledger. Append-only, but for the `unsettled` placeholder of a request
-    whose hold was swept while it ran: its real outcome replaces it when it settles after all."""
+    """One row of the ledger, as an immutable value: a change (a charge capped at its hold, the
+    moment of the placeholder it replaces) is a new Event. Append-only, but for the `unsettled`
+    placeholder of a request whose hold was swept while it ran: its real outcome replaces it
+    when it settles after all."""
 
     id: str = column(String(40))
     created_at: datetime = column(UTCDateTime())  # when it was charged
@@ -111,11 +113,13 @@ class Event:
         """The event as the insert's parameters (replaced below by its written-out form)."""
         return {name: getattr(self, name) for name in NAMES}
 
-    def cap(self, amount: int) -> None:
-        """A charge never exceeds what was held: the rest is recorded as uncharged."""
-        if self.cost > amount:
-            self.uncharged = min(self.uncharged + self.cost - amount, MAX_UNCHARGED)
-            self.cost = amount
+    def capped(self, amount: int) -> Self:
+        """The event charging at most `amount` (what was held): the rest is recorded as
+        uncharged. The event itself when it charges no more."""
+        if self.cost <= amount:
+            return self
+        uncharged = min(self.uncharged + self.cost - amount, MAX_UNCHARGED)
+        return replace(self, cost=amount, uncharged=uncharged)
 
 
 SPECS: dict[str, Spec] = {f.name: f.metadata["spec"] for f in fields(Event)}

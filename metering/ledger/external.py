@@ -79,13 +79,16 @@ def adjustment_event(
     made_at: datetime,
     corrects: str | None = None,
     source: str = RERATED,
+    event_id: str | None = None,
+    upstream_id: str | None = None,
 ) -> Event:
     """An adjustment of `difference` picodollars (negative: a credit), charged in the hour of
     `at` (the corrected event's, so every report over any range equals a recomputation at the
     right prices); `made_at` (started_at) is when it was made. It counts no tokens and no
-    request. `source`: rerated (a rerate's: `prices` are those it applied) or manual."""
+    request. `source`: rerated (a rerate's: `prices` are those it applied) or manual;
+    `event_id`: its id (a new one unless given); `upstream_id`: the corrected request's."""
     return Event(
-        id=new_event_id(),
+        id=event_id or new_event_id(),
         created_at=at,
         started_at=made_at,
         token_id=token_id,
@@ -94,7 +97,7 @@ def adjustment_event(
         model=model,
         provider=provider,
         upstream_model=upstream_model,
-        upstream_id=None,
+        upstream_id=upstream_id,
         stream=False,
         status="ok",
         http_status=None,

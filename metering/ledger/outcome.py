@@ -71,10 +71,12 @@ def event_for(
     allowance: Allowance,
     prompt_tokens: Callable[[], int],
     text_tokens: Callable[[str], int],
+    max_tokens_clamped: int | None = None,
 ) -> Event:
     """The event of an attempt. `allowance` bounds what the reported usage may charge; when it
     cannot be used, the usage is estimated: `prompt_tokens()` of the request, and the
-    delivered text's tokens (`text_tokens(text)` unless the forwarder counted them)."""
+    delivered text's tokens (`text_tokens(text)` unless the forwarder counted them).
+    `max_tokens_clamped`: the allowance max_tokens was lowered to, if it was."""
 
     def estimate() -> Usage:
         if not outcome.billable:
@@ -108,7 +110,7 @@ def event_for(
         **usage.columns(),
         usage_source=charge.source,
         usage_anomaly=charge.anomaly,
-        max_tokens_clamped=None,
+        max_tokens_clamped=max_tokens_clamped,
         input_price=attribution.input_price,
         cached_price=attribution.cached_price,
         output_price=attribution.output_price,

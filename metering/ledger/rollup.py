@@ -2,17 +2,16 @@
 model, provider) and the coarser read models made of the same sums (by team, user and token; by
 team, model and provider; per whole UTC day), kept equal to the ledger's sums.
 
-metering.ledger.writer appends each event and adds it to every rollup in the same transaction,
-so no rollup can ever disagree with the ledger: all are committed or none is. A late settle
-that replaces an `unsettled` placeholder adds the difference (no new request) to the same hour
-and day. Reports read whole days and whole hours from the coarsest rollup that has their keys
-and only the partial hours at a range's edges from the ledger.
-
-The one-statement settle on PostgreSQL (metering.budgets.settle_pg) writes instead its events'
-hourly increments to rollup_pending, in the statement that appends them (one row per key
-however many of its events have it, no rollup row locked by a request); `fold` moves them
-into every rollup in one statement each batch. The rollups plus rollup_pending equal the
-ledger's sums at every instant, and the spend report reads both (PENDING) in one statement.
+They are kept one way, on both databases (docs/decisions/rollups.md): whoever appends an event
+writes its hourly increment to rollup_pending in the same transaction (metering.ledger.writer:
+`pend`) or, on PostgreSQL's one-statement settle (metering.budgets.settle_pg), in the same
+statement (`pg_pending_insert`): one new row per key, however many of the events have it, and
+no rollup row locked by a request. A late settle that replaces an `unsettled` placeholder
+writes the difference (no new request) in the same hour. `fold`, a job of every replica, moves
+the increments into every rollup a batch at a time, in the transaction that deletes them. The
+rollups plus rollup_pending equal the ledger's sums at every instant: the spend report reads
+both (PENDING) in one statement, whole days and hours from the coarsest rollup that has their
+keys and only the partial hours at a range's edges from the ledger.
 """
 
 from collections.abc import Callable
@@ -25,18 +24,21 @@ from sqlalchemy import (
     SQLColumnExpression,
     String,
     Table,
+    bindparam,
     case,
+    delete,
     func,
+    insert,
     literal_column,
     select,
     text,
     tuple_,
+    type_coerce,
 )
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from metering.db import Base, Database, dialect_name
+from metering.db import Base, Database, UTCDateTime, dialect_name
 from metering.ledger.event import ADJUSTMENT, Event
 from metering.ledger.tables import (
     RollupPending,
@@ -186,33 +188,14 @@ def _upsert(insert: Callable[[Table], Any], rollup: Rollup) -> Any:
     )
 
 
-# Built once per dialect: every appended event runs them.
-_UPSERTS = {
-    dialect: [(rollup, _upsert(insert, rollup)) for rollup in ROLLUPS]
-    for dialect, insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))
-}
+# SQLite's fold: every rollup's upsert, built once.
+_SQLITE_UPSERTS = [(rollup, _upsert(sqlite_insert, rollup)) for rollup in ROLLUPS]
 
 
 _MOST = {name: SATURATED.get(name) for name in ("requests", *SUMS)}
 
 
 FIGURES = ("requests", *SUMS)
-
-
-def pg_arrays_cte(name: str = "e", gate: str = "") -> str:
-    """On PostgreSQL, the rollup increments passed as arrays (`pg_arrays`), as relation `name`
-    with the columns of KEY and FIGURES."""
-    keys = ", ".join(KEY[1:])
-    arrays = ", ".join(
-        ["CAST(:hour AS timestamptz[])"]
-        + [f"CAST(:{k} AS text[])" for k in KEY[1:]]
-        + [f"CAST(:{f} AS bigint[])" for f in FIGURES]
-    )
-    where = f" WHERE {gate}" if gate else ""
-    return (
-        f"{name} AS (SELECT hour, {keys}, {', '.join(FIGURES)} FROM unnest({arrays}) "
-        f"AS {name}_in(hour, {keys}, {', '.join(FIGURES)}){where})"
-    )
 
 
 def _pg_sums() -> str:
@@ -225,10 +208,10 @@ def _positions(n: int) -> str:
     return ", ".join(str(i) for i in range(1, n + 1))
 
 
-def pg_upserts(source: str = "e") -> list[str]:
+def pg_upserts(source: str) -> list[str]:
     """On PostgreSQL, every rollup's upsert as a data-modifying WITH query reading the rows of
-    relation `source` (pg_arrays_cte): summed per rollup in SQL, in key order (concurrent
-    writers lock shared rows in one order)."""
+    relation `source` (columns KEY and FIGURES): summed per rollup in SQL, in key order
+    (concurrent folds lock shared rows in one order)."""
     parts = []
     for i, rollup in enumerate(ROLLUPS):
         name = rollup.table.name
@@ -291,6 +274,16 @@ def pg_pending_insert(events: str = "ev") -> str:
     )
 
 
+_PENDING_TABLE = RollupPending.__table__
+_PEND = insert(_PENDING_TABLE)
+
+
+async def pend(conn: AsyncConnection | AsyncSession, rows: list[dict[str, Any]]) -> None:
+    """Write hourly increments (row_for's) to rollup_pending, in the caller's transaction: the
+    rows of one key summed first, so a key is one row however many of them have it."""
+    await conn.execute(_PEND, rows if len(rows) == 1 else summed(PENDING, rows))
+
+
 FOLD_BATCH = 5000
 
 
@@ -311,51 +304,44 @@ def _fold_pg() -> str:
 
 
 _FOLD_PG = text(_fold_pg())
+# SQLite's: the oldest increments deleted (the first statement a write: the transaction takes
+# the one writer's lock at once), then summed here and upserted into every rollup, in the same
+# transaction (a report's snapshot sees each increment once).
+_TAKE_SQLITE = (
+    delete(_PENDING_TABLE)
+    .where(
+        _PENDING_TABLE.c.id.in_(
+            select(_PENDING_TABLE.c.id).order_by(_PENDING_TABLE.c.id).limit(bindparam("batch"))
+        )
+    )
+    .returning(*(_PENDING_TABLE.c[name] for name in (*KEY, *FIGURES)))
+)
+
+
+async def _fold_once(db: Database, batch: int) -> int:
+    if db.dialect == "postgresql":
+        async with db.single() as conn:
+            return int((await conn.execute(_FOLD_PG, {"batch": batch})).scalar() or 0)
+    async with db.begin() as conn:
+        taken = await conn.execute(_TAKE_SQLITE, {"batch": batch})
+        rows = [dict(row) for row in taken.mappings()]
+        if rows:
+            for rollup, upsert in _SQLITE_UPSERTS:
+                await conn.execute(upsert, summed(rollup, rows))
+    return len(rows)
 
 
 async def fold(db: Database, batch: int = FOLD_BATCH, rounds: int = 20) -> int:
     """Fold pending increments into the rollups, `batch` at a time, until fewer than a batch
-    were left or `rounds` statements ran (the next run goes on). Returns how many were folded.
-    Only PostgreSQL's one-statement settle writes them; on SQLite the table stays empty."""
-    if db.dialect != "postgresql":
-        return 0
+    were left or `rounds` batches were folded (the next run goes on). Returns how many were
+    folded."""
     folded = 0
     for _ in range(rounds):
-        async with db.single() as conn:
-            moved = int((await conn.execute(_FOLD_PG, {"batch": batch})).scalar() or 0)
+        moved = await _fold_once(db, batch)
         folded += moved
         if moved < batch:
             break
     return folded
-
-
-def _statement_pg() -> str:
-    """On PostgreSQL, every rollup in one statement (one round trip)."""
-    return "WITH " + ",\n".join([pg_arrays_cte(), *pg_upserts()]) + "\nSELECT 1"
-
-
-_ALL_PG = text(_statement_pg())
-
-
-async def _add_rows(session: AsyncConnection | AsyncSession, rows: list[dict[str, Any]]) -> None:
-    if dialect_name(session) == "postgresql":
-        arrays = {name: [row[name] for row in rows] for name in (*KEY, *FIGURES)}
-        await session.execute(_ALL_PG, arrays)
-        return
-    for rollup, upsert in _UPSERTS["sqlite"]:
-        await session.execute(upsert, summed(rollup, rows))
-
-
-async def add(session: AsyncConnection | AsyncSession, event: Event, **override: int) -> None:
-    """Add one ledger event to its row in every rollup, in the caller's transaction."""
-    await _add_rows(session, [row_for(event, **override)])
-
-
-async def add_many(session: AsyncConnection | AsyncSession, events: list[Event]) -> None:
-    """Add several events to their rows: each rollup's rows summed first (a row is written
-    once however many of the events it counts); one statement on PostgreSQL, one per rollup
-    on SQLite."""
-    await _add_rows(session, [row_for(event) for event in events])
 
 
 def hour_text(column: SQLColumnExpression[Any], dialect: str) -> ColumnElement[Any]:
@@ -404,7 +390,7 @@ def _day_key(rollup: Rollup, row: dict[str, Any]) -> tuple[Any, ...]:
 
 
 async def _sums(
-    session: AsyncSession, rollup: Rollup, keys: set[tuple[Any, ...]]
+    session: AsyncConnection | AsyncSession, rollup: Rollup, keys: set[tuple[Any, ...]]
 ) -> dict[tuple[Any, ...], list[int]]:
     """The current sums of `rollup`'s rows at `keys`, with the increments not yet folded in."""
     table = rollup.table
@@ -420,29 +406,25 @@ async def _sums(
         )
         for row in rows:
             found[tuple(row[: len(columns)])] = list(row[len(columns) :])
-    if dialect_name(session) == "postgresql":
-        pending = PENDING.table
-        day: ColumnElement[Any] = func.date_trunc(
-            "day", pending.c.hour.op("AT TIME ZONE")(literal_column("'UTC'"))
-        )
-        day = day.op("AT TIME ZONE")(literal_column("'UTC'"))
-        grouped = [day, *(pending.c[name] for name in rollup.keys)]
-        days = sorted({key[0] for key in keys})
-        rows = await session.execute(
-            select(*grouped, *(func.sum(pending.c[name]) for name in _CHECKED))
-            .where(pending.c.hour >= days[0], pending.c.hour < days[-1] + timedelta(days=1))
-            .group_by(*grouped)
-        )
-        for row in rows:
-            key = tuple(row[: len(grouped)])
-            if key in keys:
-                sums = found.setdefault(key, [0] * len(_CHECKED))
-                for i, value in enumerate(row[len(grouped) :]):
-                    sums[i] += int(value or 0)
+    pending = PENDING.table
+    day = type_coerce(day_value(pending.c.hour, dialect_name(session)), UTCDateTime())
+    grouped = [day, *(pending.c[name] for name in rollup.keys)]
+    days = sorted({key[0] for key in keys})
+    rows = await session.execute(
+        select(*grouped, *(func.sum(pending.c[name]) for name in _CHECKED))
+        .where(pending.c.hour >= days[0], pending.c.hour < days[-1] + timedelta(days=1))
+        .group_by(*grouped)
+    )
+    for row in rows:
+        key = tuple(row[: len(grouped)])
+        if key in keys:
+            sums = found.setdefault(key, [0] * len(_CHECKED))
+            for i, value in enumerate(row[len(grouped) :]):
+                sums[i] += int(value or 0)
     return found
 
 
-async def overflowing(session: AsyncSession, events: list[Event]) -> list[bool]:
+async def overflowing(session: AsyncConnection | AsyncSession, events: list[Event]) -> list[bool]:
     """Per event, in order: whether appending it after the ones before it (those not
     overflowing) would take a rollup's sum past SUM_CEILING."""
     rows = [row_for(event) for event in events]

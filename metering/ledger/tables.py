@@ -46,8 +46,8 @@ class LedgerEventArchive(Base):
 
 
 class SpendHourly(Base):
-    """Ledger totals per UTC hour and attribution: written by settle in the same transaction as
-    the ledger event, so it always equals the ledger's sums (token_id '' stands for none)."""
+    """Ledger totals per UTC hour and attribution (token_id '' stands for none): with the
+    increments not yet folded in (rollup_pending), it equals the ledger's sums."""
 
     __tablename__ = "spend_hourly"
     __table_args__ = (
@@ -74,9 +74,9 @@ class SpendHourly(Base):
 
 
 class RollupPending(Base):
-    """Hourly rollup increments not yet added to the rollups: the one-statement settle on
-    PostgreSQL writes its events' increments here, in the statement that appends them (one
-    row per key and statement), and a job folds them into every rollup
+    """Hourly rollup increments not yet added to the rollups: every append writes its events'
+    increments here, in the transaction (or, on PostgreSQL's one-statement settle, the
+    statement) that appends them, one row per key, and a job folds them into every rollup
     (metering.ledger.rollup.fold). The rollups plus these rows equal the ledger's sums at every
     instant; the spend report reads both."""
 
@@ -102,9 +102,9 @@ class RollupPending(Base):
 
 
 # The coarser read models: the same sums as spend_hourly over fewer keys or whole UTC days
-# (the day stored as its midnight). settle adds each event to every one of them in the
-# transaction that appends it (metering.ledger.rollup.ROLLUPS); a report reads the coarsest
-# that answers its question exactly.
+# (the day stored as its midnight). The fold adds each pending increment to every one of them
+# (metering.ledger.rollup.ROLLUPS); a report reads the coarsest that answers its question
+# exactly.
 _KEY_COLUMNS = {"team_id": 40, "user_id": 40, "token_id": 40, "model": 200, "provider": 100}
 _SUM_COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 

@@ -1,10 +1,15 @@
-"""Writing the ledger: append an event with its rollup rows, or put a late request's real
+"""Writing the ledger: append an event with its rollup increment, or put a late request's real
 outcome in place of its `unsettled` placeholder. Both run in the caller's transaction (the one
-that moves the budget counters), so the ledger, the rollups and the budgets are committed
-together.
+that moves the budget counters), so the ledger, its increments to the rollups (rollup_pending,
+folded in later: metering.ledger.rollup) and the budgets are committed together.
+
+The one writer of ledger_events, its archive (metering.ledger.retention), the rollups and
+rollup_pending is metering.ledger; tests/ledger/test_one_writer.py holds every other module of
+metering/ to it. PostgreSQL's one-statement settle writes its events through the WITH queries
+given here and in metering.ledger.rollup (pg_insert_cte, pg_pending_insert).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, cast
 
@@ -40,15 +45,15 @@ _REPLACE = update(_table).where(
 
 
 async def append(conn: AsyncConnection | AsyncSession, event: Event) -> None:
-    """Insert the event and add it to its row in every rollup."""
+    """Insert the event and its rollup increment."""
     await conn.execute(_INSERT, event.params())
-    await rollup.add(conn, event)  # same transaction: the rollups equal the ledger
+    await rollup.pend(conn, [rollup.row_for(event)])  # same transaction: nothing is lost
 
 
 async def append_many(conn: AsyncConnection | AsyncSession, events: list[Event]) -> None:
-    """Insert several events (one statement) and add them to their rollup rows."""
+    """Insert several events (one statement) and their rollup increments, one row per key."""
     await conn.execute(_INSERT, [event.params() for event in events])
-    await rollup.add_many(conn, events)
+    await rollup.pend(conn, [rollup.row_for(event) for event in events])
 
 
 def _pg_type(name: str) -> str:
@@ -100,7 +105,7 @@ async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) 
     old = (await conn.execute(_PLACEHOLDER, {"placeholder_id": event.id})).first()
     if old is None:
         return None
-    event.cap(old.cost)
+    event = event.capped(old.cost)
     params = event.params()
     values = {name: params[name] for name in _REPLACED}
     replaced = cast(
@@ -109,8 +114,8 @@ async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) 
     )
     if replaced.rowcount != 1:
         return None  # replaced meanwhile by a concurrent settle of the same request
-    event.created_at = old.created_at
+    event = replace(event, created_at=old.created_at)
     delta = event.cost - old.cost
-    await rollup.add(conn, event, requests=0, cost=delta)
+    await rollup.pend(conn, [rollup.row_for(event, requests=0, cost=delta)])
     subjects = [s for s in (old.token_id, old.user_id, old.team_id) if s]
     return Replaced(old.created_at, subjects, delta, old.team_id, old.run_id)

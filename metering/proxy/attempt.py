@@ -147,9 +147,8 @@ class Attempt:
             allowance=Allowance.of(billing, self.reservation, self.chat.choices),
             prompt_tokens=lambda: estimate_prompt_tokens(body),
             text_tokens=estimate_text_tokens,
-        )
-        if self.reservation.clamped:
-            event.max_tokens_clamped = self.reservation.max_tokens
+            max_tokens_clamped=self.reservation.max_tokens if self.reservation.clamped else None,
+        ).capped(self.reservation.amount)  # as settle charges it: the metrics count that
         settled = await _retrying(
             self.services,
             "settle",

@@ -1,13 +1,14 @@
 """GET /v1/spend: spend summed by any combination of team, user, token, model, provider, day and
 hour, computed in SQL.
 
-Settle keeps several rollups equal to the ledger (metering.ledger.rollup): per hour and per UTC
-day, each with every key or only the team, user and token, or only the team, model and
-provider. A report reads its whole days from the coarsest daily rollup that has every key it
-groups or filters on (unless it is by hour), the whole hours left at the days' edges from the
-coarsest hourly one, and only the partial hours at the range's edges from the ledger itself (and
-its archive): a report over a month of a whole organisation reads a few thousand rows, and is
-exact for any start and end.
+The ledger keeps several rollups (metering.ledger.rollup): per hour and per UTC day, each with
+every key or only the team, user and token, or only the team, model and provider; with the
+increments not yet folded into them (rollup_pending) they equal the ledger's sums. A report
+reads its whole days from the coarsest daily rollup that has every key it groups or filters on
+(unless it is by hour), the whole hours left at the days' edges from the coarsest hourly one,
+each with the pending increments of the same hours, and only the partial hours at the range's
+edges from the ledger itself (and its archive): a report over a month of a whole organisation
+reads a few thousand rows, and is exact for any start and end.
 
 A report holds at most MAX_REPORT_ROWS rows: one that could hold more (check_size's bound) is
 refused with a 400 naming the limit. A page holds at most `limit` rows (default DEFAULT_ROWS,
@@ -28,7 +29,7 @@ from functools import partial
 from typing import Any
 
 import orjson
-from sqlalchemy import ColumnElement, Select, case, func, literal, select, union_all
+from sqlalchemy import ColumnElement, Select, case, func, literal, select, union, union_all
 
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
@@ -211,7 +212,7 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
         else:
             rollup = read_model(name, needed)
             parts.append(_rollup_part(rollup, dialect, keys, filters, a, b))
-            # The increments not yet folded into the rollups (PostgreSQL's grouped settle).
+            # The increments not yet folded into the rollups.
             parts.append(_rollup_part(PENDING, dialect, keys, filters, a, b))
     if not parts:
         return None
@@ -241,7 +242,8 @@ def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, e
 def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
     """How many distinct attributions (team, user, token) and distinct (model, provider) the
     report's range holds, from the daily rollups by team, user and token and by team, model
-    and provider (a few rows a day each); None for the part the report does not group by."""
+    and provider (a few rows a day each) and the increments not yet folded into them; None for
+    the part the report does not group by."""
     plain = [k for k in keys if k not in ("day", "hour")]
     counts: list[ColumnElement[Any]] = []
     for rollup_keys, model in ((WHO, SpendDailyToken), (("model", "provider"), SpendDailyModel)):
@@ -254,16 +256,17 @@ def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
             # A filter this rollup has no column for (models for one token, tokens of one
             # model): the daily rollup with every key applies it.
             t = SpendDaily.__table__
-        distinct = (
-            select(*(t.c[k] for k in grouped))
-            .where(
-                t.c.day >= floor_day(start),
-                t.c.day < end,
-                *(t.c[k] == v for k, v in filters.items()),
+        pending = PENDING.table
+        distinct = union(
+            *(
+                select(*(source.c[k] for k in grouped)).where(
+                    at >= floor_day(start),
+                    at < end,
+                    *(source.c[k] == v for k, v in filters.items()),
+                )
+                for source, at in ((t, t.c.day), (pending, pending.c.hour))
             )
-            .distinct()
-            .subquery()
-        )
+        ).subquery()
         counts.append(select(func.count()).select_from(distinct).scalar_subquery())
     return select(*counts)
 

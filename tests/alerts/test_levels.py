@@ -1,7 +1,9 @@
-"""When a charge passes an alert level, one rule (metering.alerts.record.passes) in every form:
-record.passed (the general settle's check), record.crossings (the events written) and the SQL
-the one-statement settle aborts on (metering.budgets.settle_pg, PostgreSQL only: SQLite takes
-the general path), each held to the same table of cases."""
+"""When a charge passes an alert level, one rule (metering.alerts.record.reached and passes) in
+every form: record.passed (the general settle's check), record.crossings (the events written),
+the threshold a budget shows it has reached (BudgetView.threshold_passed, with record.reached
+for the soft limit: a level is passed when reached after and not before) and the SQL the
+one-statement settle aborts on (metering.budgets.settle_pg, PostgreSQL only: SQLite takes the
+general path), each held to the same table of cases."""
 
 from datetime import UTC, datetime
 
@@ -10,6 +12,7 @@ import pytest
 
 from metering.alerts import record
 from metering.budgets import settle_pg
+from metering.budgets.views import BudgetView
 from tests.conftest import PG_ADMIN_DSN
 
 USD = 10**12
@@ -62,6 +65,19 @@ def _events(before, after, limit, stored, soft) -> bool:
     return bool(record.crossings(figures, before, thresholds, soft, now, now, "usr_levels"))
 
 
+def _view(before, after, limit, stored, soft) -> bool:
+    def shown(spent: int) -> int | None:
+        at = datetime(2026, 1, 1, tzinfo=UTC)
+        thresholds = record.thresholds_of(stored)
+        view = BudgetView("token", "tok_levels", limit, "never", at, None, spent, 0, thresholds)
+        return view.threshold_passed
+
+    soft_passed = soft is not None and not record.reached(before, soft)
+    soft_passed = soft_passed and record.reached(after, soft)
+    was, now = shown(before), shown(after)
+    return soft_passed or (now is not None and (was is None or now > was))
+
+
 def _postgres():
     """settle_pg's crossed part, run on PostgreSQL against one charged row and its sum."""
     conn = psycopg.connect(PG_ADMIN_DSN, autocommit=True)
@@ -86,6 +102,7 @@ def _postgres():
     [
         "record.passed",
         "record.crossings",
+        "BudgetView.threshold_passed",
         pytest.param("settle_pg", marks=[pytest.mark.postgres, pytest.mark.e2e]),
     ],
 )
@@ -95,6 +112,8 @@ def test_every_form_of_the_rule_passes_the_same_levels(form):
         decide = _python
     elif form == "record.crossings":
         decide = _events
+    elif form == "BudgetView.threshold_passed":
+        decide = _view
     else:
         decide, close = _postgres()
     try:

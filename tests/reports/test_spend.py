@@ -128,7 +128,7 @@ def assert_report_matches_usage(api, start: datetime, end: datetime, groupings) 
 
 def settle_random_traffic(api, base: datetime, hours: int, count: int, seed: int) -> None:
     """`count` events spread over `hours` hours from `base`, each reserved then settled by
-    metering.budgets (the proxy's own path), so the rollup upsert really runs."""
+    metering.budgets (the proxy's own path), so the rollup increments really are written."""
     rng = random.Random(seed)
     people = []
     for _ in range(2):
@@ -509,11 +509,12 @@ def test_the_migration_backfills_the_rollup_and_settle_continues_it(request, bac
     async def settle_rest() -> None:
         db = Database(url, pool_size=1)
         try:
-            from metering.ledger import writer
+            from metering.ledger import rollup, writer
 
             for event in events[50:]:  # what settle_in appends
                 async with db.transaction() as session:
                     await writer.append(session, as_event(event))
+            await rollup.fold(db)
         finally:
             await db.dispose()
 
