@@ -154,17 +154,31 @@ async def test_a_connection_the_server_ended_is_never_handed_out_again_postgres(
         async with db.raw() as conn:
             victim = await conn.fetchval("SELECT pg_backend_pid()")
 
+        # The statement waits on a lock another session holds until the backend is terminated.
+        holder = psycopg.connect(fresh_pg, autocommit=True)  # advisory locks are per database
+        holder.execute("SELECT pg_advisory_lock(4242)")
+
         async def terminate() -> None:
-            await asyncio.sleep(0.2)
             with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+                for _ in range(500):  # until the victim waits on the lock (10 s at most)
+                    waiting = admin.execute(
+                        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                        (victim,),
+                    ).fetchone()
+                    if waiting and waiting[0]:
+                        break
+                    await asyncio.sleep(0.02)
                 admin.execute("SELECT pg_terminate_backend(%s)", (victim,))
 
         killer = asyncio.ensure_future(terminate())
-        with pytest.raises(asyncpg.PostgresError) as failed:  # noqa: PT012 - the pid, then the kill
-            async with db.raw() as conn:
-                assert await conn.fetchval("SELECT pg_backend_pid()") == victim
-                await conn.execute("SELECT pg_sleep(5)")
-        await killer
+        try:
+            with pytest.raises(asyncpg.PostgresError) as failed:  # noqa: PT012 - the pid, then the kill
+                async with db.raw() as conn:
+                    assert await conn.fetchval("SELECT pg_backend_pid()") == victim
+                    await conn.execute("SELECT pg_advisory_lock(4242)")
+            await killer
+        finally:
+            holder.close()
         assert (failed.value.sqlstate or "").startswith(("08", "57P")), failed.value
         for _ in range(3):
             async with db.raw() as conn:
