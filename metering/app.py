@@ -34,7 +34,7 @@ from metering.db import Database
 from metering.encoding import ContentEncoding
 from metering.errors import error_response, error_responses, install_error_handlers
 from metering.identity.endpoints import router as identity_router
-from metering.proxy.endpoints import DirectChat
+from metering.proxy.dispatch import DirectChat
 from metering.proxy.endpoints import router as proxy_router
 from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers
@@ -119,7 +119,7 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 class Application(FastAPI):
-    """The application, with `direct` (the proxy's chat route, metering.proxy.endpoints.
+    """The application, with `direct` (the proxy's chat route, metering.proxy.dispatch.
     DirectChat) called ahead of everything FastAPI and Starlette put around the routes: their
     server-error, telemetry and body-limit layers cost every request of every user a wrapped
     `send` each, for work DirectChat does itself; it hands every other request to `stack`."""

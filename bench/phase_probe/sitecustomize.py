@@ -103,7 +103,7 @@ if OUT:
     # to the first byte of the answer's body sent to the client (a stream's first chunk).
     from contextvars import ContextVar
 
-    from metering.proxy import endpoints
+    from metering.proxy import dispatch
 
     _marks: ContextVar[dict | None] = ContextVar("phase_marks", default=None)
 
@@ -117,7 +117,7 @@ if OUT:
         if marks is not None and start in marks and end in marks:
             note(kind, marks[end] - marks[start])
 
-    direct_call = endpoints.DirectChat.__call__
+    direct_call = dispatch.DirectChat.__call__
 
     def noted_end() -> None:
         mark("end")
@@ -127,7 +127,7 @@ if OUT:
         span("arrival to end", "arrival", "end")
 
     async def timed_direct(self, scope, receive, send):
-        if scope.get("path") != endpoints.CHAT_PATH:
+        if scope.get("path") != dispatch.CHAT_PATH:
             return await direct_call(self, scope, receive, send)
         token = _marks.set({"arrival": time.perf_counter()})
 
@@ -145,7 +145,7 @@ if OUT:
         finally:
             _marks.reset(token)
 
-    endpoints.DirectChat.__call__ = timed_direct
+    dispatch.DirectChat.__call__ = timed_direct
 
     class _Lag:
         """Each millisecond (a timer), a callback made ready: how long it waits for the loop to

@@ -9,9 +9,10 @@ from metering.auth.principal import Principal
 from metering.budgets import rates
 from metering.budgets.rates import RateLimited
 from metering.budgets.refusals import Refused
-from metering.budgets.reserve import HoldSpec
+from metering.budgets.reserve import HoldSpec, Reservation, reserve
 from metering.db import utcnow
 from metering.errors import MeteringError
+from metering.limits import Limits
 from metering.proxy.runtime import ProxyServices
 
 
@@ -76,23 +77,51 @@ def rate_limited(exc: RateLimited) -> RateLimitExceeded:
     return error
 
 
-async def admit(
-    services: ProxyServices, principal: Principal, spec: HoldSpec, prompt_bound: int, choices: int
-) -> HoldSpec:
-    """Count the request against its rate and parallel limits (one statement), or raise the
-    429. The returned spec carries the claim onto the hold."""
-    limits = principal.limits
-    if limits is None or not limits.rated:
-        return spec
-    tpm = limits.tightest_tpm()
-    if tpm is not None and spec.max_tokens is None:
-        # No max_tokens from the client: the output allowance is what the tpm_limit leaves.
-        fits = (tpm - prompt_bound) // max(choices, 1)
-        if 1 <= fits < spec.model_max_output:
-            spec = replace(spec, model_max_output=fits)
-    wanted = spec.max_tokens if spec.max_tokens is not None else spec.model_max_output
-    try:
-        claim = await services.budgets.admissions.admit(limits, prompt_bound + wanted * choices)
-    except RateLimited as exc:
-        raise rate_limited(exc) from None
-    return replace(spec, rates=claim)
+class Admission:
+    """One request at the door, and the one owner of the rate claim its admission takes, from
+    the moment it is taken until a committed hold carries it.
+
+    hold() counts the request against its rate and parallel limits (one statement; the 429
+    when one would be passed), then reserves its hold (metering.budgets.reserve), the claim
+    written on it. Whatever ends the request before that hold is committed (a budget's refusal,
+    an unknown run, the database failing, a cancellation) has the claim given back here before
+    the exception goes on: nothing else gives back a claim no hold carries. Once a hold carries
+    it, whoever ends the hold gives it back (settle, release, the expired-hold sweep).
+
+    `spec`: the hold's spec, as reserved once hold() has returned (carrying the claim, and the
+    output allowance a tpm_limit leaves)."""
+
+    __slots__ = ("services", "limits", "spec")
+
+    def __init__(self, services: ProxyServices, limits: Limits | None, spec: HoldSpec) -> None:
+        self.services = services
+        self.limits = limits
+        self.spec = spec
+
+    async def hold(self, prompt_bound: int, choices: int) -> Reservation:
+        """Admit, then reserve: the reservation, with the claim handed over to its hold."""
+        budgets = self.services.budgets
+        ttl_s = self.services.settings.hold_ttl_s
+        limits = self.limits
+        if limits is None or not limits.rated:
+            return await reserve(budgets, self.spec, ttl_s, budgets.leases)
+        spec = self.spec
+        allowance = spec.model_max_output
+        tpm = limits.tightest_tpm()
+        if tpm is not None and spec.max_tokens is None:
+            # No max_tokens from the client: the output allowance is what the tpm_limit leaves.
+            fits = (tpm - prompt_bound) // max(choices, 1)
+            if 1 <= fits < allowance:
+                allowance = fits
+        wanted = spec.max_tokens if spec.max_tokens is not None else allowance
+        try:
+            claim = await budgets.admissions.admit(limits, prompt_bound + wanted * choices)
+        except RateLimited as exc:
+            raise rate_limited(exc) from None
+        spec = self.spec = replace(spec, model_max_output=allowance, rates=claim)
+        try:
+            return await reserve(budgets, spec, ttl_s, budgets.leases)
+        except BaseException:
+            # No hold carries the claim: given back, whatever ended the request.
+            await rates.release_claim(self.services.db, claim, limits)
+            raise

@@ -182,6 +182,76 @@ def test_every_ending_gives_the_parallel_slot_back(api):
     assert chat(api, key, f"{tag} after sim:tokens=2", max_tokens=5).status_code == 200
 
 
+def counted(api: Api, team: dict, token: dict) -> list[tuple[int, int, int]]:
+    """(requests, tokens, in flight) counted against the token's and the team's limits."""
+    return [
+        (shown["requests"], shown["tokens"], shown["in_flight"])
+        for shown in (limits(api, "token", token["id"]), limits(api, "team", team["id"]))
+    ]
+
+
+def rated(api: Api, clock: MovableClock, **budget_limits: str) -> tuple[dict, dict, str]:
+    """A principal with rate, token and parallel limits on its token and its team, which has
+    served one request in the current rate window (so every counter has something in it); its
+    team, its token and the test's marker."""
+    team, _, token = api.principal(**budget_limits)
+    every = {"rpm_limit": 100, "tpm_limit": 100_000, "max_parallel_requests": 4}
+    patch(api, "token", token["id"], **every)
+    patch(api, "team", team["id"], **every)
+    tag = marker()
+    same_minute(clock)
+    assert chat(api, token["token"], f"{tag} ok sim:tokens=2", max_tokens=5).status_code == 200
+    assert counted(api, team, token)[0][0] == 1
+    return team, token, tag
+
+
+def test_a_budget_refusal_gives_the_whole_rate_claim_back(api, clock):
+    """Admitted at its limits, then refused by its budget: no hold carries the claim, so its
+    request, its tokens and its parallel slot are given back, on every scope that counted it."""
+    team, token, tag = rated(api, clock, token_limit="0.001")
+    before = counted(api, team, token)
+    refused = chat(api, token["token"], f"{tag} big", max_tokens=4000)
+    assert refused.status_code == 402, refused.text
+    assert refused.json()["error"]["code"] == "budget_exceeded"
+    assert counted(api, team, token) == before
+
+
+def test_an_unknown_run_refusal_gives_the_whole_rate_claim_back(api, clock):
+    team, token, tag = rated(api, clock)
+    before = counted(api, team, token)
+    refused = api.request(
+        "POST",
+        "/v1/chat/completions",
+        key=token["token"],
+        content=chat_body(f"{tag} run sim:tokens=2", max_tokens=5),
+        headers={"content-type": "application/json", "x-metering-run": f"never-{tag}"},
+    )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"] == "x-metering-run-budget"
+    assert counted(api, team, token) == before
+
+
+def test_a_failure_while_holding_gives_the_rate_claim_back(api, clock, monkeypatch):
+    """Any failure between admission and a committed hold (here the database's, as reserve
+    raises it) gives the claim back; the next request is admitted and counted as usual."""
+    from metering.proxy import admission
+
+    team, token, tag = rated(api, clock)
+    before = counted(api, team, token)
+
+    async def unreachable(*args, **kwargs):
+        raise ConnectionError("the database went away")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(admission, "reserve", unreachable)
+        failed = chat(api, token["token"], f"{tag} fails sim:tokens=2", max_tokens=5)
+    assert failed.status_code == 503, failed.text
+    assert failed.json()["error"]["code"] == "ledger_unavailable"
+    assert counted(api, team, token) == before
+    assert chat(api, token["token"], f"{tag} next sim:tokens=2", max_tokens=5).status_code == 200
+    assert [c[0] for c in counted(api, team, token)] == [2, 2]
+
+
 def test_a_model_outside_an_allow_list_is_403_and_not_listed(api):
     team, user, token = api.principal()
     patch(api, "team", team["id"], allowed_models=["gpt-*", "minimax-*"])

@@ -1,5 +1,5 @@
 """POST /v1/chat/completions is dispatched ahead of the application's middleware and router
-(metering.proxy.endpoints.DirectChat): what those layers did for it is done there, and it answers as the
+(metering.proxy.dispatch.DirectChat): what those layers did for it is done there, and it answers as the
 general stack answers. A compressed body, another method or another path takes the general
 stack."""
 
@@ -100,12 +100,12 @@ def test_the_route_is_still_in_the_openapi_document(api):
 def test_a_bug_answers_an_openai_shaped_500_with_one_request_id(api, monkeypatch, caplog):
     """What the application's last-resort handler answers: the error's shape holds, the request
     id is given once, and the failure is logged."""
-    from metering.proxy import endpoints
+    from metering.proxy import service
 
     async def broken(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(endpoints, "serve", broken)
+    monkeypatch.setattr(service, "serve", broken)
     _, _, token = api.principal()
     response = _post(api, chat_body(f"bug {marker()}"), token["token"])
     assert response.status_code == 500, response.text
