@@ -12,7 +12,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from starlette.requests import ClientDisconnect
 
-from metering import jobs, metrics
+from metering import __version__, jobs, metrics
 from metering.alerts.endpoints import router as alerts_router
 from metering.alerts.outbox.delivery import Outbox, Policy
 from metering.alerts.targets import Reach
@@ -54,6 +54,8 @@ LARGER_BODIES = {"/v1/reconciliations": MAX_EXPORT_BYTES}
 
 class Health(BaseModel):
     status: Literal["ok"]
+    # The running code's version (metering.__version__): which release a replica serves.
+    version: str
 
 
 class Ready(BaseModel):
@@ -250,7 +252,7 @@ def create_app(
     openapi = settings.openapi_enabled
     app = Application(
         title="metering",
-        version="0.1.0",
+        version=__version__,
         lifespan=lifespan,
         docs_url="/docs" if openapi else None,
         openapi_url="/openapi.json" if openapi else None,
@@ -282,7 +284,7 @@ def create_app(
     @app.get("/healthz", dependencies=[Depends(open_access)])
     async def healthz() -> Health:
         """The process answers (liveness)."""
-        return Health(status="ok")
+        return Health(status="ok", version=__version__)
 
     @app.get("/readyz", dependencies=[Depends(open_access)], responses=error_responses(503))
     async def readyz(services: ServicesDep) -> Ready:
