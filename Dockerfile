@@ -15,7 +15,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /src
 COPY requirements.lock ./
 RUN pip install --require-hashes -r requirements.lock
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY metering ./metering
 COPY migrations ./migrations
 RUN pip install --no-deps --no-build-isolation . && rm -rf /src

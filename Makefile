@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast lint bench postgres chromium lock
+.PHONY: demo test test-fast lint bench postgres chromium lock reference
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -70,6 +70,11 @@ lint: $(BIN)/metering
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# The reference pages written from the code (scripts/reference.py): docs/operator/configuration.md
+# from the settings class. tests/docs/test_reference.py fails while a committed page is stale.
+reference: $(BIN)/metering
+	$(BIN)/python -m scripts.reference
 
 bench: $(BIN)/metering postgres
 	$(BIN)/python -m bench.run

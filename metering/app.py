@@ -12,13 +12,14 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 from starlette.requests import ClientDisconnect
 
-from metering import jobs, metrics
+from metering import __version__, jobs, metrics
 from metering.alerts.endpoints import router as alerts_router
 from metering.alerts.outbox.delivery import Outbox, Policy
 from metering.alerts.targets import Reach
 from metering.auth.endpoints import router as auth_router
 from metering.auth.failures import FailedCredentials
 from metering.auth.invalidation import Credentials
+from metering.auth.openapi import declare_security
 from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
@@ -29,6 +30,8 @@ from metering.budgets.runtime import BudgetRuntime
 from metering.catalog import CatalogStore, record_prices
 from metering.clock import SYSTEM, Clock, reset_current, set_current
 from metering.container import Services, ServicesDep, install
+from metering.dashboard.apidocs import OPENAPI as OPENAPI_URL
+from metering.dashboard.apidocs import router as apidocs_router
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
 from metering.encoding import ContentEncoding
@@ -54,6 +57,8 @@ LARGER_BODIES = {"/v1/reconciliations": MAX_EXPORT_BYTES}
 
 class Health(BaseModel):
     status: Literal["ok"]
+    # The running code's version (metering.__version__): which release a replica serves.
+    version: str
 
 
 class Ready(BaseModel):
@@ -250,15 +255,17 @@ def create_app(
     openapi = settings.openapi_enabled
     app = Application(
         title="metering",
-        version="0.1.0",
+        version=__version__,
         lifespan=lifespan,
-        docs_url="/docs" if openapi else None,
-        openapi_url="/openapi.json" if openapi else None,
+        # /docs is Swagger UI with its files served from here (metering.dashboard.apidocs).
+        docs_url=None,
+        openapi_url=OPENAPI_URL if openapi else None,
         redoc_url=None,
         # Every query parameter, on every route: no control character reaches a query.
         dependencies=[Depends(valid_parameters)],
     )
     install_error_handlers(app)
+    declare_security(app)
     for error in (
         sa_exc.OperationalError,
         sa_exc.InterfaceError,
@@ -278,11 +285,13 @@ def create_app(
     app.include_router(metrics_router)
     app.include_router(auth_router)
     app.include_router(dashboard_router)
+    if openapi:
+        app.include_router(apidocs_router)
 
     @app.get("/healthz", dependencies=[Depends(open_access)])
     async def healthz() -> Health:
         """The process answers (liveness)."""
-        return Health(status="ok")
+        return Health(status="ok", version=__version__)
 
     @app.get("/readyz", dependencies=[Depends(open_access)], responses=error_responses(503))
     async def readyz(services: ServicesDep) -> Ready:

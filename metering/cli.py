@@ -16,7 +16,7 @@ import uvicorn
 from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
-from metering import migrate
+from metering import __version__, migrate
 from metering.errors import InvalidRequest, MeteringError
 from metering.metrics import MULTIPROC_ENV
 from metering.server import server_config
@@ -188,6 +188,7 @@ def demo(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="metering", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"metering {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     p = commands.add_parser("serve", help="run the proxy (applies pending migrations first)")

@@ -20,83 +20,144 @@ DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="METERING_", env_file=".env", extra="ignore")
+    """Every setting, from METERING_<NAME> (a .env file too). Each field's docstring is its
+    meaning in docs/operator/configuration.md (`make reference` writes the page from this class;
+    a test fails while the page is not what the class says)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="METERING_", env_file=".env", extra="ignore", use_attribute_docstrings=True
+    )
 
     database_url: str = "sqlite:///./metering.db"
-    # The database's password, quoted into database_url (any character: @ : / % too), replacing
-    # the URL's own; docker-compose.yml passes POSTGRES_PASSWORD here. None: the URL's own.
+    """The database: `sqlite:///PATH` (one process) or `postgresql://user@host:port/db` (any
+    number of replicas and workers)."""
     database_password: str | None = Field(default=None, repr=False)
+    """The database's password, quoted into the database URL (replacing the URL's own), so it may
+    hold any character, `@ : / %` included; docker-compose.yml passes POSTGRES_PASSWORD here.
+    Unset: the URL's own."""
     admin_key: str | None = None
+    """The operator's key for the admin API, at least 32 characters (`openssl rand -hex 32`);
+    `metering serve` refuses a shorter one or one containing `change-me`. Empty is unset: the
+    admin API answers 401."""
     admin_key_min_chars: ClassVar[int] = ADMIN_KEY_MIN_CHARS
     config: str | None = None
+    """The TOML catalog of providers, models and prices. Unset: `./metering.toml` if it exists,
+    else an empty catalog."""
     secret: str | None = None
+    """The secret access tokens are signed with (a key derived from it). Unset: one is made once
+    and kept in the database, shared by every replica."""
     hold_ttl_s: int = 900
+    """A hold not settled after this many seconds is charged as `unsettled`; the sweeper runs
+    every min(60, ttl/4) seconds. Requests still running extend their holds."""
     # Bounds on one upstream answer: an SSE event (or line), the whole body or stream, and how
     # long a request may run (seconds, from its arrival). Beyond: 502/504 or an error event.
     max_sse_event_bytes: int = Field(default=1024 * 1024, ge=1024)
+    """The longest SSE event (or line without a newline) an upstream may send; beyond: 502
+    `max_sse_event_bytes` (an error event once the stream has started)."""
     max_response_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    """The longest upstream body, or whole stream, in bytes; beyond: 502
+    `max_response_bytes`."""
     max_response_s: float = Field(default=3600.0, gt=0)
-    # How long a settle (or release) is retried while the database cannot be reached.
+    """The longest a request may run, from its arrival to the end of its answer (seconds);
+    beyond: 504 `max_response_s`."""
     settle_retry_s: float = Field(default=30.0, ge=0)
+    """How long a settle (or release) is retried while the database cannot be reached (seconds);
+    keep it below the hold TTL."""
     max_body_bytes: int = 4 * 1024 * 1024
+    """The largest request body accepted, decoded (413 `request_too_large` beyond);
+    POST /v1/reconciliations takes larger files."""
     # Slow and hostile clients (metering.server): deadlines for a request's headers (from the
     # connection's opening) and body (from the end of its headers), the size of the request line
     # and headers, and the open connections one process accepts (beyond: 503).
     header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request's line and headers must arrive within this many seconds of the connection's
+    opening (or of a kept-alive connection's next request); beyond: 408 `request_timeout`, the
+    connection closed."""
     body_timeout_s: float = Field(default=30.0, gt=0)
+    """A request's whole body must arrive within this many seconds of the end of its headers;
+    beyond: 408 `request_timeout`, the connection closed, nothing sent upstream."""
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    """The request line and headers, in bytes; beyond: 431 `headers_too_large`, the connection
+    closed."""
     max_connections: int = Field(default=1000, ge=1)
-    # How long an idle kept-alive client connection stays open (seconds). Longer than the
-    # clients' own pools keep one (httpx and the openai SDK 5 s, aiohttp 15 s), so that a client
-    # never sends a request on a connection the server is closing at that very moment.
+    """The open client connections one process accepts; one beyond is answered 503
+    `server_busy` (`retry-after: 1`) and closed."""
+    # Longer than the clients' own pools keep an idle connection (httpx and the openai SDK 5 s,
+    # aiohttp 15 s), so that a client never sends a request on a connection the server is
+    # closing at that very moment.
     keep_alive_s: float = Field(default=20.0, gt=0, le=3600)
-    # Proxies trusted to give the client's address in X-Forwarded-For (comma-separated, or *).
+    """How long an idle kept-alive client connection stays open (seconds); keep it above the
+    idle time of the clients' pools and of a load balancer in front (AWS ALB: 60 s)."""
     forwarded_allow_ips: str = "127.0.0.1"
-    # Failed bearer credentials one client address may present per minute (then 429).
+    """Proxies trusted to give the client's address in `X-Forwarded-For` (comma-separated
+    addresses, or `*`): the address the failed-credential throttle counts by."""
     auth_failures_per_minute: int = Field(default=600, ge=1)
-    # Credentials (API tokens, login sessions) each process keeps, and for how long at most;
-    # a revocation or deletion drops them on every replica before its call returns.
+    """Failed bearer credentials one client address may present per minute; then 429
+    `rate_limited` until the minute ends."""
+    # A revocation or deletion drops cached credentials on every replica before its call returns.
     credential_cache_size: int = Field(default=10_000, ge=0)
+    """Credentials (API tokens, login sessions) each process keeps, oldest dropped first; 0 turns
+    the cache off."""
     credential_cache_ttl_s: float = Field(default=60.0, gt=0)
-    # Credit leases (metering.budgets.leases): each process takes 1/lease_share of what is left
-    # of a budget and admits requests against it in memory; 0 turns leases off.
+    """The longest a cached credential is kept (seconds): a safety net, since changes drop
+    entries at once on every replica."""
     lease_share: int = Field(default=8, ge=0, le=1000)
-    # GET /docs and /openapi.json; false closes both (404).
+    """Credit leases: each process takes 1/N of what is left of a busy budget and admits
+    requests against it in memory; 0 turns leases off."""
     openapi_enabled: bool = True
-    # The longest lifetime of a new API token (seconds; its expires_at is capped); None: any.
+    """Serve GET /openapi.json and GET /docs (Swagger UI); false answers both 404."""
     token_max_lifetime_s: int | None = Field(default=None, ge=1)
+    """The longest lifetime of a token created or extended from now on (seconds); a longer, or
+    no, expiry is capped to it. Unset: any."""
     access_token_ttl_s: int = 900
+    """The lifetime of an access token (`mat_...`) from POST /v1/auth/login (seconds)."""
     refresh_token_ttl_s: int = 2_592_000
+    """The lifetime of a refresh token (`mrt_...`), each refresh starting a new one (seconds)."""
     metrics_key: str | None = None
-    # How many connections one process keeps to each upstream.
+    """If set, GET /metrics wants `Authorization: Bearer` this key (401 otherwise) and also
+    serves the series that name a team, user or token. Unset: /metrics is open, aggregate
+    series only."""
     upstream_max_connections: int = 1000
+    """Pooled connections one process keeps to each upstream."""
     db_pool_size: int = 20
-    # How often the catalog file is checked for changes (seconds).
+    """Database connections per process (PostgreSQL), up to twice this under a burst."""
     config_poll_s: float = 2.0
-    # A provider failing this many times in a row rests for breaker_cooldown_s seconds.
+    """How often the catalog file is checked for changes (seconds); a change is loaded without
+    a restart."""
     breaker_failures: int = Field(default=3, ge=1)
+    """A provider failing this many times in a row rests for METERING_BREAKER_COOLDOWN_S."""
     breaker_cooldown_s: float = Field(default=30.0, gt=0)
-    # Events older than this many days move to ledger_events_archive; None keeps all hot.
+    """How long a failing provider rests before it is tried again (seconds)."""
     retention_days: int | None = Field(default=None, ge=1)
-    # The FOCUS export's BillingAccountId and BillingAccountName (GET /v1/exports/focus).
+    """Events older than this many days move to `ledger_events_archive` (spend reports keep
+    them; /v1/usage no longer lists them); older refusals, alert events and finished webhook
+    deliveries are deleted. Unset: everything is kept."""
     focus_billing_account: str = Field(default="metering", min_length=1, max_length=200)
-    # A run (x-metering-run) not used for this long is forgotten: its id may start a new run.
+    """The FOCUS export's BillingAccountId and BillingAccountName (GET /v1/exports/focus)."""
     run_idle_s: int = Field(default=3600, ge=1, le=30 * 86400)
-    # Alerts and webhooks (metering.alerts): webhooks to loopback addresses allowed, http:// too
-    # (tests and the demo); to private and shared addresses (10/8, 172.16/12, 192.168/16,
-    # fc00::/7, 100.64/10); how often each replica looks for events to deliver; one POST's
-    # timeout; retries from backoff_base_s doubling up to backoff_max_s, for retry_for_s.
+    """A run (`x-metering-run`) not used for this long is forgotten (seconds): its id may start
+    a new run."""
     webhooks_allow_loopback: bool = False
+    """Webhooks may reach loopback addresses, over http:// too (tests and the demo)."""
     webhooks_allow_private: bool = False
+    """Webhooks may reach private and shared addresses (10/8, 172.16/12, 192.168/16, fc00::/7,
+    100.64/10); link-local, multicast, reserved and unspecified addresses never."""
     webhook_poll_s: float = Field(default=1.0, gt=0, le=3600)
+    """How often each replica looks for alert events to deliver (seconds)."""
     webhook_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    """One webhook POST's timeout (seconds)."""
     webhook_backoff_base_s: float = Field(default=1.0, gt=0, le=3600)
+    """The first retry of a failed delivery waits this long, each next one twice as long
+    (seconds)."""
     webhook_backoff_max_s: float = Field(default=3600.0, gt=0, le=86400)
+    """The longest wait between two retries of a delivery (seconds)."""
     webhook_retry_for_s: float = Field(default=86400.0, gt=0, le=30 * 86400)
+    """A delivery is retried for this long, then marked failed (seconds)."""
     webhook_concurrency: int = Field(default=16, ge=1, le=256)
-    # Deliveries one replica sends at once to one webhook: a receiver that hangs holds these
-    # slots at most, never all of webhook_concurrency.
+    """Deliveries one replica sends at once, to all webhooks."""
     webhook_per_endpoint: int = Field(default=4, ge=1, le=256)
+    """Deliveries one replica sends at once to one webhook: a receiver that hangs holds these
+    slots at most, never all of METERING_WEBHOOK_CONCURRENCY."""
 
     @field_validator("admin_key")
     @classmethod

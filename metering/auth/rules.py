@@ -14,9 +14,10 @@ tests/auth/test_rules.py walks every route of the app: a route without a rule fa
           usage (POST /v1/events); an ingestion key gets 403 on every other route
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from fastapi.dependencies.models import Dependant
 from starlette.routing import BaseRoute
 
 RULES = ("open", "admin", "self", "user", "ingest")
@@ -43,3 +44,23 @@ def declare(route: BaseRoute, name: str) -> BaseRoute:
     rule(name)  # validates the name
     route.auth_rule = name  # type: ignore[attr-defined]
     return route
+
+
+def _calls(dependant: Dependant | None) -> Iterator[Callable[..., Any]]:
+    for dependency in dependant.dependencies if dependant is not None else ():
+        if dependency.call is not None:
+            yield dependency.call
+        yield from _calls(dependency)
+
+
+def route_rules(route: Any) -> set[str]:
+    """The rules a route declares: by `declare`, or through the dependencies it uses (its
+    router's included). A well-formed route declares exactly one."""
+    declared = getattr(getattr(route, "original_route", route), "auth_rule", None)
+    if declared:
+        return {declared}
+    return {
+        found
+        for call in _calls(getattr(route, "dependant", None))
+        if (found := getattr(call, "auth_rule", None))
+    }

@@ -161,7 +161,7 @@ def test_the_count_starts_again_each_minute():
 
 
 def test_openapi_and_docs_can_be_closed(strict):
-    for path in ("/openapi.json", "/docs"):
+    for path in ("/openapi.json", "/docs", "/docs/swagger-ui-bundle.js"):
         response = httpx.get(f"{strict.url}{path}")
         assert response.status_code == 404
         assert response.json()["error"]["code"] == "not_found"

@@ -229,6 +229,7 @@ def test_the_image_installs_the_package_as_the_readme_does(tmp_path):
         for src in shlex.split(line)[:-1]
     ]
     assert sorted(copied) == [
+        "LICENSE",
         "README.md",
         "metering",
         "migrations",

@@ -1,7 +1,7 @@
 """A clean install: building the package the way `pip install .` and `pip install -e .` do
 (setuptools' PEP 517 and PEP 660 hooks, on a copy of the source tree, no network, nothing
-installed anywhere) prints no packaging warning, and the wheel holds the page and the
-migrations."""
+installed anywhere) prints no packaging warning, and the wheel holds the page, the migrations and
+the license, its metadata the version metering/__init__.py gives."""
 
 import os
 import shutil
@@ -11,6 +11,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from metering import __version__
 
 ROOT = Path(__file__).resolve().parents[2]
 LEFT_OUT = shutil.ignore_patterns(
@@ -25,7 +27,7 @@ EDITABLE_NOTICE = "Editable installation."
 def source(tmp_path: Path) -> Path:
     copy = tmp_path / "src"
     copy.mkdir()
-    for name in ("pyproject.toml", "README.md", "metering", "migrations"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "metering", "migrations"):
         path = ROOT / name
         if path.is_dir():
             shutil.copytree(path, copy / name, ignore=LEFT_OUT)
@@ -74,6 +76,11 @@ def test_a_wheel_builds_without_packaging_warnings(source, tmp_path):
     }
     assert static <= names
     assert "metering/migrations/env.py" in names
+    info = f"metering-{__version__}.dist-info"
+    assert f"{info}/licenses/LICENSE" in names
+    metadata = zipfile.ZipFile(tmp_path / "dist" / name).read(f"{info}/METADATA").decode()
+    assert f"\nVersion: {__version__}\n" in metadata
+    assert "\nLicense-Expression: Apache-2.0\n" in metadata
 
 
 def test_an_editable_build_has_no_packaging_warnings(source, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
+from metering import __version__
 from metering.server import JoinedCycle
 from tests.conftest import database_url
 from tests.resilience.edge import connect, edge_server
@@ -158,4 +159,4 @@ def test_the_server_answers_a_known_length_in_one_segment(server):
             first = sock.recv(65536)
         head, _, rest = first.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200 ")
-        assert rest == b'{"status":"ok"}', first
+        assert rest == b'{"status":"ok","version":"%s"}' % __version__.encode(), first

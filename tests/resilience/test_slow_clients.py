@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from metering import __version__
 from metering.settings import Settings
 from metering.testing import free_port
 from tests.conftest import Api, database_url
@@ -178,7 +179,7 @@ def test_descriptors_return_to_baseline_after_500_trickling_clients(crowded):
     finally:
         for sock in socks:
             sock.close()
-    assert httpx.get(f"{crowded.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{crowded.url}/healthz").json() == {"status": "ok", "version": __version__}
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +208,7 @@ def test_a_connection_beyond_the_cap_gets_503_and_the_cap_frees_up(capped):
         for sock in idle:
             sock.close()
     assert wait_until(lambda: server_socket_fds(capped) == 0)
-    assert httpx.get(f"{capped.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{capped.url}/healthz").json() == {"status": "ok", "version": __version__}
 
 
 def test_a_kept_alive_connection_serves_requests_one_after_another(edge):
@@ -223,7 +224,7 @@ def test_a_complete_request_sent_byte_by_byte_within_the_deadline_is_served(edge
         for byte in request:
             sock.sendall(bytes([byte]))
         reply = read_reply(sock)
-    assert reply.status == 200 and reply.json() == {"status": "ok"}
+    assert reply.status == 200 and reply.json() == {"status": "ok", "version": __version__}
 
 
 def test_an_answered_request_whose_body_never_ends_is_closed_without_a_second_answer(edge):

@@ -1,0 +1,1 @@
+"""Tools that write files of the repository from the code (`make reference`)."""
