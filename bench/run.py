@@ -453,20 +453,30 @@ def start_ours(
     if source is not None:
         env["PYTHONPATH"] = str(source.resolve())
         command = [sys.executable, "-m", "metering.cli"]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
     name = "pg-base" if source is not None else "pg-nosync" if nosync else backend
-    # cwd is the temp dir so no .env or metering.toml from the checkout is read.
-    process = Process(
-        f"metering-{name}",
-        [*command, "serve", "--port", str(port), "--log-level", "warning"]
-        + ["--workers", str(workers)],
-        env,
-        tmp,
-        tmp,
-    )
-    stack.callback(process.stop)
-    process.wait_http(f"{base}/healthz", timeout=120)
+    # Ready when it knows this run's admin key: the port was free when chosen, but another
+    # process may bind it first (and would answer /healthz as well); ours then exits, and is
+    # started again on another port.
+    admin_headers = {"authorization": f"Bearer {admin_key}"}
+    for tries_left in reversed(range(3)):
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        # cwd is the temp dir so no .env or metering.toml from the checkout is read.
+        process = Process(
+            f"metering-{name}",
+            [*command, "serve", "--port", str(port), "--log-level", "warning"]
+            + ["--workers", str(workers)],
+            env,
+            tmp,
+            tmp,
+        )
+        stack.callback(process.stop)
+        try:
+            process.wait_http(f"{base}/v1/teams", headers=admin_headers, timeout=120)
+            break
+        except RuntimeError:
+            if not tries_left or "address already in use" not in process.log_tail().lower():
+                raise
     server = Server(name, process, base, pg=pg, admin=Admin(base, admin_key))
     server.principals["on"] = server.admin.principal(BIG_LIMIT)
     if "pg-off" in args.modes and backend == "pg":

@@ -3,11 +3,13 @@ and router (why: docs/decisions/raw-asgi-path.md)."""
 
 import inspect
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering.auth.principal import authenticate, refreshed_headers, user_principal
+from metering.proxy.request import read_body
 from metering.proxy.runtime import ProxyServices
 from metering.proxy.service import chat_completion
 from metering.requestid import new_request_id, request_id_header
@@ -69,7 +71,9 @@ class DirectChat:
         services = self.services
         try:
             principal = await user_principal(await authenticate(request, services))
-            response = await chat_completion(request, principal, services)
+            t0 = time.perf_counter()
+            raw = await read_body(request, services.settings.max_body_bytes)
+            response = await chat_completion(request.headers, state, raw, principal, services, t0)
             await response(scope, receive, send_with_headers)
         except Exception as exc:
             if started:

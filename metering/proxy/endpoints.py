@@ -3,6 +3,7 @@ What a chat completion does is metering.proxy.service's; nearly every one reache
 from metering.proxy.dispatch.DirectChat, ahead of the application's stack, and the route here
 serves the rest (a compressed body) and declares the path in /openapi.json."""
 
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -12,6 +13,7 @@ from metering.auth.principal import RULE_ERRORS, SelfPrincipal, UserPrincipal
 from metering.container import get_services
 from metering.errors import ErrorResponse, error_responses
 from metering.proxy import admission, service
+from metering.proxy.request import read_body
 from metering.proxy.runtime import ProxyServices
 
 router = APIRouter(prefix="/v1")
@@ -40,7 +42,13 @@ async def chat_completions(
     principal: UserPrincipal,
     services: ProxyServicesDep,
 ) -> Response:
-    return await service.chat_completion(request, principal, services)
+    t0 = time.perf_counter()
+    raw = await read_body(request, services.settings.max_body_bytes)
+    answer = await service.chat_completion(
+        request.headers, request.scope["state"], raw, principal, services, t0
+    )
+    assert isinstance(answer, Response)  # metering.proxy.forward answers with Starlette's
+    return answer
 
 
 @router.get("/models", responses=error_responses(*RULE_ERRORS["self"]))

@@ -2,7 +2,8 @@
 typed with the budgets' and auth's it reads: the proxy's functions take the container as a
 ProxyServices, which it satisfies."""
 
-from typing import Protocol
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Protocol
 
 from metering.auth.runtime import AuthServices
 from metering.budgets.refusals import RefusalLog
@@ -26,3 +27,18 @@ class ProxyServices(AuthServices, Protocol):
     def budgets(self) -> BudgetRuntime: ...
     @property
     def refusals(self) -> RefusalLog: ...
+
+
+# ASGI's shapes, as the proxy's answers are called with them.
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class Answer(Protocol):
+    """What a chat completion is answered with: an ASGI response (built by
+    metering.proxy.forward and metering.proxy.transport), called by whoever received the request."""
+
+    async def __call__(
+        self, scope: MutableMapping[str, Any], receive: Receive, send: Send
+    ) -> None: ...

@@ -7,13 +7,11 @@ straight from the raw ASGI dispatcher (metering.proxy.dispatch.DirectChat): noth
 which of the two called it."""
 
 import json
-import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 import orjson
-from starlette.requests import Request
-from starlette.responses import Response
 
 from metering import metrics
 from metering.auth.principal import Principal
@@ -29,9 +27,9 @@ from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
 from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_bound
 from metering.proxy.forward import forward
-from metering.proxy.request import ChatRequest, parse_json, read_body, validate
+from metering.proxy.request import ChatRequest, parse_json, validate
 from metering.proxy.routing import Target, candidates, parse_model
-from metering.proxy.runtime import ProxyServices
+from metering.proxy.runtime import Answer, ProxyServices
 from metering.proxy.transport import FailedBeforeAnswer
 from metering.settings import Catalog, ModelRoute
 from metering.timefmt import rfc3339
@@ -84,10 +82,9 @@ REFUSALS = (BudgetExceeded, admission.RateLimitExceeded, admission.ModelNotAllow
 
 
 def ceilings(
-    request: Request, principal: Principal, idle_s: int
+    headers: Mapping[str, str], principal: Principal, idle_s: int
 ) -> tuple[int | None, RunKey | None]:
     """x-metering-max-cost, and the run (x-metering-run, x-metering-run-budget), if sent."""
-    headers = request.headers
     assert principal.team_id is not None  # a user's credential: the proxy's only caller
     return usd_header(headers, MAX_COST), run_of(headers, principal.team_id, idle_s)
 
@@ -108,19 +105,24 @@ def encode(body: dict[str, Any]) -> bytes:
 
 
 async def chat_completion(
-    request: Request, principal: Principal, services: ProxyServices
-) -> Response:
-    """POST /v1/chat/completions for an authenticated user: the body read within its bound and
-    validated, then served; a refusal by a limit or a budget is recorded before it is raised."""
-    t0 = time.perf_counter()
-    raw = await read_body(request, services.settings.max_body_bytes)
+    headers: Mapping[str, str],
+    state: dict[str, Any],
+    raw: bytes,
+    principal: Principal,
+    services: ProxyServices,
+    t0: float,
+) -> Answer:
+    """POST /v1/chat/completions for an authenticated user, from its headers, the request's
+    state (its `request_id`, set to the attempt that answered) and its body as read within its
+    bound: validated, then served; a refusal by a limit or a budget is recorded before it is
+    raised. `t0`: when the request arrived (time.perf_counter)."""
     chat = validate(parse_json(raw), len(raw))
     try:
-        return await serve(request, principal, services, chat, t0)
+        return await serve(headers, state, principal, services, chat, t0)
     except REFUSALS as exc:
         if exc.refused is not None:
             await services.refusals.record(
-                request.scope["state"]["request_id"],
+                state["request_id"],
                 principal=principal,
                 model=chat.model,
                 refused=exc.refused,
@@ -132,11 +134,16 @@ async def chat_completion(
 
 
 async def serve(
-    request: Request, principal: Principal, services: ProxyServices, chat: ChatRequest, t0: float
-) -> Response:
+    headers: Mapping[str, str],
+    state: dict[str, Any],
+    principal: Principal,
+    services: ProxyServices,
+    chat: ChatRequest,
+    t0: float,
+) -> Answer:
     """The request's routes tried in turn (the next one when an attempt fails before any byte
     reached the client)."""
-    max_cost, run = ceilings(request, principal, services.settings.run_idle_s)
+    max_cost, run = ceilings(headers, principal, services.settings.run_idle_s)
     catalog = services.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)
     admission.check_model(principal, target.name)
@@ -144,7 +151,7 @@ async def serve(
         catalog, target, chat.body, lambda: estimate_prompt_tokens(chat.body), chat.max_tokens
     )
     routes = usable_routes(routes, catalog, chat, target)
-    request_id = request.scope["state"]["request_id"]
+    request_id = state["request_id"]
     last: FailedBeforeAnswer | None = None
     for n, route in enumerate(services.breakers.order(routes), start=1):
         attempt_id = request_id if n == 1 else f"{request_id}_{n}"
@@ -157,13 +164,13 @@ async def serve(
             last = failure
             continue
         services.breakers.succeeded(route.provider)
-        request.scope["state"]["request_id"] = attempt_id
+        state["request_id"] = attempt_id
         return response
     assert last is not None
-    request.scope["state"]["request_id"] = attempt_id
-    if isinstance(last.answer, Response):
-        return last.answer
-    raise last.answer
+    state["request_id"] = attempt_id
+    if isinstance(last.answer, MeteringError):
+        raise last.answer
+    return last.answer
 
 
 def usable_routes(
@@ -208,7 +215,7 @@ async def try_route(
     t0: float,
     max_cost: int | None = None,
     run: RunKey | None = None,
-) -> Response:
+) -> Answer:
     """One provider: admit and hold at its prices, forward, and end the attempt (settle or
     release). Raises FailedBeforeAnswer when the next provider may be tried."""
     provider = catalog.providers[route.provider]

@@ -3,9 +3,10 @@ windows are recorded once. A killed `metering serve` and the jobs called directl
 
 import asyncio
 import threading
+import time
 import uuid
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 import httpx
@@ -17,6 +18,7 @@ from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.settle import settle_in
 from metering.budgets.settle_queue import settle
 from metering.budgets.views import new_budget
+from metering.clock import using
 from metering.db import Database, utcnow
 from metering.jobs import close_windows, expire_holds, sweep_interval_s
 from metering.ledger.charge import Allowance, Usage
@@ -302,6 +304,19 @@ def _event(spec: HoldSpec, completion_tokens: int, **overrides) -> Event:
     return replace(event, **overrides)
 
 
+class StoppedClock:
+    """The wall clock stopped at one moment (durations still measured in real time)."""
+
+    def __init__(self, at: datetime) -> None:
+        self.at = at
+
+    def now(self) -> datetime:
+        return self.at
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
 @pytest.mark.anyio
 async def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
     """A window closed (by the job, on another replica) while a settle for that window is in
@@ -311,53 +326,56 @@ async def test_roll_keeps_a_settle_committed_while_it_waits(fresh_db):
     try:
         subjects = _subjects()
         created = utcnow() - timedelta(seconds=1.5)  # 1s windows: the first has ended
-        await _add_budgets(settler, subjects, "1", "1s", created)
-        spec = _spec(subjects)
-        amount = spec.amount(50)
-        async with settler.transaction() as session:
-            session.add(
-                Hold(
-                    id=spec.hold_id,
-                    token_id=spec.billing.token_id,
-                    user_id=spec.billing.user_id,
-                    team_id=spec.billing.team_id,
-                    amount=amount,
-                    model=spec.billing.model,
-                    provider=spec.billing.provider,
-                    upstream_model=spec.billing.upstream_model,
-                    stream=False,
-                    input_price=spec.billing.input_price,
-                    cached_price=spec.billing.cached_price,
-                    output_price=spec.billing.output_price,
-                    created_at=created,
-                    expires_at=created + timedelta(hours=1),
+        # The job and the settle read a clock stopped inside the second window: however long the
+        # machine takes, the window closed is the first and the one opened the second.
+        with using(StoppedClock(created + timedelta(seconds=1.5))):
+            await _add_budgets(settler, subjects, "1", "1s", created)
+            spec = _spec(subjects)
+            amount = spec.amount(50)
+            async with settler.transaction() as session:
+                session.add(
+                    Hold(
+                        id=spec.hold_id,
+                        token_id=spec.billing.token_id,
+                        user_id=spec.billing.user_id,
+                        team_id=spec.billing.team_id,
+                        amount=amount,
+                        model=spec.billing.model,
+                        provider=spec.billing.provider,
+                        upstream_model=spec.billing.upstream_model,
+                        stream=False,
+                        input_price=spec.billing.input_price,
+                        cached_price=spec.billing.cached_price,
+                        output_price=spec.billing.output_price,
+                        created_at=created,
+                        expires_at=created + timedelta(hours=1),
+                    )
                 )
-            )
-            await session.execute(
-                Budget.__table__.update()
-                .where(Budget.subject_id.in_(list(subjects.values())))
-                .values(reserved=amount)
-            )
-        # The request finished inside the first window; its settle is not committed yet.
-        event = _event(spec, 11, created_at=created + timedelta(seconds=0.5))
-        session = settler.sessions()
-        transaction = await session.begin()
-        assert await settle_in(session, event) is True
-        job = asyncio.create_task(close_windows(closer))
-        await asyncio.sleep(0.5)  # the job is now waiting for the settle's row locks
-        await transaction.commit()
-        await session.close()
-        await asyncio.wait_for(job, 30)
+                await session.execute(
+                    Budget.__table__.update()
+                    .where(Budget.subject_id.in_(list(subjects.values())))
+                    .values(reserved=amount)
+                )
+            # The request finished inside the first window; its settle is not committed yet.
+            event = _event(spec, 11, created_at=created + timedelta(seconds=0.5))
+            session = settler.sessions()
+            transaction = await session.begin()
+            assert await settle_in(session, event) is True
+            job = asyncio.create_task(close_windows(closer))
+            await asyncio.sleep(0.5)  # the job is now waiting for the settle's row locks
+            await transaction.commit()
+            await session.close()
+            await asyncio.wait_for(job, 30)
 
-        async with closer.sessions() as s:
-            windows = {w.subject_id: w for w in await s.scalars(select(BudgetWindow))}
-        assert set(windows) == set(subjects.values())
-        for window in windows.values():
-            assert window.window_start == created
-            assert window.spent == event.cost > 0
-        for row in (await _budgets(closer, subjects)).values():
-            assert (row.spent, row.reserved) == (0, 0)
-            assert row.window_start == created + timedelta(seconds=1)
+            async with closer.sessions() as s:
+                windows = {w.subject_id: w for w in await s.scalars(select(BudgetWindow))}
+            assert set(windows) == set(subjects.values())
+            for window in windows.values():
+                assert window.window_start == created
+                assert window.spent == event.cost > 0
+            for row in (await _budgets(closer, subjects)).values():
+                assert (row.spent, row.reserved) == (0, 0)
+                assert row.window_start == created + timedelta(seconds=1)
     finally:
         await settler.dispose()
         await closer.dispose()

@@ -124,12 +124,16 @@ def test_make_installs_the_test_lock_then_the_package_alone():
     makefile = (ROOT / "Makefile").read_text()
     prerequisites, lines = recipe(makefile, "$(BIN)/metering")
     assert {"pyproject.toml", "requirements-test.lock"} <= set(prerequisites)
-    # $(UV) is uv's `pip install` into the virtualenv (pinned, like pip, by the Makefile).
+    # uv at its pinned version, then every install by it: the lock (hashes checked), the package.
+    assert lines[1] == "$(BIN)/pip install -q uv==$(UV_VERSION)", lines
+    assert re.search(r"^UV_VERSION := \d+\.\d+\.\d+$", makefile, re.M)
+    assert "UV = $(BIN)/uv pip install -q --python $(BIN)/python\n" in makefile
     installs = [shlex.split(line)[1:] for line in lines if line.startswith("$(UV)")]
     assert installs == [
         ["--require-hashes", "-r", "requirements-test.lock"],
         ["--no-deps", "--no-build-isolation", "-e", "."],
     ]
+    assert not [line for line in lines[2:] if "pip install" in line], lines
     _, lock = recipe(makefile, "lock")
     assert any("--group build -o requirements.lock" in line for line in lock)
     assert any(
