@@ -1,5 +1,5 @@
-# The metering service. `docker compose up` runs it with PostgreSQL and Grafana (README.md,
-# "Dashboard and deployment"); alone: docker build -t metering . && docker run -p 8080:8080 \
+# The metering service. `docker compose up` runs it with PostgreSQL and Grafana
+# (docs/operator/deployment.md); alone: docker build -t metering . && docker run -p 8080:8080 \
 #   -e METERING_DATABASE_URL=postgresql://... -e METERING_ADMIN_KEY=... metering
 FROM python:3.11-slim
 
@@ -10,7 +10,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # The locked runtime dependencies and build backend first (requirements.lock: exact versions,
 # every file checked against its hash; a layer that outlives code changes), then the package the
-# way the README installs it, `pip install .` (the package, its migrations and the dashboard's
+# way any install does, `pip install .` (the package, its migrations and the dashboard's
 # static files), alone: built by the locked setuptools, nothing resolved, nothing fetched.
 WORKDIR /src
 COPY requirements.lock ./

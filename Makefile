@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast lint bench postgres chromium lock reference
+.PHONY: demo test test-fast lint bench postgres chromium lock reference docs docs-build
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -20,8 +20,8 @@ $(BIN)/metering: pyproject.toml requirements-test.lock
 
 # The locks, made from pyproject.toml by uv: requirements.lock, the runtime dependencies and the
 # build backend (the image installs it); requirements-test.lock, those at the same versions and
-# the test extra (the virtualenv above installs it). A version already locked stays while
-# pyproject.toml allows it; LOCK_FLAGS=--upgrade takes the newest allowed of everything,
+# the test and docs extras (the virtualenv above installs it). A version already locked stays
+# while pyproject.toml allows it; LOCK_FLAGS=--upgrade takes the newest allowed of everything,
 # LOCK_FLAGS="--upgrade-package NAME" of one package.
 LOCK_FLAGS ?=
 COMPILE = $(BIN)/uv pip compile pyproject.toml --universal --generate-hashes --quiet \
@@ -31,7 +31,7 @@ lock:
 	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q uv==$(UV_VERSION)
 	$(COMPILE) --group build -o requirements.lock
-	$(COMPILE) --extra test -c requirements.lock -o requirements-test.lock
+	$(COMPILE) --extra test --extra docs -c requirements.lock -o requirements-test.lock
 
 demo: $(BIN)/metering
 	$(BIN)/metering demo
@@ -78,3 +78,12 @@ reference: $(BIN)/metering
 
 bench: $(BIN)/metering postgres
 	$(BIN)/python -m bench.run
+
+# The documentation site (mkdocs.yml, docs/): served with live reload on http://127.0.0.1:8000;
+# `make docs-build` is CI's strict build into build/site (a broken link, a broken anchor or a
+# page missing from the nav fails it). Both run offline.
+docs: $(BIN)/metering
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+docs-build: $(BIN)/metering
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

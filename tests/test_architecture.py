@@ -2,8 +2,8 @@
 
 A walk over every module's imports (ast, nothing imported; function bodies and TYPE_CHECKING
 blocks included) fails on an arrow the table below does not allow, on a cycle between packages
-or top-level modules, and on a read of the app's state outside metering.container. The README's
-package map is checked against the same table.
+or top-level modules, and on a read of the app's state outside metering.container. The package
+map of docs/development/architecture.md is checked against the same table.
 """
 
 import ast
@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "metering"
-README = ROOT.parent / "README.md"
+ARCHITECTURE = ROOT.parent / "docs" / "development" / "architecture.md"
 
 # Bottom to top: (layer, what sits there, {unit: the units it may import}). A unit is a package
 # (`ledger/`) or a top-level module (`db.py`) of metering/. The foundation is open: every layer
@@ -360,18 +360,18 @@ def test_nothing_but_the_container_reads_the_app_state():
     assert readers == {}
 
 
-def readme_cell(unit: str) -> str:
-    """The `may import` cell of a unit's row in the README's package map."""
+def map_cell(unit: str) -> str:
+    """The `may import` cell of a unit's row in the documented package map."""
     listed = ", ".join(f"`{name}`" for name in sorted(MAY_IMPORT[unit]))
     if LAYER[unit] == 0:
         return listed or "nothing of ours"
     return f"the foundation, {listed}" if listed else "the foundation"
 
 
-def readme_rows() -> dict[str, tuple[str, str]]:
-    """unit -> (layer, may import) as the README's package map has them."""
-    text = README.read_text()
-    section = text.split("### Package map", 1)[1].split("\n###", 1)[0]
+def map_rows() -> dict[str, tuple[str, str]]:
+    """unit -> (layer, may import) as the documented package map has them."""
+    text = ARCHITECTURE.read_text()
+    section = text.split("\n## Package map\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -381,11 +381,11 @@ def readme_rows() -> dict[str, tuple[str, str]]:
     return rows
 
 
-def test_the_readme_package_map_is_the_table():
-    expected = {unit: (LAYERS[LAYER[unit]][0], readme_cell(unit)) for unit in LAYER}
-    found = readme_rows()
+def test_the_documented_package_map_is_the_table():
+    expected = {unit: (LAYERS[LAYER[unit]][0], map_cell(unit)) for unit in LAYER}
+    found = map_rows()
     differ = {
-        unit: f"README has {found.get(unit)}, the table {expected.get(unit)}"
+        unit: f"the package map has {found.get(unit)}, the table {expected.get(unit)}"
         for unit in sorted(set(expected) | set(found))
         if found.get(unit) != expected.get(unit)
     }

@@ -1,1 +1,1 @@
-"""Alerts before the wall: budget thresholds, soft limits and signed webhooks (see README)."""
+"""Alerts before the wall: budget thresholds, soft limits and signed webhooks (docs/operator/alerts.md)."""

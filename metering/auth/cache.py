@@ -2,7 +2,7 @@
 session) -> what the database said of it, so an authenticated request makes no round trip for
 its credential.
 
-Correctness rests on three rules (the argument is in the README):
+Correctness rests on three rules (the argument is in docs/decisions/cached-credentials.md):
 - An entry is served only while the cache is trusted: on PostgreSQL, while this process's
   listener (metering.auth.invalidation) is connected and has confirmed, less than `trust_s` ago,
   that it has handled every change committed before that confirmation began. On SQLite (one

@@ -1,4 +1,4 @@
-"""Signatures: the README's verification example, run on a real delivery, and the signing
+"""Signatures: the documented verification example (docs/operator/alerts.md), run on a real delivery, and the signing
 module's own checks (tampering, another secret, the tolerance)."""
 
 import re
@@ -8,21 +8,21 @@ from pathlib import Path
 from metering.alerts.signature import sign, verify
 from tests.alerts.conftest import hold, new_path, wait_for
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ALERTS = Path(__file__).resolve().parents[2] / "docs" / "operator" / "alerts.md"
 
 
-def readme_example() -> dict:
+def documented_example() -> dict:
     """The fenced python block under "### Verifying a webhook signature", run on its own."""
-    text = README.read_text()
+    text = ALERTS.read_text()
     section = text.split("### Verifying a webhook signature", 1)[1]
     block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
-    exec(compile(block, "README.md", "exec"), namespace)  # the documented example
+    exec(compile(block, str(ALERTS), "exec"), namespace)  # the documented example
     return namespace
 
 
-def test_the_readme_example_verifies_a_real_delivery(alerts_api, receiver):
-    verify_signature = readme_example()["verify_signature"]
+def test_the_documented_example_verifies_a_real_delivery(alerts_api, receiver):
+    verify_signature = documented_example()["verify_signature"]
     path = new_path()
     webhook = hold(alerts_api, receiver.url(path), ["budget.exhausted"], alerts_api.team()["id"])
     alerts_api.ok("POST", f"/v1/webhooks/{webhook['id']}/test", 202)

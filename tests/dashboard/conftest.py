@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = os.environ.get("METERING_TEST_CHROMIUM", "/usr/bin/chromium")
-# What .ci/run and the README give Chromium: no sandbox (we run as root), nothing from outside.
+# What .ci/run and the test page (docs/development/tests.md) give Chromium: no sandbox (we run as root), nothing from outside.
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",

@@ -1,5 +1,6 @@
 """docker-compose.yml, Dockerfile and .env.example, checked without Docker: what they name
-exists, their settings are the service's settings, and they agree with the README."""
+exists, their settings are the service's settings, and they agree with the deployment page
+(docs/operator/deployment.md)."""
 
 import re
 import shlex
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
-README = (ROOT / "README.md").read_text()
+DEPLOYMENT = (ROOT / "docs" / "operator" / "deployment.md").read_text()
 VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 
 
@@ -64,10 +65,10 @@ def references(node) -> set[str]:
     return {m.group(1) for m in VARIABLE.finditer(str(node))}
 
 
-def readme_section() -> str:
-    start = README.index("## Dashboard and deployment")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end > 0 else None]
+def compose_section() -> str:
+    start = DEPLOYMENT.index("## docker compose")
+    end = DEPLOYMENT.find("\n## ", start + 1)
+    return DEPLOYMENT[start : end if end > 0 else None]
 
 
 def test_the_services_and_their_profiles():
@@ -205,8 +206,8 @@ def test_the_demo_catalog_file_is_the_demos_catalog():
     )
 
 
-def test_the_readme_table_lists_the_services_and_ports():
-    section = readme_section()
+def test_the_deployment_table_lists_the_services_and_ports():
+    section = compose_section()
     rows = re.findall(r"^\| `([\w-]+)` \| ([^|]*) \| ([^|]*) \|", section, re.M)
     documented = {name: port.strip() for name, port, _ in rows}
     assert set(documented) == set(SERVICES)
@@ -218,8 +219,8 @@ def test_the_readme_table_lists_the_services_and_ports():
         assert profile in section
 
 
-def test_the_image_installs_the_package_as_the_readme_does(tmp_path):
-    assert "`pip install .`" in README
+def test_the_image_installs_the_package_as_the_deployment_page_says(tmp_path):
+    assert "`pip install .`" in DEPLOYMENT
     # The package after its locked dependencies (tests/deploy/test_pins.py), resolving nothing.
     *_, run = re.findall(r"^RUN pip install (.+?)(?: &&.*)?$", DOCKERFILE, re.M)
     assert shlex.split(run) == ["--no-deps", "--no-build-isolation", "."]

@@ -1,7 +1,7 @@
 """Pinned dependencies. requirements.lock (the runtime dependencies and the build backend: what
-the image installs) and requirements-test.lock (those and the test extra: what `make` installs)
-pin every dependency pyproject.toml names to one version, with hashes; the Dockerfile and the
-Makefile install from them; the running environment is what the lock says. uvicorn, whose
+the image installs) and requirements-test.lock (those and the test and docs extras: what `make`
+installs) pin every dependency pyproject.toml names to one version, with hashes; the Dockerfile
+and the Makefile install from them; the running environment is what the lock says. uvicorn, whose
 private httptools protocol metering/server.py extends, is pinned exactly and still has the shape
 server.py was written against."""
 
@@ -23,9 +23,10 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 RUNTIME = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
-TEST = [Requirement(r) for r in PYPROJECT["project"]["optional-dependencies"]["test"]]
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+TEST = [Requirement(r) for r in EXTRAS["test"] + EXTRAS["docs"]]
 BUILD = [Requirement(r) for r in PYPROJECT["dependency-groups"]["build"]]
-UPDATE = "run `make lock` (README.md, Development: pinned dependencies)"
+UPDATE = "run `make lock` (docs/development/architecture.md, Dependencies)"
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ def test_make_installs_the_test_lock_then_the_package_alone():
     _, lock = recipe(makefile, "lock")
     assert any("--group build -o requirements.lock" in line for line in lock)
     assert any(
-        "--extra test -c requirements.lock -o requirements-test.lock" in line for line in lock
+        "--extra test --extra docs -c requirements.lock -o requirements-test.lock" in line
+        for line in lock
     )
     assert "make .venv/bin/metering" in (ROOT / ".ci/run").read_text()
 

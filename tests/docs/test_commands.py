@@ -1,0 +1,219 @@
+"""Every command the documentation shows runs as printed, against a live server.
+
+Pages: README.md and every page of docs/. Each fenced block says what it is by its language:
+
+- `sh`: commands (`curl`, `metering`, `jq`), run in order, page by page, in one bash, twice
+  (a reader runs a page again: its names must not collide, its objects must still be there),
+  with METERING_URL and ADMIN_KEY set as the walkthrough says, and TEAM_ID, USER_ID, TOKEN_ID
+  and TOKEN naming a team, a user of it and an API token of that user, as the pages assume.
+  Every `curl` shows the answer's status (`-w ...%{http_code}...`) and gives the status it
+  should be after `# -> NNN`; the statuses are checked in order.
+- `python`: SDK calls, each block run alone by this interpreter (the one that has `openai`),
+  with the same variables, and the documented address (http://127.0.0.1:8080) pointed at the
+  live server.
+- Not commands, never run (NOT_COMMANDS says why): output, placeholders and bodies (`text`,
+  `json`), files (`toml`, `yaml`, `sql`).
+- A command that cannot run here is marked on the line before its block with
+  `<!-- not run: why -->`: it starts a server, builds containers or the virtualenv, or needs a
+  production database.
+
+Not run either (OTHER_FILES, and the repository's own files the site shows: BENCHMARKS.md,
+CONTRIBUTING.md, CHANGELOG.md): decision records and benchmark figures, whose commands are
+benchmark runs of minutes each, and the repository's set-up and test commands (`make ...`),
+which would run this suite inside itself.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ADMIN_KEY
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+DOCUMENTED_URL = "http://127.0.0.1:8080"
+
+COMMANDS = {"sh", "python"}
+NOT_COMMANDS = {
+    "text": "output, and the variables a reader sets to what their server printed",
+    "json": "bodies and answers shown, not sent",
+    "toml": "a catalog file",
+    "yaml": "a configuration file",
+    "sql": "a statement shown, run by the service itself",
+}
+OTHER_FILES = {
+    "docs/decisions/": "decision records: their commands are benchmark runs whose figures they keep",
+    "docs/hooks/": "the site's build hooks, not pages",
+}
+
+BLOCK = re.compile(
+    r"^(?:<!-- not run: (?P<why>.+?) -->\n)?[ \t]*```(?P<kind>[\w-]*)[^\n]*\n(?P<body>.*?)^[ \t]*```[ \t]*$",
+    re.M | re.S,
+)
+EXPECTED = re.compile(r"# -> (\d{3})")
+
+# Each curl also writes its status to STATUS_FILE (the first thing its -w format writes, to
+# stderr), so the commands stay as a reader pastes them and print what a reader sees.
+PRELUDE = r"""
+set -e
+curl() {
+  local args=() format=0 arg
+  for arg in "$@"; do
+    if [ "$format" = 1 ]; then args+=("%{stderr}STATUS %{http_code}\n%{stdout}$arg"); format=0
+    else args+=("$arg"); case "$arg" in -w|--write-out) format=1;; esac
+    fi
+  done
+  command curl "${args[@]}" 2>>"$STATUS_FILE"
+}
+"""
+
+
+def pages() -> list[Path]:
+    found = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+    return [p for p in found if not any(rel(p).startswith(o) for o in OTHER_FILES)]
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def blocks(page: Path) -> list[tuple[str, str, str | None]]:
+    """(kind, body, why not run) of each fenced block, in order."""
+    return [(m["kind"], m["body"], m["why"]) for m in BLOCK.finditer(page.read_text())]
+
+
+def runnable(page: Path, kind: str) -> list[str]:
+    return [body for k, body, why in blocks(page) if k == kind and why is None]
+
+
+def test_every_block_says_what_it_is():
+    unknown = {
+        f"{rel(page)}: a block of kind {kind or '(none)'}"
+        for page in pages()
+        for kind, _, _ in blocks(page)
+        if kind not in COMMANDS and kind not in NOT_COMMANDS
+    }
+    assert unknown == set()
+
+
+def test_every_curl_shows_its_status_and_the_status_it_should_be():
+    wrong = []
+    for page in pages():
+        for body in runnable(page, "sh"):
+            calls = len(re.findall(r"(?<![\w-])curl ", body))
+            shown = body.count("%{http_code}")
+            expected = len(EXPECTED.findall(body))
+            if not calls == shown == expected:
+                wrong.append(f"{rel(page)}: {calls} curl, {shown} statuses, {expected} `# ->`")
+    assert wrong == []
+
+
+def test_every_block_not_run_says_why():
+    for page in pages():
+        for _, _, why in blocks(page):
+            assert why is None or len(why.split()) >= 3, f"{rel(page)}: not run, {why!r}"
+
+
+def test_the_walkthrough_has_every_step():
+    script = "\n".join(runnable(DOCS / "operator" / "walkthrough.md", "sh"))
+    for step in (
+        "/v1/teams",
+        "/v1/users",
+        "/tokens",
+        "-X PATCH",
+        "# -> 402",
+        "group_by=user,day",
+        "format=csv",
+        "-X DELETE",
+    ):
+        assert step in script, step
+
+
+SHELL_PAGES = [rel(p) for p in pages() if runnable(p, "sh")]
+PYTHON_PAGES = [rel(p) for p in pages() if runnable(p, "python")]
+
+
+def environment(api, tmp_path: Path) -> dict[str, str]:
+    """What a reader of the pages has: the server, the admin key, a team, user and token."""
+    team, user, token = api.principal()
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "METERING_URL": api.url,
+        "ADMIN_KEY": ADMIN_KEY,
+        "TEAM_ID": team["id"],
+        "USER_ID": user["id"],
+        "TOKEN_ID": token["id"],
+        "TOKEN": token["token"],
+        # The `metering` commands read the service's settings, as on the server's machine.
+        "METERING_DATABASE_URL": api.settings.database_url,
+        "METERING_ADMIN_KEY": ADMIN_KEY,
+        "STATUS_FILE": str(tmp_path / "statuses"),
+    }
+
+
+def run_shell(page: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    script = "\n".join(runnable(ROOT / page, "sh"))
+    Path(env["STATUS_FILE"]).write_text("")
+    done = subprocess.run(
+        ["bash", "-c", PRELUDE + script + '\necho "TEAM_ID=$TEAM_ID"'],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, f"{page}:\n{done.stdout}\n{done.stderr}"
+    lines = Path(env["STATUS_FILE"]).read_text().splitlines()
+    got = [int(line.split()[1]) for line in lines if line.startswith("STATUS ")]
+    expected = [int(code) for code in EXPECTED.findall(script)]
+    assert got == expected, f"{page}:\n{done.stdout}"
+    return done
+
+
+@pytest.mark.parametrize("page", SHELL_PAGES)
+def test_the_commands_of_a_page_run_as_printed_twice(api, tmp_path, page):
+    env = environment(api, tmp_path)
+    for run in ("first", "second"):
+        cwd = tmp_path / run
+        cwd.mkdir()
+        run_shell(page, env, cwd)
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES)
+def test_the_sdk_calls_of_a_page_run_as_printed(api, tmp_path, page):
+    env = environment(api, tmp_path)
+    for body in runnable(ROOT / page, "python"):
+        done = subprocess.run(
+            [sys.executable, "-c", body.replace(DOCUMENTED_URL, api.url)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, f"{page}:\n{body}\n{done.stderr}"
+
+
+def test_the_walkthrough_does_what_it_says_each_time(api, tmp_path):
+    """Run twice: each run makes its own team, spends its token's budget down to a 402, and
+    revokes the token; the second run's names do not collide with the first's."""
+    env = environment(api, tmp_path)
+    teams = []
+    for run in ("first", "second"):
+        cwd = tmp_path / run
+        cwd.mkdir()
+        done = run_shell("docs/operator/walkthrough.md", env, cwd)
+        team_id = done.stdout.rsplit("TEAM_ID=", 1)[1].strip()
+        teams.append(team_id)
+        assert api.ok("GET", f"/v1/teams/{team_id}")["name"].startswith("research-")
+        refusals = api.ok("GET", "/v1/refusals", params={"team_id": team_id})["data"]
+        assert [r["reason"] for r in refusals] == ["budget"]
+        spend = api.ok("GET", "/v1/spend", params={"team_id": team_id})
+        assert spend["total"]["requests"] == 1
+        assert "402" in done.stdout and "budget_exceeded" in done.stdout
+    assert len(set(teams)) == 2
