@@ -48,18 +48,22 @@ chromium:
 # Most of the suite runs in four processes (pytest-xdist: most tests wait on servers and
 # sockets, not on the two cores; each process has its own servers and databases; an idle
 # process takes tests queued for another, `--dist worksteal`), then the tests marked serial
-# (tests/conftest.py SERIAL: load, replicas, kills, restarts) run alone. TEST_WORKERS=0 runs
-# the first part in this one process too.
+# (tests/conftest.py SERIAL: load, replicas, kills) in two, then the one marked alone (it restarts
+# PostgreSQL) by itself. TEST_WORKERS=0 runs the first part in this one process too.
 TEST_WORKERS ?= 4
+SERIAL_WORKERS ?= 2
 
 test: $(BIN)/metering postgres chromium
 	rm -f test-output/junit-*.xml
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial and not alone" \
 		--junitxml=test-output/junit-parallel.xml; \
 		parallel=$$?; \
-		$(BIN)/pytest -q -m serial --junitxml=test-output/junit-serial.xml; \
+		$(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal -m serial \
+		--junitxml=test-output/junit-serial.xml; \
 		serial=$$?; \
-		test $$parallel -eq 0 -a $$serial -eq 0
+		$(BIN)/pytest -q -m alone --junitxml=test-output/junit-alone.xml; \
+		alone=$$?; \
+		test $$parallel -eq 0 -a $$serial -eq 0 -a $$alone -eq 0
 
 # The unit tests alone (tests/conftest.py marks each test unit or e2e: a unit test starts no
 # server and no database), in two processes: no PostgreSQL, no browser, under a minute.

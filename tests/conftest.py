@@ -31,10 +31,12 @@ ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
 BACKENDS = ("sqlite", "postgresql")
 
 
-# Run alone, after the rest of the suite has run in parallel (`make test`: pytest-xdist, then
-# `-m serial`): bursts against limits, several replicas, killed processes, PostgreSQL restarts
-# and deadlines measured against a loaded machine. Beside each other on two cores their
-# upstream and pool deadlines (2 s, 30 s) would be tested against the other tests' load.
+# Run after the rest of the suite has run in parallel (`make test`: pytest-xdist in four
+# processes, then `-m serial` in two, then `-m alone`): bursts against limits, several replicas,
+# killed processes and deadlines measured against a loaded machine. Beside the whole suite on two
+# cores their upstream and pool deadlines (2 s, 30 s) would be tested against its load; two of
+# them at a time leave each a core. ALONE stops and restarts the PostgreSQL every other test uses:
+# it runs last, with nothing beside it.
 SERIAL = (
     "tests/budgets/test_concurrency.py",
     "tests/budgets/test_crash_recovery.py",
@@ -43,10 +45,10 @@ SERIAL = (
     "tests/resilience/test_descriptors.py",
     "tests/resilience/test_ledger_unavailable.py",
     "tests/resilience/test_pool_exhausted.py",
-    "tests/resilience/test_postgres_restart.py",
     "tests/resilience/test_settle_blip.py",
     "tests/resilience/test_slow_clients.py",
 )
+ALONE = ("tests/resilience/test_postgres_restart.py",)
 
 
 # The fixtures that start a server (the metering server, the simulated upstream, a webhook
@@ -90,8 +92,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     root = config.rootpath
     items.sort(key=lambda item: not item.path.relative_to(root).as_posix().startswith(SLOW_FIRST))
     for item in items:
-        if item.path.relative_to(root).as_posix().startswith(SERIAL):
+        path = item.path.relative_to(root).as_posix()
+        if path.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
+        elif path.startswith(ALONE):
+            item.add_marker(pytest.mark.alone)
         if item.get_closest_marker("e2e") is None:
             uses = getattr(item, "fixturenames", ())
             item.add_marker(pytest.mark.unit if E2E_FIXTURES.isdisjoint(uses) else pytest.mark.e2e)
