@@ -10,9 +10,11 @@ Pages: README.md and every page of docs/. Each fenced block says what it is by i
   should be after `# -> NNN`; the statuses are checked in order.
 - `python`: SDK calls, each block run alone by this interpreter (the one that has `openai`),
   with the same variables, and the documented address (http://127.0.0.1:8080) pointed at the
-  live server. A block marked `<!-- needs: litellm -->` on the line before runs the same way by
-  an interpreter that has LiteLLM's SDK (LITELLM, in its own virtualenv: not in the project's
-  lock), installed once under CACHE, with its price list read locally, never fetched.
+  live server. A block marked `<!-- needs: litellm -->` on the line before is run by an
+  interpreter that has LiteLLM's SDK (LITELLM, in its own virtualenv: not in the project's
+  lock), installed once under CACHE, with its price list read locally, never fetched; a page's
+  LiteLLM blocks share that interpreter (its import takes seconds), each alone in a fresh
+  namespace, against one backend.
 - `js`: SDK calls, each block run alone by `node` as an ES module (top-level `await`), with the
   same variables and address, and the `openai` package pinned by tests/docs/node's lock,
   installed once (`npm ci`) under CACHE, keyed by the lock's hash.
