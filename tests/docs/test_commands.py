@@ -10,7 +10,14 @@ Pages: README.md and every page of docs/. Each fenced block says what it is by i
   should be after `# -> NNN`; the statuses are checked in order.
 - `python`: SDK calls, each block run alone by this interpreter (the one that has `openai`),
   with the same variables, and the documented address (http://127.0.0.1:8080) pointed at the
-  live server.
+  live server. A block marked `<!-- needs: litellm -->` on the line before is run by an
+  interpreter that has LiteLLM's SDK (LITELLM, in its own virtualenv: not in the project's
+  lock), installed once under CACHE, with its price list read locally, never fetched; a page's
+  LiteLLM blocks share that interpreter (its import takes seconds), each alone in a fresh
+  namespace, against one backend.
+- `js`: SDK calls, each block run alone by `node` as an ES module (top-level `await`), with the
+  same variables and address, and the `openai` package pinned by tests/docs/node's lock,
+  installed once (`npm ci`) under CACHE, keyed by the lock's hash.
 - Not commands, never run (NOT_COMMANDS says why): output, placeholders and bodies (`text`,
   `json`), files (`toml`, `yaml`, `sql`).
 - A command that cannot run here is marked on the line before its block with
@@ -21,12 +28,19 @@ Not run either (OTHER_FILES, and the repository's own files the site shows: BENC
 CONTRIBUTING.md, CHANGELOG.md): decision records and benchmark figures, whose commands are
 benchmark runs of minutes each, and the repository's set-up and test commands (`make ...`),
 which would run this suite inside itself.
+
+CACHE (~/.cache/metering-docs, or METERING_DOCS_CACHE) outlives the run: the installs are made
+once per machine. An install that fails (no registry, no node) fails the tests that need it.
 """
 
+import fcntl
+import hashlib
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -36,8 +50,12 @@ from tests.conftest import ADMIN_KEY
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 DOCUMENTED_URL = "http://127.0.0.1:8080"
+CACHE = Path(os.environ.get("METERING_DOCS_CACHE", Path.home() / ".cache" / "metering-docs"))
+NODE_PROJECT = Path(__file__).resolve().parent / "node"
+LITELLM = "1.110.2"
 
-COMMANDS = {"sh", "python"}
+COMMANDS = {"sh", "python", "js"}
+NEEDS = {"litellm": "python"}  # what a block may need, and the kind of block that may need it
 NOT_COMMANDS = {
     "text": "output, and the variables a reader sets to what their server printed",
     "json": "bodies and answers shown, not sent",
@@ -51,7 +69,7 @@ OTHER_FILES = {
 }
 
 BLOCK = re.compile(
-    r"^(?:<!-- not run: (?P<why>.+?) -->\n)?[ \t]*```(?P<kind>[\w-]*)[^\n]*\n(?P<body>.*?)^[ \t]*```[ \t]*$",
+    r"^(?:<!-- (?:not run: (?P<why>.+?)|needs: (?P<needs>[\w-]+)) -->\n)?[ \t]*```(?P<kind>[\w-]*)[^\n]*\n(?P<body>.*?)^[ \t]*```[ \t]*$",
     re.M | re.S,
 )
 EXPECTED = re.compile(r"# -> (\d{3})")
@@ -86,8 +104,17 @@ def blocks(page: Path) -> list[tuple[str, str, str | None]]:
     return [(m["kind"], m["body"], m["why"]) for m in BLOCK.finditer(page.read_text())]
 
 
-def runnable(page: Path, kind: str) -> list[str]:
-    return [body for k, body, why in blocks(page) if k == kind and why is None]
+def needs(page: Path) -> list[tuple[str, str]]:
+    """(kind, what it needs) of each block marked `<!-- needs: ... -->`."""
+    return [(m["kind"], m["needs"]) for m in BLOCK.finditer(page.read_text()) if m["needs"]]
+
+
+def runnable(page: Path, kind: str, need: str | None = None) -> list[str]:
+    return [
+        m["body"]
+        for m in BLOCK.finditer(page.read_text())
+        if m["kind"] == kind and m["why"] is None and m["needs"] == need
+    ]
 
 
 def test_every_block_says_what_it_is():
@@ -98,6 +125,16 @@ def test_every_block_says_what_it_is():
         if kind not in COMMANDS and kind not in NOT_COMMANDS
     }
     assert unknown == set()
+
+
+def test_every_block_needs_what_can_be_installed():
+    wrong = [
+        f"{rel(page)}: a {kind} block needs {need}"
+        for page in pages()
+        for kind, need in needs(page)
+        if NEEDS.get(need) != kind
+    ]
+    assert wrong == []
 
 
 def test_every_curl_shows_its_status_and_the_status_it_should_be():
@@ -135,6 +172,67 @@ def test_the_walkthrough_has_every_step():
 
 SHELL_PAGES = [rel(p) for p in pages() if runnable(p, "sh")]
 PYTHON_PAGES = [rel(p) for p in pages() if runnable(p, "python")]
+LITELLM_PAGES = [rel(p) for p in pages() if runnable(p, "python", "litellm")]
+JS_PAGES = [rel(p) for p in pages() if runnable(p, "js")]
+
+
+@contextmanager
+def locked(name: str) -> Iterator[None]:
+    """One install at a time across this run's workers and other runs on the machine."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with (CACHE / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def install(what: str, argv: list[str], cwd: Path, log: Path) -> None:
+    try:
+        done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        pytest.fail(f"installing {what} failed ({' '.join(argv)}): {error}", pytrace=False)
+    with log.open("a") as out:
+        out.write(done.stdout + done.stderr)
+    if done.returncode != 0:
+        pytest.fail(
+            f"installing {what} failed ({' '.join(argv)}; a registry must be reachable once):\n"
+            f"{done.stdout}{done.stderr}",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def node_modules() -> Path:
+    """The node_modules of tests/docs/node's lock, installed once per lock under CACHE."""
+    lock = (NODE_PROJECT / "package-lock.json").read_bytes()
+    project = CACHE / "node" / hashlib.sha256(lock).hexdigest()[:16]
+    modules = project / "node_modules"
+    with locked("node"):
+        if not (project / "installed").exists():
+            project.mkdir(parents=True, exist_ok=True)
+            for name in ("package.json", "package-lock.json"):
+                (project / name).write_bytes((NODE_PROJECT / name).read_bytes())
+            argv = ["npm", "ci", "--prefer-offline", "--no-audit", "--no-fund"]
+            install("the Node SDK", argv, project, project / "install.log")
+            (project / "installed").touch()
+    return modules
+
+
+@pytest.fixture(scope="session")
+def litellm_python() -> Path:
+    """An interpreter with LiteLLM's SDK (LITELLM), in its own virtualenv under CACHE."""
+    venv = CACHE / f"litellm-{LITELLM}"
+    python = venv / "bin" / "python"
+    with locked("litellm"):
+        if not (venv / "installed").exists():
+            uv = str(Path(sys.executable).parent / "uv")
+            log = CACHE / f"litellm-{LITELLM}-install.log"
+            argv = [uv, "venv", "--clear", "--python", sys.executable, str(venv)]
+            install("LiteLLM", argv, CACHE, log)
+            argv = [uv, "pip", "install", "--compile-bytecode", "--python", str(python)]
+            argv.append(f"litellm=={LITELLM}")
+            install("LiteLLM", argv, CACHE, log)
+            (venv / "installed").touch()
+    return python
 
 
 def environment(api, tmp_path: Path) -> dict[str, str]:
@@ -184,19 +282,51 @@ def test_the_commands_of_a_page_run_as_printed_twice(api, tmp_path, page):
         run_shell(page, env, cwd)
 
 
+def run_blocks(page: str, bodies: list[str], argv: list[str], env: dict[str, str], cwd: Path):
+    """Each block alone: `argv` and the block's file, the documented address made the server's."""
+    assert bodies, page
+    for body in bodies:
+        block = cwd / Path(argv[-1]).name
+        block.write_text(body.replace(DOCUMENTED_URL, env["METERING_URL"]))
+        done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, f"{page}:\n{body}\n{done.stderr}"
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES)
 def test_the_sdk_calls_of_a_page_run_as_printed(api, tmp_path, page):
     env = environment(api, tmp_path)
-    for body in runnable(ROOT / page, "python"):
-        done = subprocess.run(
-            [sys.executable, "-c", body.replace(DOCUMENTED_URL, api.url)],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, f"{page}:\n{body}\n{done.stderr}"
+    bodies = runnable(ROOT / page, "python")
+    run_blocks(page, bodies, [sys.executable, "block.py"], env, tmp_path)
+
+
+# Importing LiteLLM takes seconds: its blocks run in one interpreter, each alone in a fresh
+# namespace (runpy), on one backend (the client is what is tested; the server is the same).
+RUN_EACH = (
+    "import runpy, sys\nfor block in sys.argv[1:]:\n    runpy.run_path(block, run_name='__main__')"
+)
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+@pytest.mark.parametrize("page", LITELLM_PAGES)
+def test_the_litellm_calls_of_a_page_run_as_printed(api, litellm_python, tmp_path, page):
+    env = {**environment(api, tmp_path), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    bodies = runnable(ROOT / page, "python", "litellm")
+    assert bodies, page
+    files = []
+    for n, body in enumerate(bodies):
+        files.append(tmp_path / f"block{n}.py")
+        files[-1].write_text(body.replace(DOCUMENTED_URL, api.url))
+    argv = [str(litellm_python), "-c", RUN_EACH, *map(str, files)]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{page}:\n{done.stderr}"
+
+
+@pytest.mark.parametrize("page", JS_PAGES)
+def test_the_node_calls_of_a_page_run_as_printed(api, node_modules, tmp_path, page):
+    env = environment(api, tmp_path)
+    (tmp_path / "node_modules").symlink_to(node_modules)
+    bodies = runnable(ROOT / page, "js")
+    run_blocks(page, bodies, ["node", "block.mjs"], env, tmp_path)
 
 
 def test_the_walkthrough_does_what_it_says_each_time(api, tmp_path):
