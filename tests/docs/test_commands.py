@@ -29,6 +29,10 @@ CONTRIBUTING.md, CHANGELOG.md): decision records and benchmark figures, whose co
 benchmark runs of minutes each, and the repository's set-up and test commands (`make ...`),
 which would run this suite inside itself.
 
+The pages' blocks run against a server on SQLite, the embedded default a reader starts with:
+what they test is the page (the commands, the clients, the statuses it gives); the server's
+behaviour on both databases is the rest of the suite's. The walkthrough runs on both.
+
 CACHE (~/.cache/metering-docs, or METERING_DOCS_CACHE) outlives the run: the installs are made
 once per machine. An install that fails (no registry, no node) fails the tests that need it.
 """
@@ -273,6 +277,7 @@ def run_shell(page: str, env: dict[str, str], cwd: Path) -> subprocess.Completed
     return done
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("page", SHELL_PAGES)
 def test_the_commands_of_a_page_run_as_printed_twice(api, tmp_path, page):
     env = environment(api, tmp_path)
@@ -292,6 +297,7 @@ def run_blocks(page: str, bodies: list[str], argv: list[str], env: dict[str, str
         assert done.returncode == 0, f"{page}:\n{body}\n{done.stderr}"
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("page", PYTHON_PAGES)
 def test_the_sdk_calls_of_a_page_run_as_printed(api, tmp_path, page):
     env = environment(api, tmp_path)
@@ -321,6 +327,7 @@ def test_the_litellm_calls_of_a_page_run_as_printed(api, litellm_python, tmp_pat
     assert done.returncode == 0, f"{page}:\n{done.stderr}"
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("page", JS_PAGES)
 def test_the_node_calls_of_a_page_run_as_printed(api, node_modules, tmp_path, page):
     env = environment(api, tmp_path)

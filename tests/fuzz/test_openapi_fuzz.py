@@ -6,6 +6,7 @@ matches the schema declared for its status.
 The real server on loopback, on SQLite and PostgreSQL, with the simulated upstream behind it.
 A bounded number of examples per operation keeps the run to a minute or two."""
 
+import fastapi.routing
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
@@ -16,6 +17,8 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
 
 from metering import migrate
+from metering.app import create_app
+from metering.auth.rules import route_rules
 from metering.settings import Settings, parse_catalog
 from metering.testing import metering_server
 from tests.conftest import ADMIN_KEY, Api, catalog_for, database_url
@@ -27,6 +30,30 @@ CHECKS = [not_a_server_error, status_code_conformance, response_schema_conforman
 # the schema alone, so none of them has one for another role or backend either. The runs after
 # it skip them instead of spending a hundred rejected attempts each (most of a run's time).
 NOTHING_INVALID: set[str] = set()
+# The roles a route's rule lets past the credential check (metering.auth.rules; a route with no
+# rule is open). Invalid requests are generated for the roles that reach the route's own checks;
+# to the others every request is the same 403 (tests/auth/test_rules.py walks each route with
+# each credential), so they get the valid ones only.
+REACHES = {
+    "open": {"admin", "user", "ingest"},
+    "admin": {"admin"},
+    "self": {"admin", "user"},
+    "user": {"user"},
+    "ingest": {"admin", "user", "ingest"},
+}
+
+
+def reaching(settings: Settings, catalog) -> dict[tuple[str, str], set[str]]:
+    """(METHOD, path) -> the roles that reach the operation past its credential check."""
+    app = create_app(settings, catalog, run_jobs=False)
+    flatten = getattr(fastapi.routing, "iter_route_contexts", None)
+    found: dict[tuple[str, str], set[str]] = {}
+    for route in flatten(app.routes) if flatten else app.routes:
+        rules = route_rules(route) or {"open"}
+        roles = set().union(*(REACHES[rule] for rule in rules))
+        for method in getattr(route, "methods", None) or ():
+            found[(method.upper(), getattr(route, "path_format", ""))] = roles
+    return found
 
 
 @pytest.fixture(
@@ -50,13 +77,14 @@ def fuzzed(request, sim):
     api = Api(server.url, request.param, settings_)
     team, _, token = api.principal(token_limit="5", user_limit="5", team_limit="5")
     ingest = api.ok("POST", f"/v1/teams/{team['id']}/ingest-keys", 201, json={"name": "fuzz"})
-    yield api, {"user": token["token"], "ingest": ingest["key"], "admin": ADMIN_KEY}
+    keys = {"user": token["token"], "ingest": ingest["key"], "admin": ADMIN_KEY}
+    yield api, keys, reaching(settings_, catalog)
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def api_schema(fuzzed):
-    api, _ = fuzzed
+    api, _, _ = fuzzed
     return schemathesis.openapi.from_url(f"{api.url}/openapi.json")
 
 
@@ -96,15 +124,20 @@ def _failures(operation, mode: GenerationMode, api: Api, key: str) -> list[str]:
 # The three roles run in one test per backend: one process builds each operation's strategies
 # once (most of a first run's time) and the roles after it reuse them.
 def test_openapi_fuzz(api_schema, fuzzed):
-    api, keys = fuzzed
+    api, keys, reaches = fuzzed
     failures = []
     for role in ("admin", "user", "ingest"):
-        operations = 0
+        operations = reached = 0
         for result in api_schema.get_all_operations():
             operation = result.ok()
             operations += 1
-            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            modes = [GenerationMode.POSITIVE]
+            if role in reaches[(operation.method.upper(), operation.path)]:
+                modes.append(GenerationMode.NEGATIVE)
+                reached += 1
+            for mode in modes:
                 found = _failures(operation, mode, api, keys[role])
                 failures += [f"as {role}: {failure}" for failure in found]
         assert operations >= 25, role  # the whole API was fuzzed, not an empty schema
+        assert reached >= 5, role  # and each role's own operations with invalid requests too
     assert failures == [], "\n".join(failures[:10])
