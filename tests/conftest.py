@@ -31,12 +31,12 @@ ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
 BACKENDS = ("sqlite", "postgresql")
 
 
-# Run after the rest of the suite has run in parallel (`make test`: pytest-xdist in four
-# processes, then `-m serial` in two, then `-m alone`): bursts against limits, several replicas,
-# killed processes and deadlines measured against a loaded machine. Beside the whole suite on two
-# cores their upstream and pool deadlines (2 s, 30 s) would be tested against its load; two of
-# them at a time leave each a core. ALONE stops and restarts the PostgreSQL every other test uses:
-# it runs last, with nothing beside it.
+# Run alone, after the rest of the suite has run in parallel (`make test`: pytest-xdist in four
+# processes, then `-m serial`, then `-m alone`): bursts against limits, several replicas, killed
+# processes and deadlines measured against a loaded machine. Beside the whole suite on two cores
+# their upstream and pool deadlines (2 s, 30 s) would be tested against its load. ALONE stops and
+# restarts the PostgreSQL every other test uses: it runs last, whatever the serial part's
+# processes (SERIAL_WORKERS).
 SERIAL = (
     "tests/budgets/test_concurrency.py",
     "tests/budgets/test_crash_recovery.py",
