@@ -161,6 +161,10 @@ class Hold(Base):
     rate_tokens: Mapped[int | None] = mapped_column(BigInteger)
     # The run (metering.budgets.runs) the request is held against as well, if any.
     run_id: Mapped[str | None] = mapped_column(String(100))
+    # Who and what it is for (metering.ledger.outcome.Attribution), so that a hold charged on
+    # expiry is attributed like the request: its end user, and its tags as JSON text.
+    end_user: Mapped[str | None] = mapped_column(String(256))
+    tags: Mapped[str | None] = mapped_column(Text)
 
 
 class RateCounter(Base):

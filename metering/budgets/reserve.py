@@ -249,6 +249,8 @@ def hold_row(
         "rate_window": spec.rates.window if spec.rates is not None else None,
         "rate_tokens": spec.rates.tokens if spec.rates is not None else None,
         "run_id": spec.run.run_id if spec.run is not None else None,
+        "end_user": billing.end_user,
+        "tags": billing.tags,
     }
 
 

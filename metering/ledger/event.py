@@ -108,6 +108,12 @@ class Event:
     reason: str | None = column(Text(), limit=500, default=None)
     # The run (x-metering-run) the request belonged to, within its team, or None.
     run_id: str | None = column(String(100), default=None)
+    # Who the request was made for, within the team (x-metering-end-user, else the body's
+    # `user`, else its `safety_identifier`), or None.
+    end_user: str | None = column(String(256), default=None)
+    # The request's tags (its `metadata` merged with x-metering-tags): a JSON object of string
+    # values as compact text, its keys sorted; "{}" when none (metering.ledger.attribution).
+    tags: str = column(Text(), limit=None, server_default="{}", default="{}")
 
     def params(self) -> dict[str, Any]:
         """The event as the insert's parameters (replaced below by its written-out form)."""

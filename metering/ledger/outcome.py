@@ -29,6 +29,8 @@ class Attribution:
     output_price: int  # per output token of every choice
     prompt_bound: int  # the most prompt tokens the request can count
     run_id: str | None = None  # the run (x-metering-run) it is also held against
+    end_user: str | None = None  # who it was made for, within the team
+    tags: str = "{}"  # its tags, as the event keeps them (metering.ledger.attribution)
 
     @property
     def subjects(self) -> list[str]:
@@ -120,6 +122,8 @@ def event_for(
         latency_ms=latency_ms,
         error=bounded("error", outcome.error) or None,
         run_id=attribution.run_id,
+        end_user=attribution.end_user,
+        tags=attribution.tags,
     )
 
 
@@ -157,4 +161,6 @@ def unsettled_event(hold: Any, now: datetime) -> Event:
         latency_ms=None,
         error="the request never settled: its hold was charged in full",
         run_id=hold.run_id,
+        end_user=hold.end_user,
+        tags=hold.tags or "{}",
     )

@@ -95,7 +95,7 @@ def sample_event(**values) -> Event:
 
 def test_the_typed_event_is_the_declaration():
     assert tuple(f.name for f in fields(Event)) == NAMES
-    assert len(NAMES) == 40
+    assert len(NAMES) == 42
     assert {
         "token_id",
         "upstream_id",
@@ -110,6 +110,7 @@ def test_the_typed_event_is_the_declaration():
         "corrects_event_id",
         "reason",
         "run_id",
+        "end_user",
     } == NULLABLE
     # The counts an event records are the upstream usage's, detail for detail.
     usage_fields = {f.name for f in fields(Usage)}

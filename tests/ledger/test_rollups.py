@@ -165,7 +165,15 @@ async def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(reques
     engine = create_engine(sync_url(url), poolclass=pool.NullPool)
     dialect = engine.dialect.name
     # The ledger as it was then: without the columns of revisions 0011 and 0012.
-    added = ("max_tokens_clamped", "kind", "corrects_event_id", "reason", "run_id")
+    added = (
+        "max_tokens_clamped",
+        "kind",
+        "corrects_event_id",
+        "reason",
+        "run_id",
+        "end_user",
+        "tags",
+    )
     old = [{k: v for k, v in e.params().items() if k not in added} for e in events[:50]]
     with engine.begin() as conn:
         conn.execute(insert(LedgerEvent.__table__), old)
