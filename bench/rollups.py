@@ -102,4 +102,6 @@ async def direct(conn: Any, events: list[Event]) -> None:
         await conn.execute(_DIRECT_PG, {name: [row[name] for row in rows] for name in columns})
         return
     for each, upsert in _SQLITE_UPSERTS:
-        await conn.execute(upsert, summed(each, rows))
+        sums = summed(each, rows)
+        if sums:
+            await conn.execute(upsert, sums)

@@ -75,8 +75,8 @@ async def _count(db: Database, team: str) -> int:
 
 
 def _by_key(rows) -> dict[tuple, tuple]:
-    """Rows of rollup.KEY then rollup.FIGURES, summed per key."""
-    width = len(rollup.KEY)
+    """Rows of rollup.PENDING_KEY then rollup.FIGURES, summed per key."""
+    width = len(rollup.PENDING_KEY)
     out: dict[tuple, tuple] = {}
     for row in rows:
         key, figures = row[:width], tuple(int(v) for v in row[width:])
@@ -198,7 +198,10 @@ async def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):
             pending = (
                 await session.execute(
                     select(
-                        *(RollupPending.__table__.c[c] for c in (*rollup.KEY, *rollup.FIGURES))
+                        *(
+                            RollupPending.__table__.c[c]
+                            for c in (*rollup.PENDING_KEY, *rollup.FIGURES)
+                        )
                     ).where(RollupPending.team_id == subjects["team"])
                 )
             ).all()
@@ -255,6 +258,6 @@ async def test_replicas_folding_while_settles_go_on_count_each_increment_once(fr
 
 def test_the_pending_read_model_has_every_key_of_the_hourly_rollup():
     assert PENDING.grain == "hour"
-    assert PENDING.keys == rollup.HOURLY.keys
+    assert PENDING.keys == (*rollup.HOURLY.keys, "end_user", "tags")
     columns = {c.name for c in RollupPending.__table__.columns}
-    assert columns == {"id", *rollup.KEY, *rollup.FIGURES}
+    assert columns == {"id", *rollup.PENDING_KEY, *rollup.FIGURES}
