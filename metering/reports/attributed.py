@@ -220,7 +220,9 @@ def _rollup_part(
             value = _value(rollup, t, dialect, key, attrs) if valued else null()
             columns.append(type_coerce(value, String).label(key))
     if _timed(keys):
-        columns.append((at if rollup.grain == "day" else _bucket(at, dialect, keys)).label("bucket"))
+        columns.append(
+            (at if rollup.grain == "day" else _bucket(at, dialect, keys)).label("bucket")
+        )
     where = [at >= a, at < b, *(t.c[k] == v for k, v in filters.items())]
     if rollup is PENDING:
         if attrs.end_user is not None:
@@ -338,4 +340,3 @@ def joint_label(attrs: Attributes, keys: list[str]) -> str:
     others = [k.removesuffix("_id") for k in keys if k in PLAIN]
     what = "end users" if named == [END_USER] else f"values of {named[0]}"
     return f"{what} by {', '.join(others)}" if others else what
-

@@ -414,9 +414,7 @@ async def page_parts(db, query, keys: list[str], offset: int, limit: int):
             await asyncio.sleep(0)
 
 
-async def _rows_out(
-    first, rest, keys: list[str], adjusted: bool = True, labelled=None, names=None
-):
+async def _rows_out(first, rest, keys: list[str], adjusted: bool = True, labelled=None, names=None):
     """The page's rows as dicts (keyed by `names`, the keys' names in a row), a chunk at a
     time; `labelled(rows)` adds their labels."""
     if first:

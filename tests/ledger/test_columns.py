@@ -190,10 +190,15 @@ def test_the_rollup_projects_declared_columns(api):
     event = sample_event()
     projection = rollup.row_for(event)
     pending = {c.name for c in RollupPending.__table__.columns} - {"id"}
-    assert set(projection) == pending == {c.name for c in SpendHourly.__table__.columns} | {
-        "end_user",
-        "tags",
-    }
+    assert (
+        set(projection)
+        == pending
+        == {c.name for c in SpendHourly.__table__.columns}
+        | {
+            "end_user",
+            "tags",
+        }
+    )
     assert set(rollup.PENDING_KEY) - {"hour"} <= set(NAMES)
     assert set(rollup.SUMS) - {"adjustments"} <= set(NAMES)  # the adjustments' cost
 

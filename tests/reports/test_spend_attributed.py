@@ -255,7 +255,7 @@ def ranges(base: datetime) -> list[tuple[datetime, datetime]]:
     ]
 
 
-@pytest.mark.parametrize("filters, tags", FILTERS, ids=lambda v: repr(v))
+@pytest.mark.parametrize(("filters", "tags"), FILTERS, ids=lambda v: repr(v))
 def test_every_grouping_and_filter_equals_the_ledgers_sums(traffic, filters, tags):
     api, base, events, people, _ = traffic
     team = {"team_id": people[0][0]}
@@ -306,7 +306,7 @@ def test_a_user_sees_its_own_spend_by_end_user_and_tag_only(traffic):
 
 
 @pytest.mark.parametrize(
-    "params, param",
+    ("params", "param"),
     [
         ({"tag": "nocolon"}, "tag"),
         ({"tag": ":value"}, "tag"),
