@@ -115,8 +115,8 @@ _FIGURES_SQL = (
 
 
 def attributed_statements() -> list[str]:
-    """On PostgreSQL, INSERT INTO spend_daily_end_user and spend_daily_tag the sums of
-    ledger_events (as migration 0019 backfills them)."""
+    """On PostgreSQL, INSERT INTO spend_daily_end_user, spend_daily_tag and
+    spend_daily_tag_model the sums of ledger_events (as migration 0019 backfills them)."""
     day = "date_trunc('day', e.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
     who = "e.team_id, e.user_id, COALESCE(e.token_id, '')"
     figures = ", ".join(FIGURES)
@@ -129,4 +129,8 @@ def attributed_statements() -> list[str]:
         f"tag_key, tag_value, {figures}) SELECT {day}, {tag}, {_FIGURES_SQL} "
         "FROM ledger_events e CROSS JOIN LATERAL jsonb_each_text(CAST(e.tags AS jsonb)) AS pair "
         f"WHERE e.tags <> '{{}}' GROUP BY {day}, {tag}",
+        "INSERT INTO spend_daily_tag_model (day, team_id, model, provider, tag_key, tag_value, "
+        f"{figures}) SELECT day, team_id, model, provider, tag_key, tag_value, "
+        f"{', '.join(f'SUM({f})' for f in FIGURES)} FROM spend_daily_tag "
+        "GROUP BY day, team_id, model, provider, tag_key, tag_value",
     ]

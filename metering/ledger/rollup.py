@@ -47,6 +47,7 @@ from metering.ledger.tables import (
     SpendDailyEndUser,
     SpendDailyModel,
     SpendDailyTag,
+    SpendDailyTagModel,
     SpendDailyToken,
     SpendHourly,
     SpendHourlyModel,
@@ -109,7 +110,9 @@ DERIVED = ROLLUPS[1:]  # made from spend_hourly's rows
 # or spend_daily_token's rows minus theirs for the events without one).
 END_USER_DAILY = _rollup(SpendDailyEndUser, "day", "end_user")
 TAG_DAILY = _rollup(SpendDailyTag, "day", "tag")
-ATTRIBUTED = (END_USER_DAILY, TAG_DAILY)
+TAG_MODEL_DAILY = _rollup(SpendDailyTagModel, "day", "tag")  # by team, model and provider only
+TAGS = (TAG_DAILY, TAG_MODEL_DAILY)
+ATTRIBUTED = (END_USER_DAILY, *TAGS)
 FOLDED = (*ROLLUPS, *ATTRIBUTED)  # every rollup the fold adds the increments to
 
 

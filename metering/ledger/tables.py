@@ -209,3 +209,15 @@ class SpendDailyTag(Base):
             ("user_id", "tag_key"),
         ),
     )
+
+
+class SpendDailyTagModel(Base):
+    """spend_daily_tag by team, model and provider only (as spend_daily_model is spend_daily's):
+    a report by tag over a whole organisation reads a few rows a day per team and model."""
+
+    __table__ = _rollup_table(
+        "spend_daily_tag_model",
+        "day",
+        (*WHAT, "tag_key", "tag_value"),
+        (("tag_key", "tag_value"), ("team_id", "tag_key")),
+    )

@@ -37,7 +37,7 @@ from metering.ledger.rollup import (
     END_USER_DAILY,
     PENDING,
     ROLLUPS,
-    TAG_DAILY,
+    TAGS,
     Rollup,
     ceil_day,
     day_value,
@@ -123,7 +123,7 @@ class Attributes:
             asked = set(keys) | set(filters)
             return None if asked & {"model", "provider"} else END_USER_DAILY
         if tag_keys and not by_end_user and len(tag_keys) == 1 and len(self.tags) <= 1:
-            return TAG_DAILY
+            return coarsest(TAGS, {k for k in keys if k in PLAIN} | set(filters))
         return None
 
 
@@ -230,17 +230,23 @@ def _rollup_part(
         where += [tag_value(t.c.tags, key, dialect) == value for key, value in attrs.tags]
     elif rollup is END_USER_DAILY and attrs.end_user is not None:
         where.append(t.c.end_user == attrs.end_user)
-    elif rollup is TAG_DAILY:
+    elif rollup.attribute == "tag":
         [key] = {*attrs.tag_keys, *(k for k, _ in attrs.tags)}
         where.append(t.c.tag_key == key)
         where += [t.c.tag_value == value for _, value in attrs.tags]
     return select(*columns, *_figures(t, sign)).where(*where)
 
 
+def coarsest(rollups: tuple[Rollup, ...], needed: set[str]) -> Rollup:
+    """The daily rollup among `rollups` with the fewest keys that has every key `needed`
+    (the first of them when none has: whatever it lacks is then not filtered on)."""
+    fitting = [r for r in rollups if r.grain == "day" and needed <= set(r.keys)] or [rollups[0]]
+    return min(fitting, key=lambda r: len(r.keys))
+
+
 def base(needed: set[str]) -> Rollup:
     """The coarsest daily rollup of every event with the keys `needed`."""
-    fitting = [r for r in ROLLUPS if r.grain == "day" and needed <= set(r.keys)]
-    return min(fitting, key=lambda r: len(r.keys))
+    return coarsest(ROLLUPS, needed)
 
 
 def _days(
@@ -302,7 +308,7 @@ def _valued_rows(
         value = _value(source, t, dialect, key, attrs)
         at = t.c[source.grain]
         where = [at >= a, at < b, *(t.c[k] == v for k, v in filters.items() if k in t.c)]
-        if source is TAG_DAILY:
+        if source.attribute == "tag":
             where.append(t.c.tag_key == attrs.name(key)[len(TAG) :])
         elif source is END_USER_DAILY and attrs.end_user is not None:
             where.append(t.c.end_user == attrs.end_user)
@@ -325,7 +331,8 @@ def bound_query(
         return None
     a = floor_day(start)
     plain = [k for k in keys if k in PLAIN]
-    rollup_of = {k: END_USER_DAILY if k == END_USER else TAG_DAILY for k in grouped}
+    needed = set(plain) | set(filters)
+    rollup_of = {k: END_USER_DAILY if k == END_USER else coarsest(TAGS, needed) for k in grouped}
     joint = len(grouped) == 1 and set(plain) <= set(rollup_of[grouped[0]].keys)
     counts = []
     for key in grouped:

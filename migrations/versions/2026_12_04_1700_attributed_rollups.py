@@ -39,6 +39,7 @@ SUMS = (
     "adjustments",
 )
 WHO = ("team_id", "user_id", "token_id")
+WHAT = ("team_id", "model", "provider")
 EVERY_KEY = (*WHO, "model", "provider")
 # name -> keys, the indexes (columns, the day last)
 TABLES = {
@@ -50,6 +51,21 @@ TABLES = {
         (*EVERY_KEY, "tag_key", "tag_value"),
         (("tag_key", "tag_value"), ("team_id", "tag_key"), ("user_id", "tag_key")),
     ),
+    "spend_daily_tag_model": (
+        (*WHAT, "tag_key", "tag_value"),
+        (("tag_key", "tag_value"), ("team_id", "tag_key")),
+    ),
+}
+# What an event adds to each key column (the tag's from the pair).
+SOURCE = {
+    "team_id": "e.team_id",
+    "user_id": "e.user_id",
+    "token_id": "COALESCE(e.token_id, '')",
+    "model": "e.model",
+    "provider": "e.provider",
+    "end_user": "e.end_user",
+    "tag_key": "pair.key",
+    "tag_value": "pair.value",
 }
 # The views of revision 0015 that read rollup_pending.
 LIVE = {
@@ -93,20 +109,17 @@ def _backfill(dialect: str) -> None:
     no end user or tags, so nothing is counted twice."""
     day = DAY[dialect]
     sums = ", ".join(f"SUM({f})" for f in FIGURES)
-    names = ", ".join(SUMS)
-    who = "e.team_id, e.user_id, COALESCE(e.token_id, '')"
     events = " UNION ALL ".join(f"SELECT {READ} FROM {table}" for table in EVENTS)
-    op.execute(
-        f"INSERT INTO spend_daily_end_user (day, {', '.join(WHO)}, end_user, {names}) "
-        f"SELECT {day}, {who}, e.end_user, {sums} FROM ({events}) AS e "
-        f"WHERE e.end_user IS NOT NULL GROUP BY {day}, {who}, e.end_user"
-    )
-    keys = f"{who}, e.model, e.provider, pair.key, pair.value"
-    op.execute(
-        f"INSERT INTO spend_daily_tag (day, {', '.join(EVERY_KEY)}, tag_key, tag_value, "
-        f"{names}) SELECT {day}, {keys}, {sums} FROM ({events}) AS e {PAIRS[dialect]} "
-        f"WHERE e.tags <> '{{}}' GROUP BY {day}, {keys}"
-    )
+    for name, (columns, _) in TABLES.items():
+        keys = ", ".join(SOURCE[c] for c in columns)
+        if "end_user" in columns:
+            source = f"({events}) AS e WHERE e.end_user IS NOT NULL"
+        else:
+            source = f"({events}) AS e {PAIRS[dialect]} WHERE e.tags <> '{{}}'"
+        op.execute(
+            f"INSERT INTO {name} (day, {', '.join(columns)}, {', '.join(SUMS)}) "
+            f"SELECT {day}, {keys}, {sums} FROM {source} GROUP BY {day}, {keys}"
+        )
 
 
 def upgrade() -> None:
