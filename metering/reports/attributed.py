@@ -342,6 +342,24 @@ def bound_query(
     return select(literal(joint), *counts)
 
 
+def values_query(
+    dialect: str, keys: list[str], filters: dict, attrs: Attributes, start, end, cap: int
+) -> Select[Any]:
+    """How many distinct values of the first end user or tag key grouped on the attributed
+    rollup holds over the range, counted up to `cap` (the report's bound is at least that)."""
+    key = next(k for k in keys if k == END_USER or k.startswith("tag_"))
+    needed = {k for k in keys if k in PLAIN} | set(filters)
+    rollup = END_USER_DAILY if key == END_USER else coarsest(TAGS, needed)
+    t = rollup.table
+    value = _value(rollup, t, dialect, key, attrs)
+    where = [t.c.day >= floor_day(start), t.c.day < end]
+    where += [t.c[k] == v for k, v in filters.items() if k in t.c]
+    if rollup.attribute == "tag":
+        where.append(t.c.tag_key == attrs.name(key)[len(TAG) :])
+    found = select(value).where(*where).distinct().limit(cap).subquery()
+    return select(func.count()).select_from(found)
+
+
 def joint_label(attrs: Attributes, keys: list[str]) -> str:
     named = [attrs.name(k) for k in keys if k == END_USER or k.startswith("tag_")]
     others = [k.removesuffix("_id") for k in keys if k in PLAIN]
