@@ -144,8 +144,8 @@ def _timed(keys: list[str]) -> bool:
     return "day" in keys or "hour" in keys
 
 
-def _figures(t: Table, sign: int = 1) -> list[ColumnElement[Any]]:
-    return [(t.c[m] if sign > 0 else -t.c[m]).label(m) for m in METRICS]
+def _figures(t: Table) -> list[ColumnElement[Any]]:
+    return [t.c[m].label(m) for m in METRICS]
 
 
 def _plain(t: Table, keys: list[str]) -> list[ColumnElement[Any]]:
@@ -211,18 +211,20 @@ def _rollup_part(
 ) -> Select[Any]:
     """A rollup's rows in [a, b) (rollup_pending's: as increments of the end user and tags
     they carry), keyed as the report groups them; `valued=False`: with a NULL end user or tag
-    value (the null row's part), `sign=-1`: subtracted."""
+    value (the null row's part), `sign=-1`: subtracted, summed here by the other keys (one row
+    for each of the report's null rows, not one for each of the rollup's)."""
     t = rollup.table
     at = t.c[rollup.grain]
     columns = _plain(t, keys)
+    group = list(columns)
     for key in keys:
         if key == END_USER or key.startswith("tag_"):
             value = _value(rollup, t, dialect, key, attrs) if valued else null()
             columns.append(type_coerce(value, String).label(key))
     if _timed(keys):
-        columns.append(
-            (at if rollup.grain == "day" else _bucket(at, dialect, keys)).label("bucket")
-        )
+        bucket = at if rollup.grain == "day" else _bucket(at, dialect, keys)
+        columns.append(bucket.label("bucket"))
+        group.append(bucket)
     where = [at >= a, at < b, *(t.c[k] == v for k, v in filters.items())]
     if rollup is PENDING:
         if attrs.end_user is not None:
@@ -234,7 +236,10 @@ def _rollup_part(
         [key] = {*attrs.tag_keys, *(k for k, _ in attrs.tags)}
         where.append(t.c.tag_key == key)
         where += [t.c.tag_value == value for _, value in attrs.tags]
-    return select(*columns, *_figures(t, sign)).where(*where)
+    if sign < 0:
+        sums = [(-func.sum(t.c[m])).label(m) for m in METRICS]
+        return select(*columns, *sums).where(*where).group_by(*group)
+    return select(*columns, *_figures(t)).where(*where)
 
 
 def coarsest(rollups: tuple[Rollup, ...], needed: set[str]) -> Rollup:

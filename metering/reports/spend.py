@@ -337,9 +337,11 @@ async def check_size(
         # First, at most as many values as would already be too many (a short index walk):
         # a report by hour of a million end users is refused without counting them all.
         cap = MAX_REPORT_ROWS // bound + 1
-        some = attributed.values_query(db.dialect, keys, filters, attrs, start, end, cap)
-        async with db.reads() as session:
-            least = int((await session.execute(some)).scalar() or 0)
+        least = 0
+        if bound > 1:
+            some = attributed.values_query(db.dialect, keys, filters, attrs, start, end, cap)
+            async with db.reads() as session:
+                least = int((await session.execute(some)).scalar() or 0)
         if least >= cap:
             _refuse(bound * (least - 1), [*parts, f"over {least - 1:,} {_named(named[0])}"], True)
         async with db.reads() as session:
