@@ -12,6 +12,10 @@ the increments into every rollup a batch at a time, in the transaction that dele
 rollups plus rollup_pending equal the ledger's sums at every instant: the spend report reads
 both (PENDING) in one statement, whole days and hours from the coarsest rollup that has their
 keys and only the partial hours at a range's edges from the ledger.
+
+Three daily rollups keep the sums below the token (ATTRIBUTED): by end user (the increments
+that have one) and by tag pair (one increment per pair of an event's tags), filled by the same
+fold from the end user and tags each pending increment carries.
 """
 
 from collections.abc import Callable
