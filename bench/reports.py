@@ -815,7 +815,8 @@ def markdown(result: dict, command: str, repeat: int) -> str:
         "",
         "`GET /v1/spend` reads whole days from the coarsest daily rollup that has the keys a "
         "report groups or filters on, the hours left at the days' edges from the coarsest hourly "
-        "rollup, and only the partial hours at a range's edges from the ledger, so its cost "
+        "rollup, and only the partial hours at a range's edges from the ledger (by end user or "
+        "tag: whole days from the end-user and tag rollups, the rest from the ledger), so its cost "
         "follows the rows of the rollups it reads, not the events; a report that could hold more "
         "than 100,000 rows is refused with a 400. Targets: every named report under "
         "300 ms, `/v1/usage` pages under 100 ms anywhere in the range, the CSV export streaming "
