@@ -5,6 +5,7 @@ range's edges; requests without an end user or tag land in the null row; a user 
 spend only; bad parameters and too wide a grouping are 400s."""
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
@@ -16,9 +17,13 @@ from decimal import Decimal
 
 import pytest
 
+from metering import migrate
 from metering.db import Database
 from metering.ledger import rollup, writer
 from metering.ledger.event import ADJUSTMENT, Event
+from metering.reports import spend as spend_module
+from metering.reports.attributed import Attributes, parse_tags
+from tests.budgets.conftest import new_pg_database
 
 END_USERS = ("cust-a", "cust-b", "cust:c", None)
 TAGS = (
@@ -338,3 +343,77 @@ def test_a_grouping_too_wide_is_refused(traffic):
         assert (error["code"], error["param"]) == ("report_too_large", "group_by")
     narrow = {**params, "group_by": "end_user,day", "team_id": people[0][0]}
     assert api.request("GET", "/v1/spend", params=narrow).status_code == 200
+
+
+# --- the report's statement on a database of its own: nothing folds but the test -----------
+
+DIRECT = [
+    ["end_user"],
+    ["tag:project", "day"],
+    ["end_user", "team", "day"],
+    ["tag:feature", "model"],
+    ["end_user", "tag:project"],
+]
+DIRECT_FILTERS = [({}, ()), ({"end_user": "cust-a"}, ()), ({}, ("project:alpha",))]
+
+
+async def _direct_report(db: Database, keys, start, end, filters, tags) -> dict:
+    sql_keys, grouped = spend_module.keys_of(spend_module.parse_group_by(",".join(keys)))
+    attrs = Attributes(grouped.tag_keys, filters.get("end_user"), parse_tags(list(tags)))
+    plain = {k: v for k, v in filters.items() if k != "end_user"}
+    query = spend_module.spend_query(db.dialect, sql_keys, plain, start, end, attrs)
+    async with db.sessions() as session:
+        rows = (await session.execute(query)).mappings().all()
+    return {tuple(row[k] for k in sql_keys): {m: int(row[m]) for m in SUMS + MONEY} for row in rows}
+
+
+async def _assert_exact(db: Database, events, base: datetime) -> None:
+    spans = [
+        (base, base + timedelta(days=3)),
+        (base + timedelta(hours=5), base + timedelta(days=2)),
+    ]
+    for start, end in spans:
+        for keys in DIRECT:
+            for filters, tags in DIRECT_FILTERS:
+                got = await _direct_report(db, keys, start, end, filters, tags)
+                assert got == expected(events, keys, start, end, filters, tags), (keys, filters)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_reports_are_exact_while_pending_and_after_each_fold(backend, tmp_path):
+    """The rollups alone, the pending increments alone, and both: the same sums."""
+    rng = random.Random(11)
+    base = datetime(2024, 5, 6, tzinfo=UTC)
+    people = [("team_a", "usr_a", "tok_a"), ("team_a", "usr_a", None), ("team_b", "usr_b", "tok_b")]
+    events = [
+        make_event(rng, rng.choice(people), base + timedelta(seconds=rng.randrange(3 * 86400)))
+        for _ in range(150)
+    ]
+    events += [adjustment(rng, e) for e in events[:12]]
+    rng.shuffle(events)
+
+    async def run(url: str) -> None:
+        db = Database(url, pool_size=2)
+        try:
+            half = len(events) // 2
+            async with db.transaction() as session:
+                await writer.append_many(session, events[:half])
+            await _assert_exact(db, events[:half], base)  # all pending
+            await rollup.fold(db)
+            await _assert_exact(db, events[:half], base)  # all folded
+            for event in events[half:]:
+                async with db.transaction() as session:
+                    await writer.append(session, event)
+            await _assert_exact(db, events, base)  # both
+            await rollup.fold(db)
+            await _assert_exact(db, events, base)
+        finally:
+            await db.dispose()
+
+    with contextlib.ExitStack() as stack:
+        if backend == "postgresql":
+            url = stack.enter_context(new_pg_database())
+        else:
+            url = f"sqlite:///{tmp_path / 'attributed.db'}"
+        migrate.upgrade(url)
+        asyncio.run(run(url))
