@@ -41,9 +41,9 @@ from metering import migrate
 from metering.db import sync_url
 from metering.ledger.rollup import DERIVED
 from metering.ledger.tables import LedgerEvent
-from metering.reports.attributed import Attributes, parse_tags
-from metering.reports.attributed import bound_query as attributed_bound
+from metering.reports.attributed import Attributes, parse_tags, values_query
 from metering.reports.spend import (
+    MAX_REPORT_ROWS,
     bound_query,
     keys_of,
     page_query,
@@ -430,8 +430,11 @@ def report_statement(params: dict):
     filters = {k: params[k] for k in FILTERS if k in params}
     start, end = parse_rfc3339(params["start"]), parse_rfc3339(params["end"])
     if params.get("group_by") in REFUSED.values():
-        below = attributed_bound("postgresql", keys, filters, attrs, start, end)
-        return below if below is not None else bound_query(keys, filters, start, end)
+        if attrs.applies(keys):  # refused after counting the values up to the cap, by hour
+            hours = int((end - start).total_seconds() // 3600) + 1
+            cap = MAX_REPORT_ROWS // hours + 1
+            return values_query("postgresql", keys, filters, attrs, start, end, cap)
+        return bound_query(keys, filters, start, end)
     query = spend_query("postgresql", keys, filters, start, end, attrs)
     return page_query(query, keys, 0, 10_000)
 

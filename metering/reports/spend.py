@@ -343,7 +343,7 @@ async def check_size(
             async with db.reads() as session:
                 least = int((await session.execute(some)).scalar() or 0)
         if least >= cap:
-            _refuse(bound * (least - 1), [*parts, f"over {least - 1:,} {_named(named[0])}"], True)
+            _refuse(bound * least, [*parts, f"at least {least:,} {_named(named[0])}"], True)
         async with db.reads() as session:
             joint, *counts = (await session.execute(below)).one()
         if joint:
@@ -369,9 +369,9 @@ def _named(name: str) -> str:
 
 
 def _refuse(bound: int, parts: list[str], more: bool = False) -> None:
-    """The 400 of a report that could hold `bound` rows (`more`: more than that)."""
+    """The 400 of a report that could hold `bound` rows (`more`: at least that many)."""
     raise InvalidRequest(
-        f"this report could hold {'over' if more else 'up to'} {bound:,} rows "
+        f"this report could hold {'at least' if more else 'up to'} {bound:,} rows "
         f"({' x '.join(parts)}); a report holds at most {MAX_REPORT_ROWS:,}: narrow the range, "
         "group by day instead of hour, or filter by team, user, token, model, end user or tag",
         param="group_by",
