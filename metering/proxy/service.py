@@ -152,12 +152,24 @@ async def serve(
     )
     routes = usable_routes(routes, catalog, chat, target)
     request_id = state["request_id"]
+    # Until the end user's parsing lands (x-metering-end-user, `user`, `safety_identifier`).
+    end_user = headers.get("x-metering-end-user") or None
     last: FailedBeforeAnswer | None = None
     for n, route in enumerate(services.breakers.order(routes), start=1):
         attempt_id = request_id if n == 1 else f"{request_id}_{n}"
         try:
             response = await try_route(
-                services, principal, chat, catalog, route, target, attempt_id, t0, max_cost, run
+                services,
+                principal,
+                chat,
+                catalog,
+                route,
+                target,
+                attempt_id,
+                t0,
+                max_cost,
+                run,
+                end_user,
             )
         except FailedBeforeAnswer as failure:
             services.breakers.failed(route.provider)
@@ -215,6 +227,7 @@ async def try_route(
     t0: float,
     max_cost: int | None = None,
     run: RunKey | None = None,
+    end_user: str | None = None,
 ) -> Answer:
     """One provider: admit and hold at its prices, forward, and end the attempt (settle or
     release). Raises FailedBeforeAnswer when the next provider may be tried."""
@@ -237,6 +250,7 @@ async def try_route(
         output_price=route.output_micro,
         prompt_bound=prompt_tokens_upper_bound(chat.size, chat.body),
         run_id=run.run_id if run is not None else None,
+        end_user=end_user,
     )
     spec = HoldSpec(
         billing,
