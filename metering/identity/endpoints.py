@@ -5,14 +5,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.principal import RULE_ERRORS, AdminPrincipal, Principal, SelfPrincipal
 from metering.auth.schemas import PrincipalOut
-from metering.budgets.views import BudgetView
+from metering.budgets import end_user_terms
 from metering.container import Services, ServicesDep, SessionDep
 from metering.errors import InvalidRequest, error_responses
-from metering.identity import end_users, service
+from metering.identity import service
 from metering.identity.schemas import (
-    EndUserBudgetIn,
-    EndUserBudgetOut,
-    EndUserList,
     TeamCreate,
     TeamList,
     TeamOut,
@@ -27,8 +24,6 @@ from metering.identity.schemas import (
     UserOut,
     UserPatch,
 )
-from metering.money import format_usd
-from metering.timefmt import rfc3339
 
 router = APIRouter(prefix="/v1")
 
@@ -90,7 +85,7 @@ async def create_team(
         session, body.name, body.credit_limit, body.reset_interval, _limits(body, services)
     )
     await service.set_alerts(session, team.id, _alerts(body))
-    await end_users.set_team_defaults(session, team, _end_user_defaults(body))
+    await end_user_terms.set_team_defaults(session, team, _end_user_defaults(body))
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
@@ -121,7 +116,7 @@ async def patch_team(
 ) -> TeamOut:
     _limits(body, services)
     team = await service.update_team(session, team_id, body.model_dump(exclude_unset=True))
-    await end_users.set_team_defaults(session, team, _end_user_defaults(body))
+    await end_user_terms.set_team_defaults(session, team, _end_user_defaults(body))
     return TeamOut.of(team, await service.get_budget(session, team_id))
 
 
@@ -129,73 +124,6 @@ async def patch_team(
 async def delete_team(team_id: str, _: AdminPrincipal, session: SessionDep) -> Response:
     await service.delete_team(session, team_id)
     return Response(status_code=204)
-
-
-# End users' budgets (admin; a member of the team may read its own team's)
-
-
-def _end_user_out(team_id: str, end_user: str, override: bool, now: BudgetView) -> EndUserBudgetOut:
-    return EndUserBudgetOut(
-        id=now.subject_id,
-        team_id=team_id,
-        end_user=end_user,
-        override=override,
-        credit_limit=format_usd(now.credit_limit),
-        reset_interval=now.reset_interval,
-        window_start=rfc3339(now.window_start),
-        resets_at=rfc3339(now.resets_at),
-        spent=format_usd(now.spent),
-        reserved=format_usd(now.reserved),
-        remaining=format_usd(now.remaining),
-    )
-
-
-_END_USER = "/teams/{team_id}/end-users/{end_user:path}/budget"
-
-
-@router.put(_END_USER, responses=error_responses(400, 404, *ADMIN))
-async def put_end_user_budget(
-    team_id: str, end_user: str, body: EndUserBudgetIn, _: AdminPrincipal, session: SessionDep
-) -> EndUserBudgetOut:
-    """One end user's own budget, in place of its team's default."""
-    end_users.check_end_user(end_user)
-    now = await end_users.set_override(
-        session, team_id, end_user, body.credit_limit, body.reset_interval
-    )
-    return _end_user_out(team_id, end_user, True, now)
-
-
-@router.delete(_END_USER, status_code=204, responses=error_responses(400, 404, *ADMIN))
-async def delete_end_user_budget(
-    team_id: str, end_user: str, _: AdminPrincipal, session: SessionDep
-) -> Response:
-    """The end user back on its team's default budget (what it spent in the window stays)."""
-    end_users.check_end_user(end_user)
-    await end_users.clear_override(session, team_id, end_user)
-    return Response(status_code=204)
-
-
-@router.get(_END_USER, responses=error_responses(400, *SELF))
-async def get_end_user_budget(
-    team_id: str, end_user: str, _: SelfPrincipal, session: SessionDep
-) -> EndUserBudgetOut:
-    """An end user's budget as it stands now (its team's default if it has no override)."""
-    end_users.check_end_user(end_user)
-    override, now = await end_users.budget_of(session, team_id, end_user)
-    return _end_user_out(team_id, end_user, override, now)
-
-
-@router.get("/teams/{team_id}/end-users", responses=error_responses(400, *SELF))
-async def list_end_users(
-    team_id: str,
-    _: SelfPrincipal,
-    session: SessionDep,
-    limit: int = Query(100, ge=1, le=1000),
-    after: str | None = Query(None, max_length=256, description="The last end user of a page"),
-) -> EndUserList:
-    """The team's end users with a budget, by name, with their spend in the current window."""
-    found = await end_users.list_end_users(session, team_id, limit=limit, after=after)
-    return EndUserList(data=[_end_user_out(team_id, *row) for row in found])
 
 
 @router.get("/me", responses=error_responses(401, 403, 429, 503))

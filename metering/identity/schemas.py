@@ -208,16 +208,6 @@ class TeamPatch(_Limited, _RateLimited, _EndUserDefaults):
     )(lambda v: None if v is None else _interval(v))
 
 
-class EndUserBudgetIn(_Body):
-    """PUT /v1/teams/{team_id}/end-users/{end_user}/budget: one end user's own budget."""
-
-    credit_limit: Decimal | None = Field(description="USD; null: not limited")
-    reset_interval: str = "never"
-
-    _check_limit = field_validator("credit_limit", mode="before")(_limit)
-    _check_interval = field_validator("reset_interval", mode="before")(_interval)
-
-
 class UserCreate(_Limited, _RateLimited):
     email: str = Field(min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$")
     name: str = Field(min_length=1, max_length=200)
@@ -380,26 +370,3 @@ class UserList(BaseModel):
 class TokenList(BaseModel):
     object: Literal["list"] = "list"
     data: list[TokenOut]
-
-
-class EndUserBudgetOut(BaseModel):
-    """An end user's budget as it stands now (its window rolled forward if it has ended):
-    its override's terms, or its team's default."""
-
-    scope: Literal["end_user"] = "end_user"
-    id: str = Field(description="The budget's subject id (eu_...), as alerts and refusals name it")
-    team_id: str
-    end_user: str
-    override: bool = Field(description="Whether the end user has terms of its own")
-    credit_limit: str | None
-    reset_interval: str
-    window_start: str
-    resets_at: str | None
-    spent: str
-    reserved: str
-    remaining: str | None
-
-
-class EndUserList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EndUserBudgetOut]

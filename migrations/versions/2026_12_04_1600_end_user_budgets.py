@@ -19,13 +19,13 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("teams") as batch:
-        batch.add_column(sa.Column("end_user_credit_limit", sa.BigInteger(), nullable=True))
-        batch.add_column(
-            sa.Column(
-                "end_user_reset_interval", sa.String(20), nullable=False, server_default="never"
-            )
-        )
+    # Not in a batch: on SQLite a batch would copy the table, losing its expression index
+    # (uq_teams_name_live); ADD and DROP COLUMN are native there.
+    op.add_column("teams", sa.Column("end_user_credit_limit", sa.BigInteger(), nullable=True))
+    op.add_column(
+        "teams",
+        sa.Column("end_user_reset_interval", sa.String(20), nullable=False, server_default="never"),
+    )
     op.create_table(
         "end_user_budgets",
         sa.Column("subject_id", sa.String(40), primary_key=True),
@@ -51,6 +51,5 @@ def downgrade() -> None:
         batch.drop_column("end_user_budget")
     op.drop_index("uq_end_user_budgets_team_end_user", table_name="end_user_budgets")
     op.drop_table("end_user_budgets")
-    with op.batch_alter_table("teams") as batch:
-        batch.drop_column("end_user_reset_interval")
-        batch.drop_column("end_user_credit_limit")
+    op.drop_column("teams", "end_user_reset_interval")
+    op.drop_column("teams", "end_user_credit_limit")

@@ -1,6 +1,6 @@
 """End users' budgets, as an operator sets and reads them: a team's default for each of its end
 users, one end user's override, its budget as it stands and the team's end users (the hold
-path is metering.budgets.end_users). Services flush; the endpoint's unit of work commits.
+path is metering.budgets.end_users; a team's own fields are metering.identity's). Services flush; the endpoint's unit of work commits.
 
 A change of terms applies to the end users' rows as a team's or user's change applies to its
 own: a new limit to the current window at once; a new interval re-anchors the window at the
@@ -21,10 +21,16 @@ from metering.budgets import end_users
 from metering.budgets.views import BudgetView, load, roll, view
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import utcnow
-from metering.errors import InvalidRequest
-from metering.identity.service import get_team
+from metering.errors import InvalidRequest, NotFound
 from metering.models import Budget, EndUserBudget, Team
 from metering.money import usd_to_pico
+
+
+async def get_team(session: AsyncSession, team_id: str) -> Team:
+    team = await session.get(Team, team_id)
+    if team is None or team.deleted_at is not None:
+        raise NotFound(f"team {team_id} not found")
+    return team
 
 
 def check_end_user(end_user: str) -> str:
