@@ -79,9 +79,12 @@ async def _retune(
 _E = EndUserBudget.__table__.c
 
 
-async def set_team_defaults(session: AsyncSession, team: Team, fields: dict[str, Any]) -> None:
+async def set_team_defaults(
+    session: AsyncSession, team: Team, fields: dict[str, Any], *, new: bool = False
+) -> None:
     """A team's default end-user budget (the fields sent: end_user_credit_limit,
-    end_user_reset_interval), applied to the end users that have no override."""
+    end_user_reset_interval), applied to the end users that have no override. A `new` team has
+    none yet, and no replica has read anything of it."""
     changed = False
     new_interval = None
     if "end_user_credit_limit" in fields:
@@ -94,7 +97,7 @@ async def set_team_defaults(session: AsyncSession, team: Team, fields: dict[str,
             new_interval = text
         team.end_user_reset_interval = text
         changed = True
-    if not changed:
+    if not changed or new:
         return
     await session.flush()
     defaulted = select(_E.subject_id).where(_E.team_id == team.id, _E.override.is_(False))

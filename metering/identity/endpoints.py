@@ -85,7 +85,7 @@ async def create_team(
         session, body.name, body.credit_limit, body.reset_interval, _limits(body, services)
     )
     await service.set_alerts(session, team.id, _alerts(body))
-    await end_user_terms.set_team_defaults(session, team, _end_user_defaults(body))
+    await end_user_terms.set_team_defaults(session, team, _end_user_defaults(body), new=True)
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
