@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from metering.budgets.end_users import subject_of
+from metering.budgets.queries import used_ratios
 from metering.budgets.release import release
 from metering.budgets.reserve import reserve
 from metering.budgets.runtime import BudgetRuntime
@@ -89,6 +90,10 @@ async def test_settles_alone_and_together_charge_the_end_user_budget_once(fresh_
         assert await settle(runtime.settles, events[0], reservations[0]) is False
         eu = await _end_user_budget(db, subjects["team"])
         assert (eu.spent, eu.reserved) == (sum(e.cost for e in events), 0)
+        # The /metrics gauge has a series per budget it shows: never one per end user.
+        shown = {(scope, subject) for scope, subject, _ in await used_ratios(db)}
+        assert ("team", subjects["team"]) in shown
+        assert not [s for s in shown if s[0] == "end_user"]
     finally:
         await runtime.close()
         await db.dispose()
