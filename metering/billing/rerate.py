@@ -35,7 +35,7 @@ from typing import overload
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
-from metering.billing.ingest import MAX_AGE
+from metering.billing.fields import MAX_AGE
 from metering.budgets.dated import Charged, Dated, alert_over_limit, charge_dated
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest, NotFound

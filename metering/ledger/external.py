@@ -7,6 +7,7 @@ from dataclasses import replace
 from datetime import datetime
 
 from metering.ids import time_ordered
+from metering.ledger.attribution import NO_TAGS
 from metering.ledger.charge import Usage
 from metering.ledger.event import ADJUSTMENT, INGESTED, Event, bounded
 from metering.ledger.outcome import NO_USAGE
@@ -31,9 +32,12 @@ def ingested_event(
     usage: Usage,
     prices: tuple[int, int, int],
     occurred_at: datetime,
+    end_user: str | None = None,
+    tags: str = NO_TAGS,
 ) -> Event:
     """Usage reported from outside, priced at `prices` (those in force when it happened) and
-    charged in full: no hold bounds it."""
+    charged in full: no hold bounds it. `end_user`, `tags`: as metering.ledger.attribution
+    checked and encoded them."""
     cost = cost_pico(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, *prices)
     return Event(
         id=new_event_id(),
@@ -61,6 +65,8 @@ def ingested_event(
         ttft_ms=None,
         latency_ms=None,
         error=None,
+        end_user=end_user,
+        tags=tags,
     )
 
 
