@@ -87,12 +87,15 @@ def adjustment_event(
     source: str = RERATED,
     event_id: str | None = None,
     upstream_id: str | None = None,
+    end_user: str | None = None,
+    tags: str = NO_TAGS,
 ) -> Event:
     """An adjustment of `difference` picodollars (negative: a credit), charged in the hour of
     `at` (the corrected event's, so every report over any range equals a recomputation at the
     right prices); `made_at` (started_at) is when it was made. It counts no tokens and no
     request. `source`: rerated (a rerate's: `prices` are those it applied) or manual;
-    `event_id`: its id (a new one unless given); `upstream_id`: the corrected request's."""
+    `event_id`: its id (a new one unless given); `upstream_id`, `end_user`, `tags`: the
+    corrected request's (so that spend by end user and by tag stays exact after a correction)."""
     return Event(
         id=event_id or new_event_id(),
         created_at=at,
@@ -122,4 +125,6 @@ def adjustment_event(
         kind=ADJUSTMENT,
         corrects_event_id=corrects,
         reason=bounded("reason", reason),
+        end_user=end_user,
+        tags=tags,
     )

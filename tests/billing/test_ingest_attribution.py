@@ -118,3 +118,23 @@ def test_a_control_character_refuses_the_whole_batch_as_any_text_field_does(api)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "events[1].end_user"
     assert api.events(token_id=token["id"]) == []
+
+
+def test_a_correction_of_an_event_keeps_its_end_user_and_tags(api):
+    # So that spend by end user and by tag stays the ledger's after a credit or a rerate.
+    _, _, token = api.principal()
+    customer = f"cust-{uuid.uuid4().hex[:8]}"
+    [created] = post(
+        api, [usage_event(token_id=token["id"], end_user=customer, tags={"env": "prod"})]
+    )
+    adjustment = api.ok(
+        "POST",
+        "/v1/adjustments",
+        201,
+        json={"amount": "-0.00001", "reason": "goodwill", "corrects_event_id": created["event_id"]},
+    )
+    found = {e["id"]: e for e in api.events(end_user=customer, tag="env:prod")}
+    assert set(found) == {created["event_id"], adjustment["id"]}
+    corrected = found[adjustment["id"]]
+    assert (corrected["kind"], corrected["cost"]) == ("adjustment", "-0.00001")
+    assert (corrected["end_user"], corrected["tags"]) == (customer, {"env": "prod"})
