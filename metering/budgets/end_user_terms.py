@@ -21,7 +21,8 @@ from metering.budgets import end_users
 from metering.budgets.views import BudgetView, load, roll, view
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import utcnow
-from metering.errors import InvalidRequest, NotFound
+from metering.errors import NotFound
+from metering.ledger import attribution
 from metering.models import Budget, EndUserBudget, Team
 from metering.money import usd_to_pico
 
@@ -34,13 +35,8 @@ async def get_team(session: AsyncSession, team_id: str) -> Team:
 
 
 def check_end_user(end_user: str) -> str:
-    """An end user named in a path: 1 to 256 printable characters (400 otherwise)."""
-    if not end_users.valid(end_user):
-        raise InvalidRequest(
-            f"end_user must be 1 to {end_users.MAX_CHARS} printable characters",
-            param="end_user",
-        )
-    return end_user
+    """An end user named in a path: as a request names one (400 naming `end_user` otherwise)."""
+    return attribution.end_user(end_user, "end_user")
 
 
 def _pico(limit: Decimal | None) -> int | None:

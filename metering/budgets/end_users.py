@@ -28,12 +28,6 @@ from metering.db import Database
 from metering.models import Budget, EndUserBudget, Team
 
 SCOPE = "end_user"
-MAX_CHARS = 256
-
-
-def valid(end_user: str) -> bool:
-    """1 to 256 printable characters."""
-    return 1 <= len(end_user) <= MAX_CHARS and end_user.isprintable()
 
 
 def subject_of(team_id: str, end_user: str) -> str:

@@ -87,6 +87,9 @@ def test_a_team_default_refuses_one_end_user_while_others_are_served(api):
     assert headers["x-budget-scope"] == "end_user"
     alice = end_user_budget(api, team["id"], "alice")
     assert headers["x-budget-resets-at"] == alice["resets_at"]
+    # Named by the body's `user` instead of the header: the same end user, the same budget.
+    status, headers, _ = call(client, None, user="alice")
+    assert status == 402 and headers["x-budget-scope"] == "end_user"
     assert parse_rfc3339(alice["resets_at"]).time().isoformat() == "00:00:00"
     # Another end user, and requests without one, are served.
     assert call(client, "bob")[0] == 200
@@ -109,12 +112,10 @@ def test_a_team_default_refuses_one_end_user_while_others_are_served(api):
     assert usd(alice["spent"]) == spent and usd(alice["reserved"]) == 0
     assert usd(alice["remaining"]) == Decimal(ONE) - spent
     # The refusal is recorded, naming the end user's budget.
-    (refused,) = api.ok("GET", "/v1/refusals", params={"token_id": token["id"]})["data"]
-    assert (refused["reason"], refused["scope"], refused["subject_id"]) == (
-        "budget",
-        "end_user",
-        alice["id"],
-    )
+    refused = api.ok("GET", "/v1/refusals", params={"token_id": token["id"]})["data"]
+    assert [(r["reason"], r["scope"], r["subject_id"]) for r in refused] == [
+        ("budget", "end_user", alice["id"])
+    ] * 2
     # Without an end user no hold names one; nothing is left held.
     assert not query(api.settings.database_url, select(Hold.id).where(Hold.team_id == team["id"]))
 

@@ -1,8 +1,8 @@
 """end-user budgets: a team's default budget for each of its end users, the end users with a
 budget (and their overrides), and the end-user budget a hold is reserved in
 
-Revision ID: 0018
-Revises: 0017
+Revision ID: 0019
+Revises: 0018
 """
 
 from collections.abc import Sequence
@@ -12,8 +12,8 @@ from alembic import op
 
 import metering.db
 
-revision: str = "0018"
-down_revision: str | None = "0017"
+revision: str = "0019"
+down_revision: str | None = "0018"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
