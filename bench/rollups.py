@@ -116,7 +116,7 @@ _FIGURES_SQL = (
 
 def attributed_statements() -> list[str]:
     """On PostgreSQL, INSERT INTO spend_daily_end_user, spend_daily_tag and
-    spend_daily_tag_model the sums of ledger_events (as migration 0019 backfills them)."""
+    spend_daily_tag_model the sums of ledger_events (as migration 0020 backfills them)."""
     day = "date_trunc('day', e.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
     who = "e.team_id, e.user_id, COALESCE(e.token_id, '')"
     figures = ", ".join(FIGURES)

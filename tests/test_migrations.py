@@ -105,7 +105,7 @@ def _renames_then_unique(url: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_0019_backfills_the_end_user_and_tag_rollups_from_the_events(backend, tmp_path):
+def test_0020_backfills_the_end_user_and_tag_rollups_from_the_events(backend, tmp_path):
     import json
     import random
     from collections import defaultdict
@@ -155,7 +155,7 @@ def test_0019_backfills_the_end_user_and_tag_rollups_from_the_events(backend, tm
         else:
             url = f"sqlite:///{tmp_path / 'backfill.db'}"
         config = migrate.alembic_config(url)
-        command.upgrade(config, "0017")
+        command.upgrade(config, "0019")
         engine = create_engine(sync_url(url), poolclass=pool.NullPool)
         try:
             with engine.begin() as conn:  # the archive holds some: both are read

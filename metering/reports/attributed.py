@@ -32,6 +32,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 from metering.errors import InvalidRequest
+from metering.ledger.attribution import MAX_TAG_KEY_CHARS, MAX_TAG_VALUE_CHARS, MAX_TAGS
 from metering.ledger.event import ADJUSTMENT
 from metering.ledger.rollup import (
     END_USER_DAILY,
@@ -49,8 +50,8 @@ from metering.reports.usage import check_text
 
 END_USER = "end_user"
 TAG = "tag:"  # group_by=tag:<key>, and the row key of its value
-MAX_TAG_FILTERS = 16  # an event has at most 16 tags: more filters can never all match
-MAX_KEY, MAX_VALUE = 64, 512  # a tag's bounds
+# An event has at most MAX_TAGS tags (more filters can never all match), and a tag's bounds.
+MAX_TAG_FILTERS, MAX_KEY, MAX_VALUE = MAX_TAGS, MAX_TAG_KEY_CHARS, MAX_TAG_VALUE_CHARS
 PLAIN = ("team_id", "user_id", "token_id", "model", "provider")
 METRICS = (
     "requests",

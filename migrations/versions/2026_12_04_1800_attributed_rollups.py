@@ -2,8 +2,8 @@
 (spend_daily_tag), and the end user and tags of each pending increment so that the fold fills
 them; both backfilled from the ledger's events (and archive) that carry an end user or tags
 
-Revision ID: 0019
-Revises: 0017
+Revision ID: 0020
+Revises: 0019
 """
 
 from collections.abc import Sequence
@@ -13,8 +13,8 @@ from alembic import op
 
 import metering.db
 
-revision: str = "0019"
-down_revision: str | None = "0017"
+revision: str = "0020"
+down_revision: str | None = "0019"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
