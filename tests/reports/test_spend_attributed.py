@@ -417,3 +417,59 @@ def test_reports_are_exact_while_pending_and_after_each_fold(backend, tmp_path):
             url = f"sqlite:///{tmp_path / 'attributed.db'}"
         migrate.upgrade(url)
         asyncio.run(run(url))
+
+
+def test_spend_by_end_user_and_tag_through_the_proxy_equals_the_ledger(api):
+    """Requests through the proxy with the `openai` SDK (the end user's header, `metadata`):
+    the report by end user and by tag equals the ledger's events, on the settle path each
+    database takes."""
+    team, user, token = api.principal()
+    client = api.openai(token["token"])
+    calls = [
+        ("alice", {"project": "p1"}),
+        ("alice", {"project": "p2", "feature": "chat"}),
+        ("bob", None),
+        (None, {"project": "p1"}),
+        (None, None),
+    ]
+    for end_user, metadata in calls:
+        client.chat.completions.create(
+            model="gpt-sim",
+            max_tokens=5,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-metering-end-user": end_user} if end_user else None,
+            **({"metadata": metadata} if metadata else {}),
+        )
+    events = api.events(token_id=token["id"])
+    assert sorted(
+        (e["end_user"] or "", json.dumps(e["tags"], sort_keys=True)) for e in events
+    ) == sorted((e or "", json.dumps(m or {}, sort_keys=True)) for e, m in calls)
+    scope = {"token_id": token["id"]}
+    for group, of in (("end_user", lambda e: e["end_user"]), ("tag:project", None)):
+        if of is None:
+            of = lambda e: e["tags"].get("project")  # noqa: E731
+        wanted: dict = defaultdict(lambda: [0, Decimal(0)])
+        for e in events:
+            wanted[of(e)][0] += 1
+            wanted[of(e)][1] += Decimal(e["cost"])
+        for fmt in ("json", "csv"):
+            params = {**scope, "group_by": group, "format": fmt}
+            response = api.request("GET", "/v1/spend", params=params)
+            assert response.status_code == 200, response.text
+            if fmt == "json":
+                rows = response.json()["rows"]
+            else:
+                rows = list(csv.DictReader(io.StringIO(response.text)))
+            got = {(r[group] or None): [int(r["requests"]), Decimal(r["cost"])] for r in rows}
+            assert got == {k: v for k, v in wanted.items()}, (group, fmt)
+    both = api.ok("GET", "/v1/spend", params={**scope, "end_user": "alice", "tag": ["project:p1"]})
+    assert both["total"]["requests"] == 1
+    mine = api.ok(
+        "GET", "/v1/spend", key=token["token"], params={"group_by": "end_user,tag:feature"}
+    )
+    assert {(r["end_user"], r["tag:feature"]) for r in mine["rows"]} == {
+        ("alice", None),
+        ("alice", "chat"),
+        ("bob", None),
+        (None, None),
+    }
