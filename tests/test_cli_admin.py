@@ -1,0 +1,239 @@
+"""`metering teams|users|tokens|webhooks ...` against a live server on both databases: each
+command's output parsed (JSON, CSV, the table's rows), and its errors on stderr with exit 1."""
+
+import uuid
+
+import pytest
+
+from metering.cli import main
+from metering.cli.webhooks import EVENT_TYPES
+from metering.testing import free_port
+
+
+def name(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_team_is_created_listed_updated_and_deleted(api, run):
+    team_name = name("cli-team")
+    made = run.json(
+        "teams", "create", "--name", team_name, "--credit-limit", "25.50",
+        "--reset-interval", "monthly", "--alert-thresholds", "75,90", "--soft-limit", "20",
+        "--rpm-limit", "60", "--tpm-limit", "100000", "--max-parallel-requests", "4",
+        "--allowed-models", "gpt-*,minimax-m2.1",
+    )  # fmt: skip
+    assert made == api.ok("GET", f"/v1/teams/{made['id']}")
+    assert (made["name"], made["credit_limit"], made["reset_interval"]) == (
+        team_name, "25.5", "monthly"
+    )  # fmt: skip
+    assert (made["alert_thresholds"], made["soft_limit"]) == ([75, 90], "20")
+    assert (made["rpm_limit"], made["tpm_limit"], made["max_parallel_requests"]) == (60, 100000, 4)
+    assert made["allowed_models"] == ["gpt-*", "minimax-m2.1"]
+
+    [row] = [r for r in run.table("teams", "list") if r["id"] == made["id"]]
+    assert (row["name"], row["credit_limit"], row["reset_interval"], row["rpm_limit"]) == (
+        team_name, "25.5", "monthly", "60"
+    )  # fmt: skip
+    [line] = [r for r in run.csv("teams", "list") if r["id"] == made["id"]]
+    assert (line["name"], line["allowed_models"], line["soft_limit"]) == (
+        team_name, "gpt-*,minimax-m2.1", "20"
+    )  # fmt: skip
+    listed = run.json("teams", "list")
+    assert made["id"] in {t["id"] for t in listed["data"]}
+
+    changed = run.json(
+        "teams", "update", made["id"], "--credit-limit", "none", "--rpm-limit", "none",
+        "--alert-thresholds", "default", "--allowed-models", "all", "--name", team_name + "-b",
+    )  # fmt: skip
+    assert (changed["name"], changed["credit_limit"], changed["rpm_limit"]) == (
+        team_name + "-b", None, None
+    )  # fmt: skip
+    assert (changed["alert_thresholds"], changed["allowed_models"]) == ([50, 80, 100], None)
+    assert changed["tpm_limit"] == 100000  # what an update leaves out stays
+    record = dict(line.split(None, 1) for line in run("teams", "get", made["id"]).splitlines())
+    assert (record["id"], record["name"], record["credit_limit"]) == (
+        made["id"], team_name + "-b", "-"
+    )  # fmt: skip
+
+    assert run("teams", "delete", made["id"]) == ""
+    assert run.err.strip() == f"deleted team {made['id']}"
+    assert api.request("GET", f"/v1/teams/{made['id']}").status_code == 404
+
+
+def test_a_user_is_created_listed_updated_and_deleted(api, run, monkeypatch):
+    team, other = api.team(), api.team()
+    email = f"{name('ana')}@example.com"
+    monkeypatch.setenv("ANA_PASSWORD", "correct horse battery")
+    made = run.json(
+        "users", "create", "--email", email, "--name", "Ana", "--team", team["id"],
+        "--credit-limit", "5", "--reset-interval", "7d", "--password-env", "ANA_PASSWORD",
+    )  # fmt: skip
+    assert (made["email"], made["name"], made["team_id"]) == (email, "Ana", team["id"])
+    assert (made["credit_limit"], made["reset_interval"]) == ("5", "7d")
+    login = api.request(
+        "POST", "/v1/auth/login", json={"email": email, "password": "correct horse battery"}
+    )
+    assert login.status_code == 200  # the password from the variable is the user's
+
+    [row] = run.table("users", "list", "--team", team["id"])
+    assert (row["id"], row["email"], row["team_id"], row["credit_limit"]) == (
+        made["id"], email, team["id"], "5"
+    )  # fmt: skip
+    [line] = run.csv("users", "list", "--team", team["id"])
+    assert (line["id"], line["name"]) == (made["id"], "Ana")
+
+    changed = run.json("users", "update", made["id"], "--team", other["id"], "--name", "Ana B")
+    assert (changed["team_id"], changed["name"], changed["credit_limit"]) == (
+        other["id"], "Ana B", "5"
+    )  # fmt: skip
+    assert run.json("users", "list", "--team", team["id"])["data"] == []
+    budget = run.json("users", "budget", made["id"])
+    assert (budget["scope"], budget["credit_limit"], budget["spent"]) == ("user", "5", "0")
+
+    run("users", "delete", made["id"])
+    assert run.err.strip() == f"deleted user {made['id']}"
+    assert api.request("GET", f"/v1/users/{made['id']}").status_code == 404
+
+
+def test_a_token_is_created_with_its_secret_once_updated_listed_and_revoked(api, run):
+    team = api.team()
+    user = api.user(team["id"])
+    out = run(
+        "tokens", "create", "--user", user["id"], "--name", "notebook", "--credit-limit",
+        "0.01", "--reset-interval", "daily", "--expires-in", "3600", "--allowed-models", "gpt-*",
+    )  # fmt: skip
+    record = dict(line.split(None, 1) for line in out.splitlines())
+    secret = record["token"]
+    assert secret.startswith("mtr_") and "shown this once" in run.err
+    assert (record["name"], record["credit_limit"], record["reset_interval"]) == (
+        "notebook", "0.01", "daily"
+    )  # fmt: skip
+    assert record["expires_at"] != "-" and record["allowed_models"] == "gpt-*"
+    me = api.ok("GET", "/v1/me", key=secret)
+    assert (me["kind"], me["user_id"]) == ("api_token", user["id"])
+
+    changed = run.json("tokens", "update", record["id"], "--credit-limit", "0.02", "--expires-at",
+                       "never", "--tpm-limit", "5000")  # fmt: skip
+    assert (changed["credit_limit"], changed["expires_at"], changed["tpm_limit"]) == (
+        "0.02", None, 5000
+    )  # fmt: skip
+    assert "token" not in changed  # the secret is never shown again
+
+    [row] = run.table("tokens", "list", "--user", user["id"])
+    assert (row["id"], row["name"], row["prefix"], row["revoked_at"]) == (
+        record["id"], "notebook", secret[:12], "-"
+    )  # fmt: skip
+    [line] = run.csv("tokens", "list", "--user", user["id"])
+    assert (line["id"], line["credit_limit"], line["tpm_limit"]) == (record["id"], "0.02", "5000")
+
+    run("tokens", "delete", record["id"])
+    assert run.err.strip() == f"revoked token {record['id']}"
+    assert api.request("GET", "/v1/me", key=secret).status_code == 401
+    assert run.json("tokens", "list", "--user", user["id"])["data"] == []
+    [revoked] = run.json("tokens", "list", "--user", user["id"], "--include-revoked")["data"]
+    assert revoked["id"] == record["id"] and revoked["revoked_at"] is not None
+
+
+def test_listing_pages_through_the_api_up_to_the_limit(api, run):
+    team = api.team()
+    users = {api.user(team["id"])["id"] for _ in range(3)}
+    listed = run.json("users", "list", "--team", team["id"], "--limit", "2")["data"]
+    assert len(listed) == 2 and set(u["id"] for u in listed) < users
+    rest = run.json("users", "list", "--team", team["id"], "--after", listed[-1]["id"])["data"]
+    assert {u["id"] for u in listed + rest} == users
+
+
+def test_a_webhook_is_created_tested_listed_and_deleted(api, run, monkeypatch):
+    # .invalid never resolves: the server's deliveries fail, the API's answers are what is tested
+    target = f"https://{name('hooks')}.example.invalid/metering"
+    monkeypatch.setenv("HOOK_SECRET", "s" * 32)
+    made = run.json(
+        "webhooks", "create", target, "--event", "budget.exhausted", "--event", "token.expiring",
+        "--secret-env", "HOOK_SECRET",
+    )  # fmt: skip
+    assert (made["url"], made["events"], made["team_id"], made["secret"]) == (
+        target, ["budget.exhausted", "token.expiring"], None, "s" * 32
+    )  # fmt: skip
+    [row] = [r for r in run.table("webhooks", "list") if r["id"] == made["id"]]
+    assert (row["url"], row["events"], row["team_id"]) == (
+        target, "budget.exhausted,token.expiring", "-"
+    )  # fmt: skip
+    sent = run.json("webhooks", "test", made["id"])
+    [delivery] = run.json("webhooks", "deliveries", made["id"])["data"]
+    assert (delivery["id"], delivery["event_id"], delivery["event_type"]) == (
+        sent["delivery_id"], sent["event_id"], "webhook.test"
+    )  # fmt: skip
+    [line] = run.csv("webhooks", "deliveries", made["id"])
+    assert (line["id"], line["event_type"]) == (sent["delivery_id"], "webhook.test")
+    run("webhooks", "delete", made["id"])
+    assert run.err.strip() == f"deleted webhook {made['id']}"
+    assert made["id"] not in {w["id"] for w in api.ok("GET", "/v1/webhooks")["data"]}
+
+
+def test_the_webhook_event_types_are_the_servers():
+    from metering.alerts.record import TYPES
+
+    assert EVENT_TYPES == TYPES
+
+
+def test_a_field_the_api_refuses_is_its_message_and_exit_1(api, run):
+    err = run.error("teams", "create", "--name", name("bad"), "--credit-limit", "0.5x")
+    assert err.startswith("metering: 400 invalid_request: ") and "credit_limit" in err
+    assert err.count("\n") == 1
+    err = run.error("teams", "create", "--name", name("bad"), "--reset-interval", "fortnightly")
+    assert err.startswith("metering: 400 invalid_request: ") and "reset_interval" in err
+
+
+def test_an_unknown_id_is_a_404_and_exit_1(run):
+    assert (
+        run.error("teams", "get", "team_nope")
+        == "metering: 404 not_found: team team_nope not found\n"
+    )
+    assert run.error("tokens", "delete", "tok_nope").startswith("metering: 404 not_found: ")
+    assert run.error("users", "update", "user_nope", "--name", "x").startswith(
+        "metering: 404 not_found: "
+    )
+
+
+def test_a_taken_name_is_the_apis_409(api, run):
+    team = api.team()
+    err = run.error("teams", "create", "--name", team["name"].upper())
+    assert err.startswith("metering: 409 team_name_taken: ") and team["id"] in err
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_a_wrong_key_is_the_apis_401(run, monkeypatch):
+    monkeypatch.setenv("OTHER_KEY", "not-the-admin-key")
+    err = run.error("teams", "list", "--key-env", "OTHER_KEY")
+    assert err.startswith("metering: 401 invalid_api_key: ")
+
+
+def test_an_update_without_a_field_changes_nothing_and_says_so(capsys):
+    assert main(["teams", "update", "team_x", "--url", "http://127.0.0.1:1"]) == 2
+    assert "nothing to change" in capsys.readouterr().err
+
+
+def test_without_a_key_it_says_which_variable_to_set(capsys, monkeypatch):
+    monkeypatch.delenv("METERING_ADMIN_KEY", raising=False)
+    assert main(["teams", "list", "--url", "http://127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err == (
+        "metering: set METERING_ADMIN_KEY to the admin key (or name the variable that holds a "
+        "key with --key-env NAME)\n"
+    )
+
+
+def test_a_server_that_is_down_is_a_clear_message_and_exit_1(capsys, monkeypatch):
+    monkeypatch.setenv("METERING_ADMIN_KEY", "any")
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["--url", url, "teams", "list"]) == 1
+    assert capsys.readouterr().err == (
+        f"metering: cannot connect to {url} (connection refused): is the server running there? "
+        "--url or METERING_URL says where it is\n"
+    )
+
+
+def test_a_number_option_that_is_not_one_is_refused_before_any_request(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["teams", "create", "--name", "x", "--rpm-limit", "sixty"])
+    assert done.value.code == 2
+    assert "--rpm-limit: invalid whole value: 'sixty'" in capsys.readouterr().err
