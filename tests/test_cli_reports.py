@@ -158,3 +158,10 @@ def test_tags_and_the_end_user_are_sent_as_the_api_takes_them():
     assert reports.query(args) == [
         ("end_user", "alice"), ("tag", "team:ml"), ("tag", "env:prod"), ("labels", "true")
     ]  # fmt: skip
+
+
+def test_spend_without_grouping_is_one_line_of_totals(api, run, traffic):
+    [total] = run.table("spend", "--token", traffic["token"]["id"])
+    expected = api.ok("GET", "/v1/spend", params={"token_id": traffic["token"]["id"]})["total"]
+    assert (int(total["requests"]), Decimal(total["cost"])) == (3, Decimal(expected["cost"]))
+    assert int(total["completion_tokens"]) == expected["completion_tokens"] == 23

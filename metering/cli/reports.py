@@ -25,8 +25,8 @@ USAGE_PAGE = 1000  # the largest page /v1/usage gives
 def filter_options(parser: argparse.ArgumentParser) -> None:
     """The filters /v1/spend and /v1/usage share; each narrows, all must match."""
     parser.add_argument(
-        "--start", metavar="TIME", help="from this time, inclusive, RFC 3339 (2026-12-01 or "
-        "2026-12-01T00:00:00Z)" " (default: spend: 30 days before --end; usage: the first event)"
+        "--start", metavar="TIME", help="from this time, inclusive, RFC 3339 with its zone "
+        "(2026-12-01T00:00:00Z) (default: spend: 30 days before --end; usage: the first event)"
     )  # fmt: skip
     parser.add_argument(
         "--end", metavar="TIME", help="to this time, exclusive, RFC 3339 (default: now)"
@@ -91,9 +91,9 @@ def spend_table(report: dict) -> str:
     keys = [k for k in (rows[0] if rows else {}) if k not in (*METRICS, *OTHER_SUMS)]
     if not rows:  # the group keys as the rows would name them
         keys = [key_name(name) for name in report["group_by"]]
-    columns = [*keys, *METRICS]
-    total = {**report["total"], **({keys[0]: "total"} if keys else {})}
-    return table(rows, columns, footer=total)
+    if not keys:  # no grouping: the one row is the totals
+        return table([report["total"]], METRICS)
+    return table(rows, [*keys, *METRICS], footer={**report["total"], keys[0]: "total"})
 
 
 def key_name(group: str) -> str:
