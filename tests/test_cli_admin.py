@@ -1,6 +1,8 @@
 """`metering teams|users|tokens|webhooks ...` against a live server on both databases: each
 command's output parsed (JSON, CSV, the table's rows), and its errors on stderr with exit 1."""
 
+import http.server
+import threading
 import uuid
 
 import pytest
@@ -237,3 +239,37 @@ def test_a_number_option_that_is_not_one_is_refused_before_any_request(capsys):
         main(["teams", "create", "--name", "x", "--rpm-limit", "sixty"])
     assert done.value.code == 2
     assert "--rpm-limit: invalid whole value: 'sixty'" in capsys.readouterr().err
+
+
+@pytest.mark.e2e  # serves a page on loopback
+def test_another_server_at_the_address_is_named_not_a_traceback(capsys, monkeypatch):
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the stdlib's name
+            body = b"<html>not metering</html>"
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("METERING_ADMIN_KEY", "any")
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert main(["teams", "list", "--url", url]) == 1
+    finally:
+        server.shutdown()
+    assert capsys.readouterr().err == (
+        f"metering: {url}/v1/teams?limit=1000 answered 200 without JSON: is a metering server at "
+        "that address?\n"
+    )
+
+
+def test_a_limit_below_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["usage", "--limit", "0"])
+    assert done.value.code == 2
+    assert "--limit: invalid positive value: '0'" in capsys.readouterr().err

@@ -3,6 +3,7 @@ formats, their output parsed and compared with the API's own answers."""
 
 import csv
 import io
+import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -14,12 +15,19 @@ from tests.cli_runner import table_rows
 
 @pytest.fixture(scope="module")
 def traffic(api):
-    """A team, user and token of their own, with two gpt-sim requests and one minimax-m2.1."""
+    """A team, user and token of their own, with two gpt-sim requests (the second by the end
+    user alice, tagged env:prod) and one minimax-m2.1."""
     team, user, token = api.principal()
     client = api.openai(token["token"])
     for model, tokens in (("gpt-sim", 7), ("gpt-sim", 11), ("minimax-m2.1", 5)):
+        # the second request names an end user and carries tags
+        attributed = tokens == 11
         client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"sim:tokens={tokens}"}]
+            model=model,
+            messages=[{"role": "user", "content": f"sim:tokens={tokens}"}],
+            extra_headers={"x-metering-end-user": "alice", "x-metering-tags": '{"env": "prod"}'}
+            if attributed
+            else None,
         )
     return {"team": team, "user": user, "token": token}
 
@@ -165,3 +173,23 @@ def test_spend_without_grouping_is_one_line_of_totals(api, run, traffic):
     expected = api.ok("GET", "/v1/spend", params={"token_id": traffic["token"]["id"]})["total"]
     assert (int(total["requests"]), Decimal(total["cost"])) == (3, Decimal(expected["cost"]))
     assert int(total["completion_tokens"]) == expected["completion_tokens"] == 23
+
+
+def test_usage_filters_on_the_end_user_and_tags(api, run, traffic):
+    token_id = traffic["token"]["id"]
+    [event] = run.json("usage", "--token", token_id, "--end-user", "alice")["data"]
+    assert (event["end_user"], event["tags"], event["completion_tokens"]) == (
+        "alice", {"env": "prod"}, 11
+    )  # fmt: skip
+    tagged = run.json("usage", "--token", token_id, "--tag", "env:prod")["data"]
+    assert [e["id"] for e in tagged] == [event["id"]]
+    assert (
+        run.json("usage", "--token", token_id, "--tag", "env:prod", "--tag", "env:dev")["data"]
+        == []
+    )  # every tag must match
+    rows = run.table("usage", "--token", token_id)
+    assert [r["end_user"] for r in rows] == ["-", "alice", "-"]  # shown when an event has one
+    [line] = run.csv("usage", "--token", token_id, "--end-user", "alice")
+    assert (line["id"], line["end_user"], json.loads(line["tags"])) == (
+        event["id"], "alice", {"env": "prod"}
+    )  # fmt: skip

@@ -18,6 +18,7 @@ from metering.cli.options import (
     names,
     nullable,
     percentages,
+    positive,
     subparsers,
     whole,
 )
@@ -281,7 +282,7 @@ def add_kind(group: Any, kind: Kind) -> None:
                 "--team", dest="team_id", help="only this team's users (default: every team)"
             )
         listing.add_argument(
-            "--limit", type=int, default=LIST_LIMIT, help=f"the most {kind.plural} to list"
+            "--limit", type=positive, default=LIST_LIMIT, help=f"the most {kind.plural} to list"
         )
         listing.add_argument(
             "--after",

@@ -63,8 +63,7 @@ class Api:
         return response
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.send(method, path, **kwargs)
-        return response.json() if response.content else None
+        return decoded(self.send(method, path, **kwargs))
 
     def pages(self, path: str, limit: int, params: dict[str, Any] | None = None) -> list[dict]:
         """Up to `limit` objects of a list that pages by `after` (the last id seen)."""
@@ -79,6 +78,19 @@ class Api:
                 break
             after = page[-1]["id"]
         return out
+
+
+def decoded(response: "httpx.Response") -> Any:
+    """The answer's JSON; an answer that is not (another server at that address) says so."""
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        raise CliError(
+            f"{response.url} answered {response.status_code} without JSON: is a metering server "
+            "at that address?"
+        ) from None
 
 
 def reason(exc: Exception) -> str:

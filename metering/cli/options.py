@@ -115,6 +115,14 @@ def whole(value: str) -> int:
     return int(value.strip())
 
 
+def positive(value: str) -> int:
+    """A count of rows, events or a page number: 1 or more."""
+    number = int(value.strip())
+    if number < 1:
+        raise ValueError(value)
+    return number
+
+
 def names(value: str) -> list[str]:
     """Comma-separated names, in order, without empties."""
     return [item.strip() for item in value.split(",") if item.strip()]

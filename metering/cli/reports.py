@@ -7,8 +7,8 @@ import io
 import json
 from typing import Any
 
-from metering.cli.client import Api
-from metering.cli.options import command, connection_options, format_option
+from metering.cli.client import Api, decoded
+from metering.cli.options import command, connection_options, format_option, positive
 from metering.cli.output import note, table, write
 
 METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens",
@@ -76,7 +76,7 @@ def spend(args: argparse.Namespace) -> int:
     if args.format == "csv":
         write(response.text)
     else:
-        report = response.json()
+        report = decoded(response)
         write(json.dumps(report, indent=2) + "\n" if args.format == "json" else spend_table(report))
     if "x-next-page" in response.headers:
         note(
@@ -179,8 +179,8 @@ def add_commands(group: Any) -> None:
         help="include: the cost with price corrections and credits; exclude: as the requests "
         "were first charged",
     )
-    parser.add_argument("--limit", type=int, default=SPEND_ROWS, help="rows per page")
-    parser.add_argument("--page", type=int, default=1, help="which page of --limit rows")
+    parser.add_argument("--limit", type=positive, default=SPEND_ROWS, help="rows per page")
+    parser.add_argument("--page", type=positive, default=1, help="which page of --limit rows")
     parser.set_defaults(func=spend)
 
     parser = command(
@@ -193,7 +193,7 @@ def add_commands(group: Any) -> None:
     connection_options(parser)
     format_option(parser)
     filter_options(parser)
-    parser.add_argument("--limit", type=int, default=100, help="the most events to list")
+    parser.add_argument("--limit", type=positive, default=100, help="the most events to list")
     parser.add_argument(
         "--cursor",
         help="continue after an earlier listing: its next_cursor (default: the newest event)",

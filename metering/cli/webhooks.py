@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 from metering.cli.admin import leaf
 from metering.cli.client import Api
-from metering.cli.options import command, connection_options, from_env, subparsers
+from metering.cli.options import command, connection_options, from_env, positive, subparsers
 from metering.cli.output import note, show, show_one
 
 # The event types a webhook may ask for (metering.alerts.record.TYPES; a test keeps them equal).
@@ -112,4 +112,6 @@ def add_commands(group: Any) -> None:
         list_deliveries,
     )  # fmt: skip
     deliveries.add_argument("id", help="the webhook's id")
-    deliveries.add_argument("--limit", type=int, default=50, help="the most deliveries to list")
+    deliveries.add_argument(
+        "--limit", type=positive, default=50, help="the most deliveries to list"
+    )
