@@ -4,4 +4,5 @@ import sys
 
 from metering.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # imported by a walk over the package, it runs nothing
+    sys.exit(main())
