@@ -15,7 +15,10 @@ METRICS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "r
            "cost")  # fmt: skip
 # A row's sums not shown in the table (the JSON and the CSV have them).
 OTHER_SUMS = ("uncharged", "adjustments")
-GROUP_KEYS = "team, user, token, model, provider, endpoint, end_user, tag:<key>, day, hour"
+GROUP_KEYS = (
+    "team, user, token, model, provider, day, hour; end_user, tag:<key> and endpoint where the "
+    "server's /v1/spend has them"
+)
 SPEND_ROWS = 10_000  # the server's page of a report
 USAGE_COLUMNS = ("created_at", "id", "token_id", "model", "provider", "status", "prompt_tokens",
                  "completion_tokens", "cost")  # fmt: skip
