@@ -20,7 +20,7 @@ class CliError(Exception):
         self.message, self.code = message, code
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.HelpFormatter):
     """Each option's help ends with its default (or says it is required), unless the help says
     it already (an option whose absence means something other than a value: "default:
     unchanged", "default: all")."""

@@ -74,7 +74,13 @@ def list_deliveries(args: argparse.Namespace) -> int:
 
 
 def add_commands(group: Any) -> None:
-    parser = command(group, "webhooks", "webhooks: where alert events are sent")
+    parser = command(
+        group,
+        "webhooks",
+        "webhooks: where alert events are sent",
+        "Webhooks: where alert events are sent. The API has no update of a webhook: delete it "
+        "and create it again.",
+    )
     connection_options(parser)
     webhooks = subparsers(parser, "webhook_command")
     leaf(webhooks, "list", "list webhooks (without their secrets)", list_webhooks)
