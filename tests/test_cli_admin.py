@@ -22,9 +22,11 @@ def test_a_team_is_created_listed_updated_and_deleted(api, run):
         "teams", "create", "--name", team_name, "--credit-limit", "25.50",
         "--reset-interval", "monthly", "--alert-thresholds", "75,90", "--soft-limit", "20",
         "--rpm-limit", "60", "--tpm-limit", "100000", "--max-parallel-requests", "4",
-        "--allowed-models", "gpt-*,minimax-m2.1",
+        "--allowed-models", "gpt-*,minimax-m2.1", "--end-user-credit-limit", "0.50",
+        "--end-user-reset-interval", "daily",
     )  # fmt: skip
     assert made == api.ok("GET", f"/v1/teams/{made['id']}")
+    assert (made["end_user_credit_limit"], made["end_user_reset_interval"]) == ("0.5", "daily")
     assert (made["name"], made["credit_limit"], made["reset_interval"]) == (
         team_name, "25.5", "monthly"
     )  # fmt: skip
@@ -46,7 +48,9 @@ def test_a_team_is_created_listed_updated_and_deleted(api, run):
     changed = run.json(
         "teams", "update", made["id"], "--credit-limit", "none", "--rpm-limit", "none",
         "--alert-thresholds", "default", "--allowed-models", "all", "--name", team_name + "-b",
+        "--end-user-credit-limit", "none",
     )  # fmt: skip
+    assert (changed["end_user_credit_limit"], changed["end_user_reset_interval"]) == (None, "daily")
     assert (changed["name"], changed["credit_limit"], changed["rpm_limit"]) == (
         team_name + "-b", None, None
     )  # fmt: skip

@@ -55,7 +55,7 @@ TEAMS = Kind(
     "teams",
     "team",
     ("id", "name", "credit_limit", "reset_interval", "rpm_limit", "tpm_limit", "created_at"),
-    ("name", *LIMIT_FIELDS),
+    ("name", *LIMIT_FIELDS, "end_user_credit_limit", "end_user_reset_interval"),
 )
 USERS = Kind(
     "users",
@@ -122,6 +122,26 @@ def limit_options(parser: argparse.ArgumentParser, creating: bool) -> None:
         "MODELS",
         "the catalog models it may call, comma-separated, * and ? as wildcards (gpt-*,"
         "minimax-m2.1); all: every model " + default("all"),
+    )
+
+
+def end_user_options(parser: argparse.ArgumentParser, creating: bool) -> None:
+    """A team's default budget for each of its end users (those without one of their own)."""
+    unchanged = "unchanged"
+    parser.add_argument(
+        "--end-user-credit-limit",
+        type=nullable(str, "none"),
+        metavar="USD",
+        default=argparse.SUPPRESS,
+        help="the budget in USD of each end user of the team that has none of its own; none: "
+        f"not limited (default: {'none' if creating else unchanged})",
+    )
+    parser.add_argument(
+        "--end-user-reset-interval",
+        metavar="INTERVAL",
+        default=argparse.SUPPRESS,
+        help="when those end users' budgets start again, as --reset-interval (default: "
+        f"{'never' if creating else unchanged})",
     )
 
 
@@ -315,6 +335,8 @@ def identity_options(kind: Kind, create: Any, update: Any) -> None:
     if kind is TEAMS:
         create.add_argument("--name", required=True, help="unique, compared without case")
         update.add_argument("--name", default=argparse.SUPPRESS, help="(default: unchanged)")
+        end_user_options(create, creating=True)
+        end_user_options(update, creating=False)
     elif kind is USERS:
         create.add_argument("--email", required=True, help="unique")
         create.add_argument("--name", required=True, help="the user's name")
