@@ -277,3 +277,22 @@ def test_a_limit_below_one_is_refused(capsys):
         main(["usage", "--limit", "0"])
     assert done.value.code == 2
     assert "--limit: invalid positive value: '0'" in capsys.readouterr().err
+
+
+def test_an_end_users_budget_is_set_read_listed_and_cleared(api, run):
+    team = api.team()
+    run("teams", "update", team["id"], "--end-user-credit-limit", "1", "--format", "json")
+    own = run.json("end-users", "set", "--team", team["id"], "cust/42", "--credit-limit", "0.25",
+                   "--reset-interval", "daily")  # fmt: skip
+    assert (own["end_user"], own["override"], own["credit_limit"], own["reset_interval"]) == (
+        "cust/42", True, "0.25", "daily"
+    )  # fmt: skip
+    assert run.json("end-users", "get", "--team", team["id"], "cust/42") == own
+    [row] = run.table("end-users", "list", "--team", team["id"])
+    assert (row["end_user"], row["override"], row["credit_limit"], row["spent"]) == (
+        "cust/42", "true", "0.25", "0"
+    )  # fmt: skip
+    run("end-users", "clear", "--team", team["id"], "cust/42")
+    assert "back on the team's default budget" in run.err
+    default = run.json("end-users", "get", "--team", team["id"], "cust/42")
+    assert (default["override"], default["credit_limit"]) == (False, "1")

@@ -1,13 +1,13 @@
 """The `metering` command: the server's commands (serve, db upgrade, demo, reconcile, rerate)
-and an admin client of its HTTP API (teams, users, tokens, webhooks, spend, usage), which works
-against any replica."""
+and an admin client of its HTTP API (teams, users, tokens, end users, webhooks, spend, usage),
+which works against any replica."""
 
 import argparse
 import logging
 import sys
 
 from metering import __version__
-from metering.cli import admin, local, reports, webhooks
+from metering.cli import admin, end_users, local, reports, webhooks
 from metering.cli.local import (
     GC_THRESHOLD,
     PLACEHOLDER_ADMIN_KEY,
@@ -26,9 +26,9 @@ __all__ = [
 ]
 
 CLIENT_HELP = """\
-The admin client's commands (teams, users, tokens, webhooks, spend, usage) call the HTTP API of
-the server at --url (default $METERING_URL, else http://127.0.0.1:8080) with the key in
-$METERING_ADMIN_KEY (or the variable --key-env names). `metering COMMAND --help` says more."""
+The admin client's commands (teams, users, tokens, end-users, webhooks, spend, usage) call the
+HTTP API of the server at --url (default $METERING_URL, else http://127.0.0.1:8080) with the key
+in $METERING_ADMIN_KEY (or the variable --key-env names). `metering COMMAND --help` says more."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,6 +40,7 @@ def parser() -> argparse.ArgumentParser:
     group = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     local.add_commands(group)
     admin.add_commands(group)
+    end_users.add_commands(group)
     webhooks.add_commands(group)
     reports.add_commands(group)
     return top

@@ -65,8 +65,10 @@ class Api:
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         return decoded(self.send(method, path, **kwargs))
 
-    def pages(self, path: str, limit: int, params: dict[str, Any] | None = None) -> list[dict]:
-        """Up to `limit` objects of a list that pages by `after` (the last id seen)."""
+    def pages(
+        self, path: str, limit: int, params: dict[str, Any] | None = None, key: str = "id"
+    ) -> list[dict]:
+        """Up to `limit` objects of a list that pages by `after` (the `key` of the last seen)."""
         out: list[dict] = []
         after = None
         while len(out) < limit:
@@ -76,7 +78,7 @@ class Api:
             out.extend(page)
             if len(page) < size:
                 break
-            after = page[-1]["id"]
+            after = page[-1][key]
         return out
 
 
