@@ -49,5 +49,5 @@ def table_rows(text: str) -> list[dict]:
 
 
 @pytest.fixture
-def run(api, capsys, monkeypatch) -> Run:
+def cli(api, capsys, monkeypatch) -> Run:
     return Run(api.url, capsys, monkeypatch)

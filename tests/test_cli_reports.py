@@ -52,10 +52,10 @@ def rows_of(text: str) -> tuple[list[dict], dict]:
     return rows, total
 
 
-def test_spend_as_json_is_the_apis_report(api, run, traffic):
+def test_spend_as_json_is_the_apis_report(api, cli, traffic):
     span = window()
     token_id = traffic["token"]["id"]
-    got = run.json("spend", "--token", token_id, "--group-by", "model", "--start", span["start"],
+    got = cli.json("spend", "--token", token_id, "--group-by", "model", "--start", span["start"],
                    "--end", span["end"])  # fmt: skip
     expected = api.ok(
         "GET", "/v1/spend", params={**span, "token_id": token_id, "group_by": "model"}
@@ -67,16 +67,16 @@ def test_spend_as_json_is_the_apis_report(api, run, traffic):
     ]
 
 
-def test_spend_as_csv_and_as_a_table_has_the_same_rows(api, run, traffic):
+def test_spend_as_csv_and_as_a_table_has_the_same_rows(api, cli, traffic):
     span = window()
     args = ("spend", "--team", traffic["team"]["id"], "--group-by", "model,provider",
             "--start", span["start"], "--end", span["end"])  # fmt: skip
-    report = run.json(*args)
-    lines = run.csv(*args)
+    report = cli.json(*args)
+    lines = cli.csv(*args)
     assert [(r["model"], r["provider"], int(r["requests"]), Decimal(r["cost"])) for r in lines] == [
         (r["model"], r["provider"], r["requests"], Decimal(r["cost"])) for r in report["rows"]
     ]
-    rows, total = rows_of(run(*args))
+    rows, total = rows_of(cli(*args))
     assert [(r["model"], r["provider"], int(r["requests"]), Decimal(r["cost"])) for r in rows] == [
         (r["model"], r["provider"], r["requests"], Decimal(r["cost"])) for r in report["rows"]
     ]
@@ -85,43 +85,43 @@ def test_spend_as_csv_and_as_a_table_has_the_same_rows(api, run, traffic):
     assert int(total["completion_tokens"]) == 7 + 11 + 5
 
 
-def test_spend_filters_narrow_as_the_api_does(api, run, traffic):
+def test_spend_filters_narrow_as_the_api_does(api, cli, traffic):
     span = window()
     for option, param, value in (
         ("--user", "user_id", traffic["user"]["id"]),
         ("--model", "model", "gpt-sim"),
         ("--provider", "provider", "sim-exascale"),
     ):
-        got = run.json("spend", option, value, "--team", traffic["team"]["id"],
+        got = cli.json("spend", option, value, "--team", traffic["team"]["id"],
                        "--start", span["start"], "--end", span["end"])["total"]  # fmt: skip
         params = {**span, param: value, "team_id": traffic["team"]["id"]}
         assert got == api.ok("GET", "/v1/spend", params=params)["total"], option
-    by_day = run.json("spend", "--token", traffic["token"]["id"], "--group-by", "model",
+    by_day = cli.json("spend", "--token", traffic["token"]["id"], "--group-by", "model",
                       "--group-by", "day")  # fmt: skip
     assert by_day["group_by"] == ["model", "day"] and len(by_day["rows"]) == 2
 
 
-def test_a_users_own_token_reads_its_own_spend(api, run, traffic, monkeypatch):
+def test_a_users_own_token_reads_its_own_spend(api, cli, traffic, monkeypatch):
     monkeypatch.setenv("MY_TOKEN", traffic["token"]["token"])
-    own = run.json("spend", "--key-env", "MY_TOKEN")["total"]
+    own = cli.json("spend", "--key-env", "MY_TOKEN")["total"]
     assert (own["requests"], own["completion_tokens"]) == (3, 23)
 
 
-def test_usage_as_json_pages_through_with_the_cursor(api, run, traffic):
+def test_usage_as_json_pages_through_with_the_cursor(api, cli, traffic):
     token_id = traffic["token"]["id"]
     events = api.events(token_id=token_id)
-    first = run.json("usage", "--token", token_id, "--limit", "2")
+    first = cli.json("usage", "--token", token_id, "--limit", "2")
     assert [e["id"] for e in first["data"]] == [e["id"] for e in events[:2]]
     assert first["next_cursor"]
-    rest = run.json("usage", "--token", token_id, "--cursor", first["next_cursor"])
+    rest = cli.json("usage", "--token", token_id, "--cursor", first["next_cursor"])
     assert [e["id"] for e in rest["data"]] == [events[2]["id"]] and rest["next_cursor"] is None
     assert first["data"] + rest["data"] == events
 
 
-def test_usage_as_csv_is_the_servers_pages_under_one_header(api, run, traffic, monkeypatch):
+def test_usage_as_csv_is_the_servers_pages_under_one_header(api, cli, traffic, monkeypatch):
     monkeypatch.setattr(reports, "USAGE_PAGE", 2)  # three events: two pages
     token_id = traffic["token"]["id"]
-    text = run("usage", "--token", token_id, "--format", "csv")
+    text = cli("usage", "--token", token_id, "--format", "csv")
     assert text.count("\nid,") == 0 and text.startswith("id,")
     lines = list(csv.DictReader(io.StringIO(text)))
     events = api.events(token_id=token_id)
@@ -130,32 +130,32 @@ def test_usage_as_csv_is_the_servers_pages_under_one_header(api, run, traffic, m
     ]
     limited = list(
         csv.DictReader(
-            io.StringIO(run("usage", "--token", token_id, "--format", "csv", "--limit", "1"))
+            io.StringIO(cli("usage", "--token", token_id, "--format", "csv", "--limit", "1"))
         )
     )
     assert [r["id"] for r in limited] == [events[0]["id"]]
-    assert "--cursor " in run.err  # where the next ones start
+    assert "--cursor " in cli.err  # where the next ones start
 
 
-def test_usage_as_a_table_and_its_filters(api, run, traffic):
+def test_usage_as_a_table_and_its_filters(api, cli, traffic):
     token_id = traffic["token"]["id"]
-    rows = run.table("usage", "--token", token_id)
+    rows = cli.table("usage", "--token", token_id)
     events = api.events(token_id=token_id)
     assert [(r["id"], r["model"], r["status"], Decimal(r["cost"])) for r in rows] == [
         (e["id"], e["model"], e["status"], Decimal(e["cost"])) for e in events
     ]
     assert [int(r["completion_tokens"]) for r in rows] == [5, 11, 7]
-    only = run.json("usage", "--team", traffic["team"]["id"], "--model", "minimax-m2.1")["data"]
+    only = cli.json("usage", "--team", traffic["team"]["id"], "--model", "minimax-m2.1")["data"]
     assert [e["id"] for e in only] == [events[0]["id"]]
-    labelled = run.table("usage", "--user", traffic["user"]["id"], "--labels", "--limit", "1")
+    labelled = cli.table("usage", "--user", traffic["user"]["id"], "--labels", "--limit", "1")
     assert labelled[0]["user_email"] == traffic["user"]["email"]
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
-def test_a_bad_filter_is_the_apis_400(run):
-    err = run.error("spend", "--group-by", "weather")
+def test_a_bad_filter_is_the_apis_400(cli):
+    err = cli.error("spend", "--group-by", "weather")
     assert err.startswith("metering: 400 invalid_request: ") and "weather" in err
-    err = run.error("usage", "--start", "yesterday")
+    err = cli.error("usage", "--start", "yesterday")
     assert err.startswith("metering: 400 invalid_request: ") and "start" in err
 
 
@@ -168,28 +168,28 @@ def test_tags_and_the_end_user_are_sent_as_the_api_takes_them():
     ]  # fmt: skip
 
 
-def test_spend_without_grouping_is_one_line_of_totals(api, run, traffic):
-    [total] = run.table("spend", "--token", traffic["token"]["id"])
+def test_spend_without_grouping_is_one_line_of_totals(api, cli, traffic):
+    [total] = cli.table("spend", "--token", traffic["token"]["id"])
     expected = api.ok("GET", "/v1/spend", params={"token_id": traffic["token"]["id"]})["total"]
     assert (int(total["requests"]), Decimal(total["cost"])) == (3, Decimal(expected["cost"]))
     assert int(total["completion_tokens"]) == expected["completion_tokens"] == 23
 
 
-def test_usage_filters_on_the_end_user_and_tags(api, run, traffic):
+def test_usage_filters_on_the_end_user_and_tags(api, cli, traffic):
     token_id = traffic["token"]["id"]
-    [event] = run.json("usage", "--token", token_id, "--end-user", "alice")["data"]
+    [event] = cli.json("usage", "--token", token_id, "--end-user", "alice")["data"]
     assert (event["end_user"], event["tags"], event["completion_tokens"]) == (
         "alice", {"env": "prod"}, 11
     )  # fmt: skip
-    tagged = run.json("usage", "--token", token_id, "--tag", "env:prod")["data"]
+    tagged = cli.json("usage", "--token", token_id, "--tag", "env:prod")["data"]
     assert [e["id"] for e in tagged] == [event["id"]]
     assert (
-        run.json("usage", "--token", token_id, "--tag", "env:prod", "--tag", "env:dev")["data"]
+        cli.json("usage", "--token", token_id, "--tag", "env:prod", "--tag", "env:dev")["data"]
         == []
     )  # every tag must match
-    rows = run.table("usage", "--token", token_id)
+    rows = cli.table("usage", "--token", token_id)
     assert [r["end_user"] for r in rows] == ["-", "alice", "-"]  # shown when an event has one
-    [line] = run.csv("usage", "--token", token_id, "--end-user", "alice")
+    [line] = cli.csv("usage", "--token", token_id, "--end-user", "alice")
     assert (line["id"], line["end_user"], json.loads(line["tags"])) == (
         event["id"], "alice", {"env": "prod"}
     )  # fmt: skip
