@@ -199,3 +199,84 @@ def test_the_console_fits_desktop_and_phone(console, site, size):
     assert no_overlap(page.page) == []
     OUTPUT.mkdir(exist_ok=True)
     page.page.locator("#admin").screenshot(path=str(OUTPUT / f"dashboard-admin-{size}.png"))
+
+
+def test_webhooks_ingest_keys_adjustments_and_reconciliation_through_the_console(console, site):
+    if site.backend != "sqlite":
+        pytest.skip("the flow test covers both databases; these forms are the same on each")
+    page = console()
+    p = page.page
+
+    def panel(name: str, ready: str) -> None:
+        p.click(f"#admin .admin-tabs button[data-tab='{name}']")
+        p.wait_for_selector(ready)
+
+    # Webhooks: a refused URL named next to its field, then create, test, deliveries, delete.
+    panel("webhooks", "#admin-webhook-form")
+    p.fill("#admin-webhook-form [name=url]", "ftp://hooks.example.invalid/x")
+    p.click("#admin-webhook-form button[type=submit]")
+    p.wait_for_selector("#admin-webhook-form[data-state=error]")
+    assert "url" in p.locator("#admin-webhook-form .admin-error[data-for=url]").text_content()
+    url = f"https://hooks.example.invalid/{uuid.uuid4().hex[:8]}"
+    p.fill("#admin-webhook-form [name=url]", url)
+    p.click("#admin-webhook-form button[type=submit]")
+    p.wait_for_selector("#admin-secret")
+    hook = p.locator("#admin-webhooks tr", has_text=url)
+    hook_id = hook.get_attribute("data-id")
+    hook.locator(".admin-test").click()
+    p.wait_for_selector("#admin-status:has-text('queued')")
+    hook.locator(".admin-deliveries").click()
+    p.wait_for_selector("#admin-deliveries tr:has-text('webhook.test')")
+    hook.locator(".admin-delete").click()
+    p.click("#admin-confirm-yes")
+    p.wait_for_selector(f"#admin-webhooks tr[data-id='{hook_id}']", state="detached")
+    assert hook_id not in {h["id"] for h in site.get("/v1/webhooks")["data"]}
+
+    # An ingestion key: created (secret shown once), then revoked: its next use is a 401.
+    panel("ingest keys", "#admin-ingest-form")
+    name = f"importer-{uuid.uuid4().hex[:8]}"
+    p.fill("#admin-ingest-form [name=name]", name)
+    p.click("#admin-ingest-form button[type=submit]")
+    p.wait_for_selector("#admin-secret")
+    secret = p.locator("#admin-secret").text_content()
+    assert secret.startswith("mik_")
+    p.locator("#admin-ingest-keys tr", has_text=name).locator(".admin-delete").click()
+    p.click("#admin-confirm-yes")
+    p.wait_for_selector(f"#admin-ingest-keys tr:has-text('{name}')", state="detached")
+    refused = site.http.post(
+        "/v1/events", json={"events": []}, headers={"authorization": f"Bearer {secret}"}
+    )
+    assert refused.status_code == 401
+
+    # An adjustment with its reason; a malformed amount named before any call.
+    user = site.get("/v1/users")["data"][0]
+    panel("adjustments", "#admin-adjust-form")
+    p.fill("#admin-adjust-form [name=amount]", "five")
+    p.fill("#admin-adjust-form [name=reason]", "outage credit")
+    p.fill("#admin-adjust-form [name=user_id]", user["id"])
+    p.click("#admin-adjust-form button[type=submit]")
+    p.wait_for_selector("#admin-adjust-form[data-state=error]")
+    assert "amount" in p.locator("#admin-adjust-form .admin-error[data-for=amount]").text_content()
+    p.fill("#admin-adjust-form [name=amount]", "-0.50")
+    p.click("#admin-adjust-form button[type=submit]")
+    p.wait_for_selector("#admin-adjust-form[data-state=done]")
+    assert "-0.5" in p.locator("#admin-adjust-out").text_content()
+    assert user["id"] in p.locator("#admin-adjust-out").text_content()
+
+    # A reconciliation upload and its result.
+    day = site.get("/v1/spend", group_by="day,provider,model")["rows"][-1]["day"]
+    csv = (
+        "date,provider,model,prompt_tokens,completion_tokens,cost\n"
+        f"{day},sim-openai,sim/unknown-model,10,10,0.01\n"
+    )
+    panel("reconcile", "#admin-reconcile-form")
+    p.fill("#admin-reconcile-form [name=provider]", "sim-openai")
+    p.set_input_files(
+        "#admin-reconcile-form [name=file]",
+        files=[{"name": "export.csv", "mimeType": "text/csv", "buffer": csv.encode()}],
+    )
+    p.click("#admin-reconcile-form button[type=submit]")
+    p.wait_for_selector("#admin-reconcile-summary")
+    assert "missing in the ledger" in p.locator("#admin-reconcile-summary").text_content()
+    assert p.locator("#admin-reconcile-rows tr[data-status=missing_in_ledger]").count() == 1
+    assert page.errors == []

@@ -33,15 +33,15 @@
   }
 
   /** A call with the admin key in the Authorization header; JSON in, JSON (or nothing) out. */
-  async function send(method, path, body) {
+  async function send(method, path, body, contentType) {
     const headers = { authorization: `Bearer ${state.key}` };
-    if (body !== undefined) headers["content-type"] = "application/json";
+    if (body !== undefined) headers["content-type"] = contentType || "application/json";
     const response = await fetch(path, {
       method,
       headers,
       cache: "no-store",
       credentials: "omit",
-      body: body === undefined ? undefined : JSON.stringify(body),
+      body: body === undefined || contentType ? body : JSON.stringify(body),
     });
     if (response.status === 204) return null;
     let data = null;
@@ -56,6 +56,11 @@
     }
     return data;
   }
+
+  // The other modules of the console (admin-ops.js) use these and add their own tabs.
+  const kit = window.AdminKit || (window.AdminKit = { panels: [] });
+  Object.assign(kit, { el, send, ApiFailure, showErrors, note: (m, bad) => note(m, bad), confirmThen: (m, a) => confirmThen(m, a) });
+  kit.teams = () => view.teams;
 
   // --- the fields each kind of thing takes (what the API's bodies take) ----------------------
 
@@ -340,8 +345,28 @@
     view.root.querySelector("#admin-next").disabled = view.rows.length < PAGE;
   }
 
+  function listShown(shown) {
+    view.root.querySelector("#admin-bar").hidden = !shown;
+    view.root.querySelector("#admin-list").hidden = !shown;
+    view.root.querySelector("#admin-panel").hidden = shown;
+  }
+
+  /** A tab of admin-ops.js: it draws itself into #admin-panel. */
+  async function openPanel(panel) {
+    view.root.querySelector("#admin-form-area").replaceChildren();
+    listShown(false);
+    view.teams = (await send("GET", "/v1/teams?limit=1000")).data;
+    const area = view.root.querySelector("#admin-panel");
+    area.replaceChildren();
+    await panel.render(area);
+    view.root.dataset.tab = panel.name;
+    view.root.dataset.state = "ready";
+  }
+
   async function load() {
     const spec = KINDS[view.tab];
+    if (!spec) return openPanel(kit.panels.find((p) => p.name === view.tab));
+    listShown(true);
     view.teams = (await send("GET", "/v1/teams?limit=1000")).data;
     const cursor = view.after.length ? view.after[view.after.length - 1] : null;
     const params = new URLSearchParams({ limit: String(PAGE) });
@@ -373,6 +398,15 @@
         view.root.querySelector("#admin-form-area").replaceChildren();
         tabs.querySelectorAll("button").forEach((b) => b.setAttribute("aria-pressed", String(b === button)));
         load().catch((e) => note(e.message, true));
+      });
+      tabs.append(button);
+    }
+    for (const panel of kit.panels) {
+      const button = el("button", { type: "button", "data-tab": panel.name, text: panel.name });
+      button.addEventListener("click", () => {
+        view.tab = panel.name;
+        tabs.querySelectorAll("button").forEach((b) => b.setAttribute("aria-pressed", String(b === button)));
+        openPanel(panel).catch((e) => note(e.message, true));
       });
       tabs.append(button);
     }
@@ -410,10 +444,11 @@
     root.append(
       el("h2", { text: "Manage" }),
       tabs,
-      el("div", { class: "admin-bar" }, search, user, add, prev, next),
+      el("div", { class: "admin-bar", id: "admin-bar" }, search, user, add, prev, next),
       el("p", { id: "admin-status", class: "caption" }),
       el("div", { id: "admin-form-area" }),
-      el("div", { class: "table-wrap" }, table),
+      el("div", { class: "table-wrap", id: "admin-list" }, table),
+      el("div", { id: "admin-panel", hidden: true }),
       dialog,
     );
     tabs.querySelector("button").setAttribute("aria-pressed", "true");
