@@ -257,10 +257,13 @@ def test_webhooks_ingest_keys_adjustments_and_reconciliation_through_the_console
     p.click("#admin-adjust-form button[type=submit]")
     p.wait_for_selector("#admin-adjust-form[data-state=error]")
     assert "amount" in p.locator("#admin-adjust-form .admin-error[data-for=amount]").text_content()
-    p.fill("#admin-adjust-form [name=amount]", "-0.50")
+    p.fill("#admin-adjust-form [name=amount]", "0.25")
     p.click("#admin-adjust-form button[type=submit]")
-    p.wait_for_selector("#admin-adjust-form[data-state=done]")
-    assert "-0.5" in p.locator("#admin-adjust-out").text_content()
+    p.wait_for_selector("#admin-adjust-form:not([data-state=sending])")
+    assert p.locator("#admin-adjust-form").get_attribute("data-state") == "done", p.locator(
+        "#admin-adjust-form"
+    ).text_content()
+    assert "0.25" in p.locator("#admin-adjust-out").text_content()
     assert user["id"] in p.locator("#admin-adjust-out").text_content()
 
     # A reconciliation upload and its result.
