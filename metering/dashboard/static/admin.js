@@ -85,7 +85,7 @@
         { name: "end_user_credit_limit", label: "end user limit (USD)", kind: "usd" },
         { name: "end_user_reset_interval", label: "end user resets", kind: "interval" },
       ],
-      gone: "Deleting a team deletes its users and revokes all their tokens.",
+      gone: "Deleting a team refuses, at once, every token of its users and its ingestion keys (401).",
     },
     users: {
       title: "user",
