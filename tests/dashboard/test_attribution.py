@@ -37,7 +37,11 @@ def attributed(site) -> dict:
     ).json()
     user = site.http.post(
         "/v1/users",
-        json={"email": f"att-{uuid.uuid4().hex[:8]}@example.com", "name": "A", "team_id": team["id"]},
+        json={
+            "email": f"att-{uuid.uuid4().hex[:8]}@example.com",
+            "name": "A",
+            "team_id": team["id"],
+        },
         headers=admin,
     ).json()
     token = site.http.post(
@@ -163,9 +167,10 @@ def test_grouping_by_end_user_and_by_a_tag_key_draws_the_reports_totals(tab, sit
     assert drawn == expected
     series = {
         g.get_attribute("data-series-key"): Decimal(g.get_attribute("data-total"))
-        for g in page.page.locator("svg[data-chart='spend'] g[data-series-key], "
-                                   "svg[data-chart='spend'] g:not([data-series-key])[data-total]")
-        .all()
+        for g in page.page.locator(
+            "svg[data-chart='spend'] g[data-series-key], "
+            "svg[data-chart='spend'] g:not([data-series-key])[data-total]"
+        ).all()
     }
     assert series == expected
     assert "(no end user)" in page.page.locator("#grouped-body").inner_text()
@@ -185,7 +190,9 @@ def test_grouping_by_end_user_and_by_a_tag_key_draws_the_reports_totals(tab, sit
     assert drawn == expected
     total = Decimal(page.page.locator("#grouped").get_attribute("data-total"))
     assert total == sum(expected.values())
-    assert Decimal(page.page.locator("svg[data-chart='spend']").get_attribute("data-total")) == total
+    assert (
+        Decimal(page.page.locator("svg[data-chart='spend']").get_attribute("data-total")) == total
+    )
 
     # Filtered and grouped at once: the filter narrows the groups.
     typed(page, "#filter-end-user", "acme")
@@ -230,7 +237,9 @@ def test_the_requests_csv_has_end_user_and_tags(tab, site, attributed):
     with open(info.value.path(), encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     assert [r["end user"] for r in rows] == ["acme"] * 3
-    events = {e["id"]: e for e in site.get("/v1/usage", team_id=attributed["team"], limit=25)["data"]}
+    events = {
+        e["id"]: e for e in site.get("/v1/usage", team_id=attributed["team"], limit=25)["data"]
+    }
     shown = page.ids("#recent-body tr")
     assert [json.loads(r["tags"]) for r in rows] == [events[i]["tags"] for i in shown]
     assert page.errors == []
