@@ -48,12 +48,12 @@ chromium:
 # Most of the suite runs in four processes (pytest-xdist: most tests wait on servers and
 # sockets, not on the two cores; each process has its own servers and databases; an idle
 # process takes tests queued for another, `--dist worksteal`), then the tests marked serial
-# (tests/conftest.py SERIAL: load, replicas, kills) one at a time, then the one marked alone (it
-# restarts PostgreSQL). TEST_WORKERS=0 runs the first part in this one process too;
-# SERIAL_WORKERS=2 runs the serial part in two (a fifth faster, but the descriptor test's
-# deadline then meets the other process's load).
+# (tests/conftest.py SERIAL: load, replicas, kills) in two processes, each with a core of its
+# own, then those marked alone (a descriptor count against a deadline; the PostgreSQL restart)
+# one at a time. TEST_WORKERS=0 runs the first part in this one process too; SERIAL_WORKERS=0
+# the serial part.
 TEST_WORKERS ?= 4
-SERIAL_WORKERS ?= 0
+SERIAL_WORKERS ?= 2
 
 test: $(BIN)/metering postgres chromium
 	rm -f test-output/junit-*.xml

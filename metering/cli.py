@@ -12,15 +12,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import uvicorn
 from pydantic import ValidationError
-from uvicorn.supervisors import Multiprocess
 
-from metering import __version__, migrate
-from metering.errors import InvalidRequest, MeteringError
-from metering.metrics import MULTIPROC_ENV
-from metering.server import server_config
+from metering import __version__
 from metering.settings import Settings
+
+# Each command imports what it runs (the server, the migrations, the database) when it runs:
+# `metering --version`, or a refusal of a wrong setting, answers before any of it is loaded.
 
 # The admin key .env.example shows: every reader of the repository knows it.
 PLACEHOLDER_ADMIN_KEY = "change-me-to-a-random-key-of-32-characters-or-more"
@@ -43,6 +41,12 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from metering import migrate
+    from metering.server import server_config
+
     migrate.upgrade(settings.database_url)
     config = server_config(
         "metering.cli:serving_app",
@@ -98,6 +102,8 @@ def load_settings() -> Settings | None:
 def metrics_dir(workers: int):
     """Several workers share their Prometheus samples through files in one directory (set before
     they start, emptied first: samples of an earlier run must not count). One worker needs none."""
+    from metering.metrics import MULTIPROC_ENV
+
     given = os.environ.get(MULTIPROC_ENV)
     if workers <= 1 and not given:
         yield
@@ -116,6 +122,7 @@ def metrics_dir(workers: int):
 
 def reconcile(args: argparse.Namespace) -> int:
     from metering.db import Database
+    from metering.errors import InvalidRequest
     from metering.reports import reconciliation
 
     async def run() -> dict:
@@ -144,6 +151,7 @@ def reconcile(args: argparse.Namespace) -> int:
 def rerate(args: argparse.Namespace) -> int:
     from metering.billing import rerate as rerating
     from metering.db import Database, utcnow
+    from metering.errors import MeteringError
 
     async def run() -> dict:
         start = rerating.parse_moment(args.start, "start")
@@ -175,6 +183,8 @@ def db_upgrade(_: argparse.Namespace) -> int:
     settings = load_settings()
     if settings is None:
         return 2
+    from metering import migrate
+
     migrate.upgrade(settings.database_url)
     print("database is at the latest schema")
     return 0

@@ -9,8 +9,6 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
 
 from metering.money import MoneyError, parse_usd, price_to_micro
 from metering.timefmt import parse_rfc3339
@@ -174,6 +172,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _password_into_url(self) -> "Settings":
         if self.database_password:
+            # Loaded here: the settings of a command that never opens a database, or is refused
+            # for a wrong one, do not pay for SQLAlchemy.
+            from sqlalchemy.engine import make_url
+            from sqlalchemy.exc import ArgumentError
+
             try:
                 url = make_url(self.database_url)
             except ArgumentError:

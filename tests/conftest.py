@@ -31,24 +31,23 @@ ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
 BACKENDS = ("sqlite", "postgresql")
 
 
-# Run alone, after the rest of the suite has run in parallel (`make test`: pytest-xdist in four
-# processes, then `-m serial`, then `-m alone`): bursts against limits, several replicas, killed
-# processes and deadlines measured against a loaded machine. Beside the whole suite on two cores
-# their upstream and pool deadlines (2 s, 30 s) would be tested against its load. ALONE stops and
-# restarts the PostgreSQL every other test uses: it runs last, whatever the serial part's
-# processes (SERIAL_WORKERS).
+# Run apart, after the rest of the suite has run in parallel (`make test`: pytest-xdist in four
+# processes, then `-m serial` in two, then `-m alone` in one): bursts against limits, several
+# replicas, killed processes and deadlines measured against a loaded machine. Beside the whole
+# suite on two cores their upstream and pool deadlines (2 s, 30 s) would be tested against its
+# load. ALONE: the descriptor count, whose deadline met the other serial process's load, and the
+# PostgreSQL restart, which stops the database every other test uses (last, in file order).
 SERIAL = (
     "tests/budgets/test_concurrency.py",
     "tests/budgets/test_crash_recovery.py",
     "tests/budgets/test_leases.py",
     "tests/budgets/test_limits_replicas.py",
-    "tests/resilience/test_descriptors.py",
     "tests/resilience/test_ledger_unavailable.py",
     "tests/resilience/test_pool_exhausted.py",
     "tests/resilience/test_settle_blip.py",
     "tests/resilience/test_slow_clients.py",
 )
-ALONE = ("tests/resilience/test_postgres_restart.py",)
+ALONE = ("tests/resilience/test_descriptors.py", "tests/resilience/test_postgres_restart.py")
 
 
 # The fixtures that start a server (the metering server, the simulated upstream, a webhook

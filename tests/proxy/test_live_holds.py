@@ -21,7 +21,7 @@ from metering.proxy.live import BATCH, LiveHolds
 from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite  # noqa: F401 - fixtures
 from tests.proxy.conftest import hold_spec, provider_entry, serving, sim_record
 
-TTL_S = 3
+TTL_S = 2
 WAIT_MS = 3 * TTL_S * 1000  # the upstream's first byte comes three hold TTLs late
 # While the upstream waits, a hold the sweeper could take would be gone by then.
 LOOK_AFTER_S = TTL_S + 2 * sweep_interval_s(TTL_S)
