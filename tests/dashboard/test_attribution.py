@@ -12,6 +12,7 @@ from decimal import Decimal
 import openai
 import pytest
 
+from tests.dashboard.conftest import OUTPUT
 from tests.dashboard.test_lead import Tab
 from tests.demo_site import ADMIN_KEY
 
@@ -201,6 +202,8 @@ def test_grouping_by_end_user_and_by_a_tag_key_draws_the_reports_totals(tab, sit
     )["rows"]
     assert [r["tag:project"] for r in rows] == ["search"]
     assert page.ids("#grouped-body tr", "data-key") == ["search"]
+    OUTPUT.mkdir(exist_ok=True)
+    page.page.screenshot(path=str(OUTPUT / f"dashboard-by-tag-{site.backend}.png"), full_page=True)
     assert page.errors == []
 
 
@@ -275,6 +278,10 @@ def test_no_sideways_scrolling_at_phone_width_with_end_users_and_tags(tab, site,
     assert int(page.page.locator("#recent").get_attribute("data-rows")) == 4
     assert page.page.locator("#recent-body td.tags .chip").count() > 0
     assert page.no_sideways_scroll()
+    OUTPUT.mkdir(exist_ok=True)
+    page.page.screenshot(
+        path=str(OUTPUT / f"dashboard-end-users-phone-{site.backend}.png"), full_page=True
+    )
     for selector in ("#grouped-panel", "#filters"):
         box = page.page.locator(selector).bounding_box()
         assert box["x"] >= 0 and box["x"] + box["width"] <= 390.5, selector
