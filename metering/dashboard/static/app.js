@@ -495,7 +495,7 @@ function drawGrouped(report, directory, group) {
   const more = report.error ? 0 : report.row_count - rows.length;
   $("grouped-caption").textContent = report.error
     ? ""
-    : `${Money.count(report.row_count)} ${group === "end_user" ? "end users" : "values"} in this range` +
+    : `${Money.count(report.row_count)} ${group === "end_user" ? "end user" : "value"}${report.row_count === 1 ? "" : "s"} in this range` +
       (more > 0 ? ` · the first ${Money.count(rows.length)} by name are shown, largest first` : "") +
       ` · total ${Money.format(total)}`;
   const empty = $("grouped-empty");
