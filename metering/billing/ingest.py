@@ -25,14 +25,14 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
-from typing import Any, Literal, overload
+from datetime import datetime
 
 from sqlalchemy import bindparam, delete, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from metering.auth.service import Principal
+from metering.billing.fields import Rejected, attributed, occurred_at, text_of, usage_of
 from metering.budgets import rates
 from metering.budgets.dated import Dated, Unfit, charge_dated, fit
 from metering.budgets.rates import AdmissionQueue, RateClaim, RateLimited
@@ -41,22 +41,18 @@ from metering.budgets.runs import RunKey, UnknownRun
 from metering.db import Database, dialect_name, utcnow
 from metering.ids import time_ordered
 from metering.ledger import rollup, writer
-from metering.ledger.charge import CACHED_ABOVE_PROMPT, DETAILS_ABOVE_COMPLETION, Usage
+from metering.ledger.attribution import NO_TAGS
 from metering.ledger.event import DETAIL_FIELDS, Event
 from metering.ledger.external import ingested_event
 from metering.ledger.prices import PriceBook
 from metering.limits import Limits
 from metering.models import ApiToken, IngestedKey, Run, User
 from metering.settings import Catalog
-from metering.timefmt import parse_rfc3339
 
 log = logging.getLogger("metering.billing")
 
 MAX_BATCH = 1_000
-MAX_AGE = timedelta(days=35)  # the oldest occurred_at taken
-MAX_AHEAD = timedelta(minutes=5)  # a client's clock ahead of ours
 MAX_KEY_CHARS = 200
-COUNT_CEILING = 10**9  # tokens in one count
 FIELDS = frozenset(
     (
         "idempotency_key",
@@ -70,6 +66,8 @@ FIELDS = frozenset(
         "completion_tokens",
         "completion_tokens_details",
         "occurred_at",
+        "end_user",
+        "tags",
     )
 )
 # An event's `reason` when it is rejected: what it broke.
@@ -83,10 +81,6 @@ _REFUSALS = {
     RATE_LIMIT_EXCEEDED: (429, "rate_limit_exceeded"),
     "budget_exceeded": (402, "budget_exceeded"),
 }
-
-
-class Rejected(ValueError):
-    """An event that cannot be recorded, and why."""
 
 
 @dataclass(slots=True)
@@ -122,89 +116,11 @@ class Item:
         return out
 
 
-@overload
-def _count(raw: dict, name: str, required: Literal[True] = ...) -> int: ...
-@overload
-def _count(raw: dict, name: str, required: bool) -> int | None: ...
-def _count(raw: dict, name: str, required: bool = True) -> int | None:
-    value = raw.get(name)
-    if value is None:
-        if required:
-            raise Rejected(f"{name} is required")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise Rejected(f"{name} must be a whole number")
-    if not 0 <= value <= COUNT_CEILING:
-        raise Rejected(f"{name} must be between 0 and {COUNT_CEILING}")
-    return value
-
-
-def _text(raw: dict, name: str, limit: int, required: bool = False) -> str | None:
-    value = raw.get(name)
-    if value is None:
-        if required:
-            raise Rejected(f"{name} is required")
-        return None
-    if not isinstance(value, str) or not value or len(value) > limit or "\x00" in value:
-        raise Rejected(f"{name} must be a non-empty string of at most {limit} characters")
-    return value
-
-
 def _key(raw) -> str | None:
     if not isinstance(raw, dict):
         return None
     value = raw.get("idempotency_key")
     return value if isinstance(value, str) and 0 < len(value) <= MAX_KEY_CHARS else None
-
-
-def _usage(raw: dict) -> Usage:
-    """The event's counts, checked against each other as an upstream's are
-    (metering.proxy.reported): cached within prompt, each detail within completion."""
-    prompt = _count(raw, "prompt_tokens")
-    completion = _count(raw, "completion_tokens")
-    cached = _count(raw, "cached_tokens", required=False) or 0
-    if cached > prompt:
-        raise Rejected(
-            f"{CACHED_ABOVE_PROMPT}: cached_tokens ({cached}) must be at most prompt_tokens "
-            f"({prompt})"
-        )
-    details = raw.get("completion_tokens_details")
-    if details is None:
-        details = {}
-    if not isinstance(details, dict):
-        raise Rejected("completion_tokens_details must be an object")
-    unknown = set(details) - set(DETAIL_FIELDS)
-    if unknown:
-        raise Rejected(f"completion_tokens_details: unknown field {sorted(unknown)[0]!r}")
-    counts: dict[str, Any] = {name: _count(details, name, required=False) for name in DETAIL_FIELDS}
-    for name, count in counts.items():
-        if count is not None and count > completion:
-            raise Rejected(
-                f"{DETAILS_ABOVE_COMPLETION}: completion_tokens_details.{name} ({count}) must "
-                f"be at most completion_tokens ({completion})"
-            )
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=prompt + completion,
-        cached_tokens=cached,
-        **counts,
-    )
-
-
-def _occurred_at(raw: dict, now: datetime) -> datetime | None:
-    text = _text(raw, "occurred_at", 64)
-    if text is None:
-        return None
-    try:
-        value = parse_rfc3339(text)
-    except ValueError:
-        raise Rejected("occurred_at must be an RFC 3339 timestamp with its zone") from None
-    if value < now - MAX_AGE:
-        raise Rejected(f"occurred_at is more than {MAX_AGE.days} days back")
-    if value > now + MAX_AHEAD:
-        raise Rejected("occurred_at is in the future")
-    return value
 
 
 def _digest(content: dict) -> str:
@@ -243,7 +159,7 @@ def _own(raw: dict, principal: Principal) -> tuple:
         ("user_id", principal.user_id),
         ("team_id", principal.team_id),
     ):
-        value = _text(raw, name, 40)
+        value = text_of(raw, name, 40)
         if value is not None and value != own:
             raise Rejected(f"{name}: this credential records its own usage only")
     return principal.token_id, principal.user_id, principal.team_id
@@ -252,9 +168,9 @@ def _own(raw: dict, principal: Principal) -> tuple:
 def _who(raw: dict, principal: Principal, token_users: dict, user_teams: dict) -> tuple:
     if not principal.charged_in_full:
         return _own(raw, principal)
-    token_id = _text(raw, "token_id", 40)
-    user_id = _text(raw, "user_id", 40)
-    team_id = _text(raw, "team_id", 40)
+    token_id = text_of(raw, "token_id", 40)
+    user_id = text_of(raw, "user_id", 40)
+    team_id = text_of(raw, "team_id", 40)
     if token_id is not None:
         owner = token_users.get(token_id)
         if owner is None:
@@ -289,19 +205,20 @@ def _prepare(item: Item, raw, ctx: dict) -> None:
         raise Rejected(f"idempotency_key must be a non-empty string of at most {MAX_KEY_CHARS}")
     if "\x00" in item.key:
         raise Rejected("idempotency_key must not hold NUL")
-    model = _text(raw, "model", 200, required=True)
+    model = text_of(raw, "model", 200, required=True)
     routes = ctx["catalog"].routes(model)
     if not routes:
         raise Rejected(f"model {model!r} is not in the catalog")
-    provider = _text(raw, "provider", 100)
+    provider = text_of(raw, "provider", 100)
     route = (
         routes[0] if provider is None else next((r for r in routes if r.provider == provider), None)
     )
     if route is None:
         raise Rejected(f"provider {provider!r} does not offer {model!r}")
-    usage = _usage(raw)
+    usage = usage_of(raw)
+    end_user, tags = attributed(raw)
     now = ctx["now"]
-    given_at = _occurred_at(raw, now)
+    given_at = occurred_at(raw, now)
     token_id, user_id, team_id = _who(raw, ctx["principal"], *ctx["owners"])
     at = given_at or now
     row = ctx["prices"].at(route.name, route.provider, at)
@@ -323,6 +240,9 @@ def _prepare(item: Item, raw, ctx: dict) -> None:
                 *(getattr(usage, name) for name in DETAIL_FIELDS),
             ],
             "occurred_at": given_at.isoformat() if given_at else None,
+            # Only when sent: the digest of an event without them is the one it always had.
+            **({"end_user": end_user} if end_user is not None else {}),
+            **({"tags": tags} if tags != NO_TAGS else {}),
         }
     )
     item.event = ingested_event(
@@ -335,6 +255,8 @@ def _prepare(item: Item, raw, ctx: dict) -> None:
         usage=usage,
         prices=prices,
         occurred_at=at,
+        end_user=end_user,
+        tags=tags,
     )
 
 

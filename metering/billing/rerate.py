@@ -35,11 +35,12 @@ from typing import overload
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.exc import IntegrityError
 
-from metering.billing.ingest import MAX_AGE
+from metering.billing.fields import MAX_AGE
 from metering.budgets.dated import Charged, Dated, alert_over_limit, charge_dated
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest, NotFound
 from metering.ledger import writer
+from metering.ledger.attribution import NO_TAGS
 from metering.ledger.bounds import past_ceiling
 from metering.ledger.event import ADJUSTMENT, UNSETTLED, USAGE, Event, bounded
 from metering.ledger.external import MANUAL, RERATED, adjustment_event
@@ -192,6 +193,8 @@ async def _rerate_chunk(
             corrects=row.id,
             event_id=_adjustment_id(row.id, count),
             upstream_id=row.upstream_id,  # reconciled with the request it corrects
+            end_user=row.end_user,
+            tags=row.tags,
         )
         adjustments.append(event)
     charged: list[Charged] = []
@@ -313,7 +316,8 @@ async def adjust(
     if at is not None:
         check_at(at, now, retention_days)
     model = provider = upstream_model = ""
-    upstream_id = None
+    upstream_id = end_user = None
+    tags = NO_TAGS
     async with db.reads() as session:
         if corrects_event_id is not None:
             row = (await session.execute(select(_t).where(_t.c.id == corrects_event_id))).first()
@@ -322,6 +326,7 @@ async def adjust(
             token_id, user_id, team_id = row.token_id, row.user_id, row.team_id
             model, provider, upstream_model = row.model, row.provider, row.upstream_model
             upstream_id, at = row.upstream_id, at or row.created_at
+            end_user, tags = row.end_user, row.tags
         elif user_id is not None or token_id is not None:
             if token_id is not None:
                 owner = await session.scalar(
@@ -355,6 +360,8 @@ async def adjust(
         corrects=corrects_event_id,
         source=MANUAL,
         upstream_id=upstream_id,
+        end_user=end_user,
+        tags=tags,
     )
     async with db.begin() as conn:
         # Budgets first (locked, in the order every writer takes them), then the rollups.

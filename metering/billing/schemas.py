@@ -24,6 +24,18 @@ class UsageEventIn(RequestBody):
     completion_tokens: int = Field(ge=0, le=10**9)
     completion_tokens_details: dict[str, int] | None = None
     occurred_at: str | None = Field(None, description="RFC 3339; default now; at most 35 days back")
+    end_user: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="who the usage was for, within the team: 1 to 256 printable characters",
+    )
+    tags: dict[str, str] | None = Field(
+        None,
+        max_length=16,
+        description="at most 16 pairs: keys of 1 to 64 characters, values strings of at most "
+        "512 (as a request's `metadata`)",
+    )
 
 
 class EventsIn(RequestBody):

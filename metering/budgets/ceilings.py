@@ -10,6 +10,9 @@ from metering.money import MoneyError, parse_usd, usd_to_pico
 
 MAX_COST = "x-metering-max-cost"
 RUN, RUN_BUDGET = "x-metering-run", "x-metering-run-budget"
+# Not ceilings, but read from the same request's headers: who it was made for and its tags
+# (metering.ledger.attribution).
+END_USER, TAGS = "x-metering-end-user", "x-metering-tags"
 _RUN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
 
 

@@ -42,6 +42,7 @@ class Spec:
     group: str | None = None  # the object GET /v1/usage nests it in
     money: bool = False  # picodollars, shown as a decimal USD string
     price: bool = False  # micro-USD per 1M tokens, shown as a decimal USD-per-1M-tokens string
+    json_text: bool = False  # JSON text, shown in JSON as the value it holds (in CSV as text)
     server_default: str | None = None
 
 
@@ -113,7 +114,7 @@ class Event:
     end_user: str | None = column(String(256), default=None)
     # The request's tags (its `metadata` merged with x-metering-tags): a JSON object of string
     # values as compact text, its keys sorted; "{}" when none (metering.ledger.attribution).
-    tags: str = column(Text(), limit=None, server_default="{}", default="{}")
+    tags: str = column(Text(), limit=None, server_default="{}", default="{}", json_text=True)
 
     def params(self) -> dict[str, Any]:
         """The event as the insert's parameters (replaced below by its written-out form)."""

@@ -7,6 +7,7 @@ from dataclasses import replace
 from datetime import datetime
 
 from metering.ids import time_ordered
+from metering.ledger.attribution import NO_TAGS
 from metering.ledger.charge import Usage
 from metering.ledger.event import ADJUSTMENT, INGESTED, Event, bounded
 from metering.ledger.outcome import NO_USAGE
@@ -31,9 +32,12 @@ def ingested_event(
     usage: Usage,
     prices: tuple[int, int, int],
     occurred_at: datetime,
+    end_user: str | None = None,
+    tags: str = NO_TAGS,
 ) -> Event:
     """Usage reported from outside, priced at `prices` (those in force when it happened) and
-    charged in full: no hold bounds it."""
+    charged in full: no hold bounds it. `end_user`, `tags`: as metering.ledger.attribution
+    checked and encoded them."""
     cost = cost_pico(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens, *prices)
     return Event(
         id=new_event_id(),
@@ -61,6 +65,8 @@ def ingested_event(
         ttft_ms=None,
         latency_ms=None,
         error=None,
+        end_user=end_user,
+        tags=tags,
     )
 
 
@@ -81,12 +87,15 @@ def adjustment_event(
     source: str = RERATED,
     event_id: str | None = None,
     upstream_id: str | None = None,
+    end_user: str | None = None,
+    tags: str = NO_TAGS,
 ) -> Event:
     """An adjustment of `difference` picodollars (negative: a credit), charged in the hour of
     `at` (the corrected event's, so every report over any range equals a recomputation at the
     right prices); `made_at` (started_at) is when it was made. It counts no tokens and no
     request. `source`: rerated (a rerate's: `prices` are those it applied) or manual;
-    `event_id`: its id (a new one unless given); `upstream_id`: the corrected request's."""
+    `event_id`: its id (a new one unless given); `upstream_id`, `end_user`, `tags`: the
+    corrected request's (so that spend by end user and by tag stays exact after a correction)."""
     return Event(
         id=event_id or new_event_id(),
         created_at=at,
@@ -116,4 +125,6 @@ def adjustment_event(
         kind=ADJUSTMENT,
         corrects_event_id=corrects,
         reason=bounded("reason", reason),
+        end_user=end_user,
+        tags=tags,
     )

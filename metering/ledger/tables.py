@@ -27,6 +27,8 @@ class LedgerEvent(Base):
         Index("ix_ledger_events_user_created", "user_id", "created_at"),
         Index("ix_ledger_events_team_created", "team_id", "created_at"),
         Index("ix_ledger_events_corrects", "corrects_event_id"),
+        # GET /v1/usage?end_user=: one end user's events, newest first.
+        Index("ix_ledger_events_end_user_created", "end_user", "created_at"),
     )
     if TYPE_CHECKING:  # the columns named in queries, as mypy cannot read them off the table
         id: Mapped[str]

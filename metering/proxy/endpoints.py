@@ -10,8 +10,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from metering.auth.principal import RULE_ERRORS, SelfPrincipal, UserPrincipal
+from metering.budgets.ceilings import END_USER, MAX_COST, RUN, RUN_BUDGET, TAGS
 from metering.container import get_services
 from metering.errors import ErrorResponse, error_responses
+from metering.ledger.attribution import MAX_END_USER_CHARS, MAX_TAG_VALUE_CHARS, MAX_TAGS
 from metering.proxy import admission, service
 from metering.proxy.request import read_body
 from metering.proxy.runtime import ProxyServices
@@ -36,7 +38,96 @@ CHAT_RESPONSES = {
 }
 
 
-@router.post("/chat/completions", responses=CHAT_RESPONSES)
+# What the route reads itself (the body is read raw, within its bound), declared for the
+# reader: the request's own headers, and the body's fields the proxy reads beside OpenAI's.
+CHAT_OPENAPI = {
+    "parameters": [
+        {
+            "name": MAX_COST,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "USD: the most this request may cost (a budget of its own)",
+        },
+        {
+            "name": RUN,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "minLength": 1, "maxLength": 100},
+            "description": "the run the request belongs to (letters, digits and . _ : -)",
+        },
+        {
+            "name": RUN_BUDGET,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "USD: with a run's first request, the run's budget",
+        },
+        {
+            "name": END_USER,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_END_USER_CHARS},
+            "description": "who the request is made for (UTF-8, 1 to 256 printable "
+            "characters); recorded as the event's `end_user`, before the body's `user` and "
+            "`safety_identifier`; never sent upstream",
+        },
+        {
+            "name": TAGS,
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "a JSON object of tags (at most 16 pairs, keys 1 to 64 characters, "
+            "values strings of at most 512), merged over the body's `metadata` key by key; "
+            "recorded as the event's `tags`; never sent upstream",
+        },
+    ],
+    "requestBody": {
+        "required": True,
+        "description": "OpenAI's chat completion request; every field not listed here goes "
+        "to the provider as sent, where its dialect takes it",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["model", "messages"],
+                    "properties": {
+                        "model": {"type": "string", "minLength": 1, "maxLength": 256},
+                        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                        "user": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": MAX_END_USER_CHARS,
+                            "description": "the end user, when x-metering-end-user is not "
+                            "sent; sent upstream only to providers whose API takes it",
+                        },
+                        "safety_identifier": {
+                            "type": "string",
+                            "minLength": 1,
+                            "maxLength": MAX_END_USER_CHARS,
+                            "description": "the end user, when neither x-metering-end-user "
+                            "nor `user` is sent; sent upstream as `user` is",
+                        },
+                        "metadata": {
+                            "type": "object",
+                            "maxProperties": MAX_TAGS,
+                            "additionalProperties": {
+                                "type": "string",
+                                "maxLength": MAX_TAG_VALUE_CHARS,
+                            },
+                            "description": "the request's tags (at most 16 pairs, keys 1 to "
+                            "64 characters, values strings of at most 512); never sent upstream",
+                        },
+                    },
+                    "additionalProperties": True,
+                }
+            }
+        },
+    },
+}
+
+
+@router.post("/chat/completions", responses=CHAT_RESPONSES, openapi_extra=CHAT_OPENAPI)
 async def chat_completions(
     request: Request,
     principal: UserPrincipal,

@@ -3,13 +3,16 @@
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import orjson
 from fastapi import Request
 
+from metering.budgets.ceilings import END_USER, TAGS
 from metering.errors import InvalidRequest, TooLarge
+from metering.ledger import attribution as attributed
 from metering.text import first_problem
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -190,3 +193,26 @@ def validate(body: dict[str, Any], size: int) -> ChatRequest:
         max_tokens=max_tokens if max_tokens is not None else max_completion,
         choices=choices,
     )
+
+
+def attribution(headers: Mapping[str, str], body: dict[str, Any]) -> tuple[str | None, str]:
+    """The request's end user (the header, else `user`, else `safety_identifier`: each one sent
+    is checked) and its tags (`metadata` with the header's on top, key by key), checked before
+    anything is held. A request with none of them reads four keys and parses nothing."""
+    end_user: str | None = None
+    sent = headers.get(END_USER)
+    if sent is not None:
+        end_user = attributed.end_user(attributed.header_text(sent, END_USER), END_USER)
+    for field in ("user", "safety_identifier"):
+        value = body.get(field)
+        if value is not None:
+            value = attributed.end_user(value, field)
+            end_user = end_user or value
+    metadata = body.get("metadata")
+    tagged = headers.get(TAGS)
+    if metadata is None and tagged is None:
+        return end_user, attributed.NO_TAGS
+    tags = attributed.tags(metadata, "metadata") if metadata is not None else {}
+    if tagged is not None:
+        tags = attributed.merged(tags, attributed.tags_header(tagged, TAGS), TAGS)
+    return end_user, attributed.encode(tags)

@@ -20,6 +20,7 @@ from metering.budgets.refusals import Refused
 from metering.budgets.reserve import BudgetShortfall, HoldSpec, Shortfall
 from metering.budgets.runs import RunKey, UnknownRun
 from metering.errors import InvalidRequest, MeteringError
+from metering.ledger.attribution import NO_TAGS
 from metering.ledger.outcome import Attribution
 from metering.money import format_usd
 from metering.proxy import admission
@@ -27,7 +28,7 @@ from metering.proxy.attempt import Attempt
 from metering.proxy.dialects import dialect_for
 from metering.proxy.estimate import estimate_prompt_tokens, prompt_tokens_upper_bound
 from metering.proxy.forward import forward
-from metering.proxy.request import ChatRequest, parse_json, validate
+from metering.proxy.request import ChatRequest, attribution, parse_json, validate
 from metering.proxy.routing import Target, candidates, parse_model
 from metering.proxy.runtime import Answer, ProxyServices
 from metering.proxy.transport import FailedBeforeAnswer
@@ -144,6 +145,7 @@ async def serve(
     """The request's routes tried in turn (the next one when an attempt fails before any byte
     reached the client)."""
     max_cost, run = ceilings(headers, principal, services.settings.run_idle_s)
+    end_user, tags = attribution(headers, chat.body)
     catalog = services.catalog  # the prices in effect when the request started
     target = parse_model(chat.model)
     admission.check_model(principal, target.name)
@@ -157,7 +159,18 @@ async def serve(
         attempt_id = request_id if n == 1 else f"{request_id}_{n}"
         try:
             response = await try_route(
-                services, principal, chat, catalog, route, target, attempt_id, t0, max_cost, run
+                services,
+                principal,
+                chat,
+                catalog,
+                route,
+                target,
+                attempt_id,
+                t0,
+                max_cost,
+                run,
+                end_user=end_user,
+                tags=tags,
             )
         except FailedBeforeAnswer as failure:
             services.breakers.failed(route.provider)
@@ -215,9 +228,13 @@ async def try_route(
     t0: float,
     max_cost: int | None = None,
     run: RunKey | None = None,
+    *,
+    end_user: str | None = None,
+    tags: str = NO_TAGS,
 ) -> Answer:
     """One provider: admit and hold at its prices, forward, and end the attempt (settle or
-    release). Raises FailedBeforeAnswer when the next provider may be tried."""
+    release). Raises FailedBeforeAnswer when the next provider may be tried. `end_user` and
+    `tags`: the request's (metering.proxy.request.attribution), kept on its hold and event."""
     provider = catalog.providers[route.provider]
     dialect = dialect_for(provider.dialect)
     if target.endpoint:
@@ -237,6 +254,8 @@ async def try_route(
         output_price=route.output_micro,
         prompt_bound=prompt_tokens_upper_bound(chat.size, chat.body),
         run_id=run.run_id if run is not None else None,
+        end_user=end_user,
+        tags=tags,
     )
     spec = HoldSpec(
         billing,

@@ -43,6 +43,11 @@ LABELS_DOC = (
     "(for the ids the row has)"
 )
 
+TAG_DOC = (
+    "`<key>:<value>` (split at the first colon): the events whose tags have that key with that "
+    "value. Repeatable: every one must match (at most 16)"
+)
+
 
 def _attachment(filename: str) -> dict[str, str]:
     return {"content-disposition": f'attachment; filename="{filename}"'}
@@ -71,6 +76,10 @@ async def list_usage(
     token_id: str | None = Query(None, max_length=40),
     model: str | None = Query(None, max_length=200),
     provider: str | None = Query(None, max_length=100),
+    end_user: str | None = Query(
+        None, min_length=1, max_length=256, description="the events of this end user only"
+    ),
+    tag: list[str] | None = Query(None, description=TAG_DOC),
     limit: int | None = Query(
         None,
         ge=1,
@@ -87,8 +96,14 @@ async def list_usage(
         start=start,
         end=end,
         filters=dict(
-            team_id=team_id, user_id=user_id, token_id=token_id, model=model, provider=provider
+            team_id=team_id,
+            user_id=user_id,
+            token_id=token_id,
+            model=model,
+            provider=provider,
+            end_user=end_user,
         ),
+        tags=tag,
     )
     attachment = _attachment("usage.csv")
     if format == "csv" and limit is None and cursor is None:

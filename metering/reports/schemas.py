@@ -118,6 +118,11 @@ def _shown_type(name: str, annotation: object, spec: Spec) -> object:
         shown = Annotated[str, Field(description="USD per 1M tokens, as an exact decimal string")]
     elif isinstance(spec.sql, UTCDateTime):
         shown = Annotated[str, Field(json_schema_extra={"format": "date-time"})]
+    elif spec.json_text:
+        shown = Annotated[
+            dict[str, str],
+            Field(description="the request's tags (its metadata and x-metering-tags); {} if none"),
+        ]
     else:
         return annotation
     return shown | None if name in NULLABLE else shown

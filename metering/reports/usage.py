@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from operator import attrgetter
 
+import orjson
 from sqlalchemy import Boolean, Select, and_, or_, select
 
 from metering import text
@@ -21,6 +22,7 @@ from metering.ledger.tables import LedgerEvent
 from metering.money import format_price, format_usd
 from metering.reports.cells import row as csv_cells
 from metering.reports.labels import LABEL_KEYS, LABELS, label_rows, lookup
+from metering.reports.tag_filter import parse_tags, tag_conditions
 from metering.timefmt import OutOfBounds, parse_rfc3339, rfc3339
 
 CSV_COLUMNS = PUBLIC  # the event's public columns, the detail objects flattened
@@ -28,8 +30,10 @@ CSV_COLUMNS = PUBLIC  # the event's public columns, the detail objects flattened
 
 def _shown(name: str):
     """How GET /v1/usage shows a column's value: money as decimal USD, prices as decimal USD per
-    1M tokens, times in RFC 3339."""
+    1M tokens, times in RFC 3339, JSON text (the tags) as the object it holds."""
     spec = SPECS[name]
+    if spec.json_text:
+        return orjson.loads
     if spec.money:
         return format_usd
     if spec.price:
@@ -45,6 +49,8 @@ def csv_bool(value: bool) -> str:
 
 
 def _csv_shown(name: str):
+    if SPECS[name].json_text:
+        return None  # one cell holding the JSON text
     return csv_bool if isinstance(SPECS[name].sql, Boolean) else _shown(name)
 
 
@@ -136,11 +142,17 @@ def scoped_filters(principal: Principal, **filters) -> list:
 
 
 def events_query(
-    principal: Principal, *, start: str | None, end: str | None, filters: dict[str, str | None]
+    principal: Principal,
+    *,
+    start: str | None,
+    end: str | None,
+    filters: dict[str, str | None],
+    tags: list[str] | None = None,
 ) -> Select:
-    """The events matching the filters and the range [start, end), newest first; a user's
-    credential sees only its own user's."""
+    """The events matching the filters, every `tags` filter (`key:value`) and the range
+    [start, end), newest first; a user's credential sees only its own user's."""
     conditions = scoped_filters(principal, **filters)
+    conditions += tag_conditions(LedgerEvent.__table__.c.tags, parse_tags(tags))
     start_at, end_at = parse_time(start, "start"), parse_time(end, "end")
     check_range(start_at, end_at)
     if start_at:

@@ -230,6 +230,30 @@ async def test_expire_holds_charges_each_hold_once(fresh_db):
 
 
 @pytest.mark.anyio
+async def test_an_expired_holds_unsettled_event_keeps_its_end_user_and_tags(fresh_db):
+    db = Database(fresh_db, 4)
+    runtime = BudgetRuntime(db)
+    try:
+        subjects = _subjects()
+        await _add_budgets(db, subjects, "1", "never", utcnow())
+        spec = _spec(subjects)
+        tags = '{"feature":"search","tenant":"acme \\"eu\\""}'
+        spec = replace(spec, billing=replace(spec.billing, end_user="customer-42", tags=tags))
+        bare = await reserve(runtime, _spec(subjects), ttl_s=0)  # none: null and {}
+        held = await reserve(runtime, spec, ttl_s=0)
+        assert await expire_holds(db) == 2
+
+        async with db.sessions() as session:
+            events = {e.id: e for e in await session.scalars(select(LedgerEvent))}
+        assert events[held.hold_id].status == "unsettled"
+        assert events[held.hold_id].end_user == "customer-42"
+        assert events[held.hold_id].tags == tags
+        assert (events[bare.hold_id].end_user, events[bare.hold_id].tags) == (None, "{}")
+    finally:
+        await db.dispose()
+
+
+@pytest.mark.anyio
 async def test_close_windows_records_a_closed_window_once(fresh_db):
     replicas = [Database(fresh_db, 4) for _ in range(3)]
     db = replicas[0]

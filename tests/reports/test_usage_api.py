@@ -47,6 +47,8 @@ EVENT_FIELDS = {
     "corrects_event_id",
     "reason",
     "run_id",
+    "end_user",
+    "tags",
 }
 DETAIL_FIELDS = (
     "text_tokens",
@@ -92,6 +94,8 @@ CSV_HEADER = [
     "corrects_event_id",
     "reason",
     "run_id",
+    "end_user",
+    "tags",
 ]
 RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
 
@@ -171,6 +175,7 @@ def test_event_has_the_documented_fields(api, world):
     assert set(event["completion_tokens_details"]) == set(DETAIL_FIELDS)
     assert set(event["prompt_tokens_details"]) == {"cached_tokens"}
     assert RFC3339_UTC.fullmatch(event["created_at"])
+    assert (event["end_user"], event["tags"]) == (None, {})
     assert re.fullmatch(r"\d+\.\d{6,12}", event["cost"])
     call = world.calls[2]
     assert (event["id"], event["token_id"], event["user_id"], event["team_id"]) == (
@@ -404,6 +409,8 @@ def test_the_response_model_is_built_from_the_event_declaration():
     for name in PUBLIC:
         if SPECS[name].money or SPECS[name].price or name in ("created_at", "started_at"):
             assert types[name] is str, name
+        elif SPECS[name].json_text:  # the tags: JSON text, shown as the object
+            assert types[name] == dict[str, str], name
         else:
             assert types[name] == declared[name], name
         assert (type(None) in getattr(types[name], "__args__", ())) == (name in NULLABLE), name

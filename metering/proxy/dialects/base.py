@@ -6,6 +6,11 @@ from typing import Any
 from metering.settings import ModelRoute, Provider
 
 OWN_FIELDS = frozenset({"max_input_usd_per_mtok", "max_output_usd_per_mtok"})
+# The request's attribution (metering.ledger.attribution): `metadata` (its tags) is ours and
+# never sent up; `user` and `safety_identifier` (its end user) only to an upstream whose
+# document takes them (a dialect's `identifiers`).
+TAGS_FIELD = "metadata"
+IDENTIFIERS = frozenset({"user", "safety_identifier"})
 OPENAI_ERROR_FIELDS = frozenset({"message", "type", "code", "param"})
 
 
@@ -31,6 +36,13 @@ class Dialect:
     max_tokens_key: str | None = "max_tokens"
     # The most output tokens the upstream takes in one request, whatever the catalog says.
     max_output_tokens: int | None = None
+    # Which of `user` and `safety_identifier` the upstream's document takes: the others are
+    # left out of what is sent up.
+    identifiers: frozenset[str] = frozenset()
+
+    def __init__(self) -> None:
+        # The client's fields never sent up, as one set: the body is copied once, without them.
+        self.withheld = OWN_FIELDS | {TAGS_FIELD} | (IDENTIFIERS - self.identifiers)
 
     def output_ceiling(self, route: ModelRoute) -> int:
         """The most output tokens a request may ask of this route: the one bound on max_tokens
@@ -55,8 +67,10 @@ class Dialect:
         self, body: dict[str, Any], route: ModelRoute, *, max_tokens: int | None
     ) -> dict[str, Any]:
         """The body sent upstream: the client's, with the upstream's model name and our limits."""
-        # Our own routing fields stay here; everything else goes on as the client sent it.
-        upstream = {k: v for k, v in body.items() if k not in OWN_FIELDS}
+        # Our own fields (routing, tags, an end user the upstream does not take) stay here;
+        # everything else goes on as the client sent it.
+        withheld = self.withheld
+        upstream = {k: v for k, v in body.items() if k not in withheld}
         upstream["model"] = route.upstream_model
         if max_tokens is not None:
             key = self.max_tokens_key

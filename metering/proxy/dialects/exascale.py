@@ -5,7 +5,8 @@ OpenAI-compatible, plus `developer` role, `reasoning_content`, `reasoning_detail
 -1..200, repetition_penalty 0.01..2) are checked before anything is spent, and so is the
 content every message must carry. `stream`, listed as required, is always sent. Its
 streams always end with a usage chunk, asked for or not; the proxy withholds it from
-clients that did not ask for include_usage.
+clients that did not ask for include_usage. Its body parameters table has no `user` nor
+`safety_identifier`: neither is sent up.
 """
 
 from typing import Any
@@ -30,6 +31,7 @@ def _check_range(body: dict[str, Any], key: str, low: float, high: float, intege
 class ExascaleDialect(Dialect):
     name = "exascale"
     include_usage = True
+    identifiers: frozenset[str] = frozenset()  # not in its body parameters table
 
     def validate(self, body: dict[str, Any]) -> None:
         _check_range(body, "top_k", -1, 200, integer=True)

@@ -3,7 +3,8 @@
 Roles are system, user and assistant; content is a string or text blocks with
 non-empty text. Its streams carry no usage at all, so streamed requests are
 metered from an estimate of the request and the delivered text
-(`usage_source: "estimated"`); its non-streamed answers report usage.
+(`usage_source: "estimated"`); its non-streamed answers report usage. Its parameters
+table has no `user` nor `safety_identifier`: neither is sent up.
 """
 
 from typing import Any
@@ -18,6 +19,7 @@ ROLES = ("system", "user", "assistant")
 class GenesisDialect(Dialect):
     name = "genesis"
     include_usage = False
+    identifiers: frozenset[str] = frozenset()  # not in its parameters table
 
     def validate(self, body: dict[str, Any]) -> None:
         for i, message in enumerate(body["messages"]):

@@ -129,6 +129,8 @@ class NimDialect(Dialect):
     include_usage = False  # the schema has no stream_options: streams are estimated
     polls = True
     max_output_tokens = MAX_TOKENS  # the catalog's maximum may be set higher than NIM takes
+    # Its closed schema has neither (nor `metadata`): prepare() builds the body from the schema.
+    identifiers: frozenset[str] = frozenset()
 
     def validate(self, body: dict[str, Any]) -> None:
         _number(body, "temperature", 0, 1)
