@@ -208,7 +208,19 @@ def attributed_traffic(api) -> tuple[dict, dict, str, str]:
             event["tags"] = tags
         events.append(event)
     events.append(usage_event(token_id=token["id"], occurred_at=rfc(at - timedelta(hours=3))))
-    assert {a["status"] for a in post(api, events)} == {"created"}
+    created = post(api, events)
+    assert {a["status"] for a in created} == {"created"}
+    # A correction of globex's request is globex's too.
+    api.ok(
+        "POST",
+        "/v1/adjustments",
+        201,
+        json={
+            "amount": "-0.00001",
+            "reason": "goodwill",
+            "corrects_event_id": created[4]["event_id"],
+        },
+    )
     client = api.openai(token["token"])
     client.chat.completions.create(
         model="gpt-sim",
@@ -275,6 +287,12 @@ def test_focus_tags_carry_the_end_user_and_the_events_tags(api):
         ("initech", '{"env": "dev"}'),
         (None, "{}"),
     }
+    [goodwill] = [
+        r
+        for r in rows
+        if r["ChargeCategory"] == "Adjustment" and json.loads(r["Tags"]).get("end_user") == "globex"
+    ]
+    assert Decimal(goodwill["BilledCost"]) == Decimal("-0.00001")
     # The two requests of acme with the same tags in one hour are one group: one row per kind.
     search = [
         r
