@@ -33,6 +33,12 @@ class Team(Base):
     tpm_limit: Mapped[int | None] = mapped_column(BigInteger)
     max_parallel_requests: Mapped[int | None] = mapped_column(Integer)
     allowed_models: Mapped[str | None] = mapped_column(Text)  # a JSON list; None: every model
+    # The default budget of each of its end users (metering.budgets.end_users); a limit of None:
+    # end users without an override of their own are not limited.
+    end_user_credit_limit: Mapped[int | None] = mapped_column(Pico)
+    end_user_reset_interval: Mapped[str] = mapped_column(
+        String(20), default="never", server_default="never"
+    )
 
 
 class User(Base):
@@ -85,7 +91,7 @@ class Budget(Base):
     __tablename__ = "budgets"
 
     subject_id: Mapped[str] = mapped_column(String(40), primary_key=True)
-    scope: Mapped[str] = mapped_column(String(8))  # token | user | team
+    scope: Mapped[str] = mapped_column(String(8))  # token | user | team | end_user
     credit_limit: Mapped[int | None] = mapped_column(Pico)
     reset_interval: Mapped[str] = mapped_column(String(20))
     anchor_at: Mapped[datetime] = mapped_column(UTCDateTime)
@@ -165,6 +171,9 @@ class Hold(Base):
     # expiry is attributed like the request: its end user, and its tags as JSON text.
     end_user: Mapped[str | None] = mapped_column(String(256))
     tags: Mapped[str | None] = mapped_column(Text)
+    # The end user's budget (metering.budgets.end_users) the hold is reserved in too, if any:
+    # whoever ends the hold gives it back there, whatever the end user's limit became since.
+    end_user_budget: Mapped[str | None] = mapped_column(String(40))
 
 
 class RateCounter(Base):
@@ -310,6 +319,26 @@ class Run(Base):
     reserved: Mapped[int] = mapped_column(Pico, default=0)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     last_used_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+
+
+class EndUserBudget(Base):
+    """An end user of a team with a budget (its row of `budgets`, scope `end_user`, keyed by
+    `subject_id`): made by its first request while the team has a default limit, or by an
+    override. `override` false: the team's default applies (credit_limit and reset_interval
+    here unused)."""
+
+    __tablename__ = "end_user_budgets"
+    __table_args__ = (
+        Index("uq_end_user_budgets_team_end_user", "team_id", "end_user", unique=True),
+    )
+
+    subject_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    team_id: Mapped[str] = mapped_column(String(40))
+    end_user: Mapped[str] = mapped_column(String(256))
+    override: Mapped[bool] = mapped_column(Boolean, default=False)
+    credit_limit: Mapped[int | None] = mapped_column(Pico)
+    reset_interval: Mapped[str | None] = mapped_column(String(20))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 class AlertEvent(Base):

@@ -40,6 +40,7 @@ BACKENDS = ("sqlite", "postgresql")
 SERIAL = (
     "tests/budgets/test_concurrency.py",
     "tests/budgets/test_crash_recovery.py",
+    "tests/budgets/test_end_users_replicas.py",
     "tests/budgets/test_leases.py",
     "tests/budgets/test_limits_replicas.py",
     "tests/resilience/test_ledger_unavailable.py",

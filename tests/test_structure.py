@@ -61,6 +61,10 @@ def test_budget_routes_live_in_budgets():
 
     assert sorted(route.path for route in budgets.routes) == [
         "/v1/teams/{team_id}/budget",
+        "/v1/teams/{team_id}/end-users",
+        "/v1/teams/{team_id}/end-users/{end_user:path}/budget",
+        "/v1/teams/{team_id}/end-users/{end_user:path}/budget",
+        "/v1/teams/{team_id}/end-users/{end_user:path}/budget",
         "/v1/teams/{team_id}/limits",
         "/v1/tokens/{token_id}/budget",
         "/v1/tokens/{token_id}/limits",

@@ -93,7 +93,7 @@ async def list_deliveries(
 async def list_alerts(
     principal: SelfPrincipal,
     services: ServicesDep,
-    scope: Literal["token", "user", "team", "reconciliation"] | None = None,
+    scope: Literal["token", "user", "team", "end_user", "reconciliation"] | None = None,
     type: EventType | None = None,  # the query parameter's name
     subject_id: str | None = Query(None, max_length=40),
     limit: int = Query(100, ge=1, le=1000),

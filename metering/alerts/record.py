@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from metering.db import dialect_name
-from metering.models import AlertEvent, ApiToken, User
+from metering.models import AlertEvent, ApiToken, EndUserBudget, User
 from metering.money import format_usd
 from metering.timefmt import parse_rfc3339, rfc3339
 
@@ -202,6 +202,13 @@ async def owners(conn, scope: str, subject_id: str) -> tuple[str | None, str | N
     """(team_id, user_id) of a budget's subject (user_id None for a team)."""
     if scope == "team":
         return subject_id, None
+    if scope == "end_user":  # an end user's budget is its team's
+        team_id = (
+            await conn.execute(
+                select(EndUserBudget.team_id).where(EndUserBudget.subject_id == subject_id)
+            )
+        ).scalar()
+        return team_id, None
     if scope == "user":
         team_id = (await conn.execute(select(User.team_id).where(User.id == subject_id))).scalar()
         return team_id, subject_id

@@ -21,8 +21,9 @@ from fastapi.dependencies.models import Dependant
 from starlette.routing import BaseRoute
 
 RULES = ("open", "admin", "self", "user", "ingest")
-# Path parameters by which a *self* route names what it acts on.
-SUBJECT_PARAMS = ("user_id", "token_id", "team_id")
+# Path parameters by which a *self* route names what it acts on (an end user is named within
+# its team, whose id the same path carries).
+SUBJECT_PARAMS = ("user_id", "token_id", "team_id", "end_user")
 
 Dependency = TypeVar("Dependency", bound=Callable[..., Any])
 

@@ -47,6 +47,7 @@ from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, selec
 from sqlalchemy import exc as sa_exc
 
 from metering.budgets import settle_pg
+from metering.budgets.end_users import EndUserTeams
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.reserve import Claim, HoldSpec, Reservation, hold_json, hold_row
 from metering.budgets.settle_queue import SettleQueue
@@ -260,6 +261,8 @@ class LeaseBook:
         # Budgets found too near their limit to lease, until when (monotonic).
         self.too_small: dict[str, float] = {}
         self.holds = HoldWriter(db, settles)
+        # Teams whose end users may have budgets: their requests take the database path.
+        self.end_user_teams = EndUserTeams(db)
         self._lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
         self.admitted = 0  # requests admitted against leases
@@ -275,6 +278,7 @@ class LeaseBook:
         """Stop admitting against the leases of these budgets ("kind:id" subjects; None: all).
         Called before the process acknowledges a change, so the changing call returns only
         once no process admits against what it changed."""
+        self.end_user_teams.drop(subjects)
         ids = list(self.leases) if subjects is None else [s.partition(":")[2] for s in subjects]
         if subjects is None:
             self.too_small.clear()
@@ -313,6 +317,9 @@ class LeaseBook:
         amount = spec.amount(wanted)
         if spec.max_cost is not None and amount > spec.max_cost:
             return None  # to be clamped to (or refused by) its own ceiling: the database path
+        billing = spec.billing
+        if billing.end_user is not None and await self.end_user_teams.limited(billing.team_id):
+            return None  # its end user's budget is reserved in its row: the database path
         subjects = spec.subjects
         claim = self._claim(subjects, amount)
         if claim is None:

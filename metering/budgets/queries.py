@@ -52,11 +52,12 @@ USED_RATIOS_SHOWN = 500
 
 async def used_ratios(db: Database, limit: int = USED_RATIOS_SHOWN) -> list[tuple[str, str, float]]:
     """(scope, subject_id, spent / credit_limit) of the most used limited budgets, in their
-    current windows (a window that ended counts as 0): for the /metrics gauge."""
+    current windows (a window that ended counts as 0): for the /metrics gauge. End users'
+    budgets are left out: their number is unbounded, a series each would be too."""
     ratio = Budget.spent * 1.0 / Budget.credit_limit
     query = (
         select(Budget)
-        .where(Budget.credit_limit > 0, Budget.spent > 0)
+        .where(Budget.credit_limit > 0, Budget.spent > 0, Budget.scope != "end_user")
         .order_by(ratio.desc())
         .limit(limit)
     )

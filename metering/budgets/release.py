@@ -8,7 +8,7 @@ from sqlalchemy import bindparam, update
 from metering.budgets import rates
 from metering.budgets.reserve import Reservation
 from metering.budgets.runs import CHARGE_RUN, run_charge
-from metering.budgets.settle import TAKE_HOLD, rate_returns
+from metering.budgets.settle import TAKE_HOLD, held_subjects, rate_returns
 from metering.budgets.views import add_to_budgets
 from metering.db import Database, utcnow
 from metering.models import Budget, Hold
@@ -24,8 +24,7 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
         async with db.begin() as session:
             hold = (await session.execute(TAKE_HOLD, {"hold_id": hold_id})).first()
             if hold is not None and not hold.leased:
-                subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
-                await session.execute(_RELEASE, {"ids": subjects, "amount": hold.amount})
+                await session.execute(_RELEASE, {"ids": held_subjects(hold), "amount": hold.amount})
             if hold is not None and hold.run_id is not None:
                 await session.execute(CHARGE_RUN, [run_charge(hold, 0)])
             if hold is not None:

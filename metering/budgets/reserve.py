@@ -20,7 +20,7 @@ from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.alerts import record
-from metering.budgets import rates
+from metering.budgets import end_users, rates
 from metering.budgets.runs import RESERVE_RUN, RunKey, lock_run, run_is, run_params, run_view
 from metering.budgets.views import BudgetView, current_window, ids, lease_slack, load, roll, view
 from metering.budgets.windows import parse_interval, window_for
@@ -219,10 +219,15 @@ def _plan(spec: HoldSpec, views: list[BudgetView]) -> tuple[int, bool]:
 
 
 def hold_row(
-    spec: HoldSpec, amount: int, now: datetime, ttl_s: int, leases: dict[str, Any] | None = None
+    spec: HoldSpec,
+    amount: int,
+    now: datetime,
+    ttl_s: int,
+    leases: dict[str, Any] | None = None,
+    end_user_budget: str | None = None,
 ) -> dict[str, Any]:
     """The hold's row; `leases` (scope -> lease id, limited budgets only) when it was admitted
-    against leases."""
+    against leases; `end_user_budget` when it is reserved in its end user's budget too."""
     billing = spec.billing
     leased = leases is not None
     leases = leases or {}
@@ -251,6 +256,7 @@ def hold_row(
         "run_id": spec.run.run_id if spec.run is not None else None,
         "end_user": billing.end_user,
         "tags": billing.tags,
+        "end_user_budget": end_user_budget,
     }
 
 
@@ -276,8 +282,16 @@ _INSERT_HOLD = insert(Hold.__table__)
 async def _try_reserve(
     session: AsyncConnection | AsyncSession, spec: HoldSpec, now: datetime, ttl_s: int
 ) -> Reservation | None:
-    budgets = await load(session, spec.subjects, lock=True)
-    ordered = [budgets[s] for s in spec.subjects if s in budgets]
+    subjects = spec.subjects
+    end_user = spec.billing.end_user
+    held_in = None
+    if end_user is not None:
+        # Made now on its first use; locked below with the others, in subject_id order.
+        held_in = await end_users.held_in(session, spec.billing.team_id, end_user, now)
+        if held_in is not None:
+            subjects = [*subjects, held_in]
+    budgets = await load(session, subjects, lock=True)
+    ordered = [budgets[s] for s in subjects if s in budgets]
     views = [view(b, now) for b in ordered]
     run = await lock_run(session, spec.run, now) if spec.run is not None else None
     extra = [v for v in (request_view(spec, now),) if v is not None]
@@ -304,9 +318,10 @@ async def _try_reserve(
         )
         if held.rowcount != 1:
             return None
-    await session.execute(_INSERT_HOLD, hold_row(spec, amount, now, ttl_s))
+    await session.execute(_INSERT_HOLD, hold_row(spec, amount, now, ttl_s, end_user_budget=held_in))
     windows = {b.subject_id: (b.reset_interval, b.anchor_at, starts[b.subject_id]) for b in ordered}
-    plain = spec.rates is None and spec.run is None
+    # A hold of a run, of rate counters or of an end user's budget: the general settle.
+    plain = spec.rates is None and spec.run is None and held_in is None
     return Reservation(spec.hold_id, amount, output_tokens, clamped, windows, plain=plain)
 
 
@@ -335,7 +350,8 @@ async def record_exhausted(
     if key in seen:
         return
     billing = spec.billing
-    user_id = None if budget.scope == "team" else billing.user_id
+    # A team's budget and its end users' are the team's, not the requesting user's.
+    user_id = None if budget.scope in ("team", end_users.SCOPE) else billing.user_id
     figures = record.Figures(
         budget.scope,
         budget.subject_id,
@@ -371,10 +387,16 @@ async def _reserve(db: Database, spec: HoldSpec, ttl_s: int, leases: Admits | No
         return reservation
     # Lost every race to concurrent requests: what is left is genuinely too little.
     async with db.transaction() as session:
-        budgets = await load(session, spec.subjects)
-        slack = await lease_slack(session, spec.subjects)
+        subjects = spec.subjects
+        if spec.billing.end_user is not None:
+            subjects = [
+                *subjects,
+                end_users.subject_of(spec.billing.team_id, spec.billing.end_user),
+            ]
+        budgets = await load(session, subjects)
+        slack = await lease_slack(session, subjects)
         now = utcnow()
-        views = [view(budgets[s], now, slack.get(s, 0)) for s in spec.subjects if s in budgets]
+        views = [view(budgets[s], now, slack.get(s, 0)) for s in subjects if s in budgets]
         if spec.run is not None:
             run = await session.scalar(select(Run).where(*run_is(spec.run)))
             if run is not None:

@@ -1,12 +1,15 @@
 """Response bodies of the budget routes. Money is a decimal string of USD."""
 
+from decimal import Decimal
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from metering import limits
 from metering.budgets.views import BudgetView
-from metering.money import format_usd
+from metering.budgets.windows import InvalidInterval, parse_interval
+from metering.money import MoneyError, format_usd, parse_usd
+from metering.text import RequestBody
 from metering.timefmt import rfc3339
 
 
@@ -74,3 +77,72 @@ class LimitsOut(BaseModel):
                 "resets_at": rfc3339(current["resets_at"]),
             }
         )
+
+
+def _limit(value: object) -> Decimal | None:
+    if value is None:
+        return None
+    try:
+        return parse_usd(value, field="credit_limit")
+    except MoneyError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _interval(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError("reset_interval must be a string")
+    try:
+        return parse_interval(value).text
+    except InvalidInterval as exc:
+        raise ValueError(str(exc)) from None
+
+
+class EndUserBudgetIn(RequestBody):
+    """PUT /v1/teams/{team_id}/end-users/{end_user}/budget: one end user's own budget."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+    credit_limit: Decimal | None = Field(description="USD as a decimal string; null: not limited")
+    reset_interval: str = "never"
+
+    _check_limit = field_validator("credit_limit", mode="before")(_limit)
+    _check_interval = field_validator("reset_interval", mode="before")(_interval)
+
+
+class EndUserBudgetOut(BaseModel):
+    """An end user's budget as it stands now (its window rolled forward if it has ended): its
+    override's terms, or its team's default."""
+
+    scope: Literal["end_user"] = "end_user"
+    id: str = Field(description="The budget's id (eu_...), as alerts and refusals name it")
+    team_id: str
+    end_user: str
+    override: bool = Field(description="Whether the end user has terms of its own")
+    credit_limit: str | None
+    reset_interval: str
+    window_start: str
+    resets_at: str | None
+    spent: str
+    reserved: str
+    remaining: str | None
+
+    @classmethod
+    def of(cls, team_id: str, end_user: str, override: bool, now: BudgetView) -> "EndUserBudgetOut":
+        return cls(
+            id=now.subject_id,
+            team_id=team_id,
+            end_user=end_user,
+            override=override,
+            credit_limit=format_usd(now.credit_limit),
+            reset_interval=now.reset_interval,
+            window_start=rfc3339(now.window_start),
+            resets_at=rfc3339(now.resets_at),
+            spent=format_usd(now.spent),
+            reserved=format_usd(now.reserved),
+            remaining=format_usd(now.remaining),
+        )
+
+
+class EndUserList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EndUserBudgetOut]

@@ -21,7 +21,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from metering.alerts import record
-from metering.budgets import rates
+from metering.budgets import end_users, rates
 from metering.budgets.reserve import Reservation
 from metering.budgets.runs import CHARGE_RUN, run_charge
 from metering.budgets.views import CHARGED, add_to_budgets, ids, load, resets_at, roll
@@ -43,6 +43,7 @@ _HELD = (
     Hold.rate_window,
     Hold.rate_tokens,
     Hold.run_id,
+    Hold.end_user_budget,
 )
 # A hold taken (deleted) by whoever ends it: its row comes back, for what it gives back.
 TAKE_HOLD = delete(Hold.__table__).where(Hold.id == bindparam("hold_id")).returning(*_HELD)
@@ -99,7 +100,7 @@ async def settle_in(
         return await _settle_late(session, event)
     event = event.capped(hold.amount)
     now = event.created_at
-    subjects = [s for s in (hold.token_id, hold.user_id, hold.team_id) if s]
+    subjects = held_subjects(hold)
     if reservation is None or not reservation.window_unchanged(now):
         # A window may have ended while the request ran: close it before charging.
         for budget in (await load(session, subjects, lock=True)).values():
@@ -123,6 +124,12 @@ async def settle_in(
     return True
 
 
+def held_subjects(hold: Any) -> list[str]:
+    """The budgets a hold reserved in the rows (or leased): its token's, user's, team's, and
+    its end user's when it was held there too."""
+    return [s for s in (hold.token_id, hold.user_id, hold.team_id, hold.end_user_budget) if s]
+
+
 def hold_additions(hold: Any, cost: int) -> Iterator[tuple[str, int, int, str | None]]:
     """What settling one hold adds to each of its budgets: (subject, cost to spent, amount taken
     from reserved, lease id or None). A hold reserved in the rows gives its whole amount back to
@@ -142,6 +149,9 @@ def hold_additions(hold: Any, cost: int) -> Iterator[tuple[str, int, int, str | 
             yield subject, cost, cost, lease
         else:
             yield subject, cost, 0, None
+    if hold.end_user_budget is not None:
+        # Always reserved in its row (never leased): its whole amount leaves `reserved`.
+        yield hold.end_user_budget, cost, hold.amount, None
 
 
 def _add_charges(
@@ -162,6 +172,8 @@ def _people(people: dict[str, Any], hold: Any) -> dict[str, Any]:
     people[hold.user_id] = (hold.team_id, hold.user_id)
     if hold.token_id:
         people[hold.token_id] = (hold.team_id, hold.user_id)
+    if hold.end_user_budget is not None:
+        people[hold.end_user_budget] = (hold.team_id, None)
     return people
 
 
@@ -351,7 +363,12 @@ async def _settle_late(session: AsyncConnection | AsyncSession, event: Event) ->
         return False
     # The charge was made in the window that held it: the current one, or a closed one. The
     # two conditions are exclusive, so each budget is corrected once.
-    correction = {"ids": replaced.subjects, "delta": replaced.delta, "at": replaced.charged_at}
+    subjects = list(replaced.subjects)
+    if event.end_user is not None:
+        # The sweeper charged its end user's budget too, if the hold was held there; a budget
+        # made after the charge is not corrected (its window starts after it).
+        subjects.append(end_users.subject_of(replaced.team_id, event.end_user))
+    correction = {"ids": subjects, "delta": replaced.delta, "at": replaced.charged_at}
     await session.execute(_CORRECT, correction)
     await session.execute(_CORRECT_CLOSED, correction)
     if replaced.run_id is not None:  # its run was charged the whole hold too

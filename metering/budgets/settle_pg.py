@@ -5,9 +5,10 @@ The holds of leased requests admitted meanwhile ride along in the same statement
 (`with_holds`), or are inserted alone (`insert_holds`) when no settle is waiting.
 
 It serves the settles whose holds this process wrote and knows whole: its amount and leases
-are the reservation's, and it carries no rate claim and no run (those take the general path,
-metering.budgets.settle.settle_group). What each hold adds to each budget and lease is
-worked out here from the reservation, as the general path works it out from the hold's row;
+are the reservation's, and it carries no rate claim, no run and no end user's budget (those
+take the general path, metering.budgets.settle.settle_group). What each hold adds to each
+budget and lease is worked out here from the reservation, as the general path works it out from
+the hold's row;
 the statement deletes a hold only if its row is the one expected, and charges only the holds
 it deleted (`ok`). A hold not taken is left to the caller, which settles it alone by the
 general path: not found (swept while its request ran), as a settle after the sweep; found but
@@ -51,7 +52,7 @@ want AS (
 ),
 ok AS (
   DELETE FROM holds t WHERE t.id = ANY(ARRAY(SELECT id FROM want))
-    AND t.rate_kinds IS NULL AND t.run_id IS NULL
+    AND t.rate_kinds IS NULL AND t.run_id IS NULL AND t.end_user_budget IS NULL
     AND EXISTS (
       SELECT 1 FROM want w WHERE w.id = t.id AND w.amount = t.amount AND w.leased = t.leased
         AND w.token_lease IS NOT DISTINCT FROM t.token_lease
@@ -196,6 +197,7 @@ class Expected:
     team_lease: str | None
     rate_kinds: None = None
     run_id: None = None
+    end_user_budget: None = None
 
 
 def parameters(

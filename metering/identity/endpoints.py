@@ -5,6 +5,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.principal import RULE_ERRORS, AdminPrincipal, Principal, SelfPrincipal
 from metering.auth.schemas import PrincipalOut
+from metering.budgets import end_user_terms
 from metering.container import Services, ServicesDep, SessionDep
 from metering.errors import InvalidRequest, error_responses
 from metering.identity import service
@@ -48,6 +49,13 @@ def _alerts(body) -> dict:
     return {name: sent[name] for name in service.ALERT_FIELDS if name in sent}
 
 
+def _end_user_defaults(body: TeamCreate | TeamPatch) -> dict:
+    """The default end-user budget fields a body sent (a create's defaults count as sent)."""
+    sent = body.model_dump(exclude_unset=isinstance(body, TeamPatch))
+    names = ("end_user_credit_limit", "end_user_reset_interval")
+    return {name: sent[name] for name in names if name in sent}
+
+
 async def _teams(session: AsyncSession, teams) -> list[TeamOut]:
     budgets = await service.budgets_of(session, [t.id for t in teams])
     return [TeamOut.of(t, budgets.get(t.id)) for t in teams]
@@ -77,6 +85,7 @@ async def create_team(
         session, body.name, body.credit_limit, body.reset_interval, _limits(body, services)
     )
     await service.set_alerts(session, team.id, _alerts(body))
+    await end_user_terms.set_team_defaults(session, team, _end_user_defaults(body), new=True)
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
@@ -107,6 +116,7 @@ async def patch_team(
 ) -> TeamOut:
     _limits(body, services)
     team = await service.update_team(session, team_id, body.model_dump(exclude_unset=True))
+    await end_user_terms.set_team_defaults(session, team, _end_user_defaults(body))
     return TeamOut.of(team, await service.get_budget(session, team_id))
 
 

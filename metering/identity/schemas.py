@@ -165,18 +165,47 @@ class _Expiring(_Body):
         return self
 
 
-class TeamCreate(_Limited, _RateLimited):
+def _end_user_limit(value: object) -> Decimal | None:
+    if value is None:
+        return None
+    try:
+        return parse_usd(value, field="end_user_credit_limit")
+    except MoneyError as exc:
+        raise ValueError(str(exc)) from None
+
+
+class _EndUserDefaults(_Body):
+    """The default budget of each end user of a team (metering.budgets.end_users)."""
+
+    end_user_credit_limit: Decimal | None = Field(
+        default=None,
+        description="The credit limit (USD) of each end user of the team that has no override "
+        "of its own; null: end users without an override are not limited",
+    )
+    end_user_reset_interval: str = Field(
+        default="never", description="The reset interval of those end users' budgets"
+    )
+
+    _check_end_user_limit = field_validator("end_user_credit_limit", mode="before")(_end_user_limit)
+    _check_end_user_interval = field_validator("end_user_reset_interval", mode="before")(_interval)
+
+
+class TeamCreate(_Limited, _RateLimited, _EndUserDefaults):
     name: str = Field(min_length=1, max_length=200)
 
 
-class TeamPatch(_Limited, _RateLimited):
+class TeamPatch(_Limited, _RateLimited, _EndUserDefaults):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     # A patch may leave out what a create defaults: these fields and their checks take None.
     reset_interval: str | None = None  # type: ignore[assignment]
+    end_user_reset_interval: str | None = None  # type: ignore[assignment]
 
     _check_interval = field_validator("reset_interval", mode="before")(  # type: ignore[assignment]
         lambda v: None if v is None else _interval(v)
     )
+    _check_end_user_interval = field_validator(  # type: ignore[assignment]
+        "end_user_reset_interval", mode="before"
+    )(lambda v: None if v is None else _interval(v))
 
 
 class UserCreate(_Limited, _RateLimited):
@@ -258,12 +287,21 @@ class TeamOut(_LimitsOut):
     name: str
     credit_limit: str | None
     reset_interval: str
+    end_user_credit_limit: str | None = Field(
+        description="The default credit limit of each end user of the team (USD); null: none"
+    )
+    end_user_reset_interval: str
     created_at: str
 
     @classmethod
     def of(cls, team: Team, budget: Budget | None) -> "TeamOut":
         return cls(
-            id=team.id, name=team.name, **_limits(budget, team), created_at=rfc3339(team.created_at)
+            id=team.id,
+            name=team.name,
+            **_limits(budget, team),
+            end_user_credit_limit=format_usd(team.end_user_credit_limit),
+            end_user_reset_interval=team.end_user_reset_interval or "never",
+            created_at=rfc3339(team.created_at),
         )
 
 

@@ -186,10 +186,13 @@ class RefusalOut(BaseModel):
         description="budget (402 budget_exceeded), rpm or tpm (429 rate_limit_exceeded), "
         "parallel (429, max_parallel_requests), model (403 model_not_allowed)"
     )
-    scope: Literal["token", "user", "team", "request", "run"] = Field(
-        description="Whose limit refused it (request: x-metering-max-cost; run: its budget)"
+    scope: Literal["token", "user", "team", "end_user", "request", "run"] = Field(
+        description="Whose limit refused it (request: x-metering-max-cost; run: its budget; "
+        "end_user: the budget of the request's end user)"
     )
-    subject_id: str = Field(description="That token's, user's or team's id")
+    subject_id: str = Field(
+        description="That token's, user's or team's id (an end user's budget: its eu_ id)"
+    )
     http_status: int
     code: str
     message: str
