@@ -19,6 +19,8 @@ LABEL = {
     "pg-nosync": "ours, PostgreSQL, no WAL flush wait",
     "pg-off": "ours, PostgreSQL, budgets off",
     "pg-limits": "ours, PostgreSQL, rate limits on",
+    "pg-end-users": "ours, PostgreSQL, an end user on every request",
+    "pg-end-user-budgets": "ours, PostgreSQL, an end user with a budget on every request",
     "sqlite": "ours, SQLite",
     "litellm": "LiteLLM proxy",
 }

@@ -64,6 +64,8 @@ MODES = (
     "pg-base",
     "pg-nosync",
     "pg-limits",
+    "pg-end-users",
+    "pg-end-user-budgets",
     "pg-off",
     "sqlite",
     "litellm",
@@ -73,6 +75,8 @@ SERVER_OF = {
     "pg-base": "pg-base",
     "pg-nosync": "pg-nosync",
     "pg-limits": "pg",
+    "pg-end-users": "pg",
+    "pg-end-user-budgets": "pg",
     "pg-off": "pg",
     "sqlite": "sqlite",
     "floor": "floor",
@@ -87,6 +91,8 @@ FAR_LIMITS = {
     "max_parallel_requests": 100_000,
 }
 PACED = {"wait_ms": 50, "delay_ms": 5, "chunks": 20}
+# pg-end-users and pg-end-user-budgets: each request made for one of this many end users, in turn.
+END_USERS = 1000
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -120,10 +126,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default="direct,floor,floor-commits,pg,sqlite",
-        help="subset of direct,floor,floor-commits,floor-grouped,pg,pg-limits,pg-off,sqlite "
-        "(floor-commits: the floor with a hold committed before the upstream call and an event "
-        "before the answer ends; floor-grouped: the same written in groups, as ours writes "
-        "them; pg-off: ours on PostgreSQL, budgets off; pg-limits: budgets and rate limits on)",
+        help="subset of direct,floor,floor-commits,floor-grouped,pg,pg-limits,pg-end-users,"
+        "pg-end-user-budgets,pg-off,sqlite (floor-commits: the floor with a hold committed "
+        "before the upstream call and an event before the answer ends; floor-grouped: the same "
+        "written in groups, as ours writes them; pg-off: ours on PostgreSQL, budgets off; "
+        "pg-limits: budgets and rate limits on; pg-end-users: an end user (x-metering-end-user, "
+        f"{END_USERS} in turn) on every request; pg-end-user-budgets: the same, its team giving "
+        "each end user a budget)",
     )
     p.add_argument(
         "--limits",
@@ -487,6 +496,13 @@ def start_ours(
             subject_id = limited[scope]["id"]
             server.admin.ok("PATCH", f"/v1/{scope}s/{subject_id}", json=FAR_LIMITS)
         server.principals["limits"] = limited
+    if "pg-end-users" in args.modes and backend == "pg":
+        server.principals["end-users"] = server.admin.principal(BIG_LIMIT)
+    if "pg-end-user-budgets" in args.modes and backend == "pg":
+        budgets = server.admin.principal(BIG_LIMIT)
+        terms = {"end_user_credit_limit": BIG_LIMIT, "end_user_reset_interval": "monthly"}
+        server.admin.ok("PATCH", f"/v1/teams/{budgets['team']['id']}", json=terms)
+        server.principals["end-user-budgets"] = budgets
     if args.hot and backend == "pg":
         for i in range(args.hot[0]):
             server.principals[f"team-{i}"] = server.admin.principal(BIG_LIMIT)
@@ -644,6 +660,17 @@ def target_for(
         principal = "off"
     if mode == "pg-limits":
         principal = "limits"
+    if mode in ("pg-end-users", "pg-end-user-budgets"):
+        token = server.principals[mode.removeprefix("pg-")]["token"]["token"]
+        spread = [
+            {
+                "authorization": f"Bearer {token}",
+                "x-metering-end-user": f"customer-{n}",
+                **json_type,
+            }
+            for n in range(END_USERS)
+        ]
+        return load.Target(url, spread[0], body, stream, spread=spread)
     if principal == "spread":
         spread = [
             {"authorization": f"Bearer {p['token']['token']}", **json_type}
@@ -783,6 +810,45 @@ def check_floor_commits(server: Server) -> list[tuple[bool, str]]:
     ]
 
 
+def check_end_users(server: Server, label: str, events: list[dict]) -> list[tuple[bool, str]]:
+    """pg-end-users: every event of its token names its end user; pg-end-user-budgets: each end
+    user's budget spent the sum of its events' costs, nothing left reserved."""
+    checks = []
+    for name in ("end-users", "end-user-budgets"):
+        principal = server.principals.get(name)
+        if principal is None:
+            continue
+        own = [e for e in events if e["token_id"] == principal["token"]["id"]]
+        named = sum(1 for e in own if (e["end_user"] or "").startswith("customer-"))
+        checks.append(
+            (named == len(own), f"{label}: {named} of {len(own)} {name} events name their end user")
+        )
+        if name != "end-user-budgets":
+            continue
+        by_end_user: dict[str, Decimal] = {}
+        for e in own:
+            by_end_user[e["end_user"]] = by_end_user.get(e["end_user"], Decimal(0)) + Decimal(
+                e["cost"]
+            )
+        wrong = []
+        team_id = principal["team"]["id"]
+        for end_user, cost in by_end_user.items():
+            budget = server.admin.ok("GET", f"/v1/teams/{team_id}/end-users/{end_user}/budget")
+            if Decimal(budget["spent"]) != cost or Decimal(budget["reserved"]) != 0:
+                wrong.append(
+                    f"{end_user} spent {budget['spent']} reserved {budget['reserved']} != {cost}"
+                )
+        checks.append(
+            (
+                not wrong,
+                f"{label}: spent on each of the {len(by_end_user)} end users' budgets = the sum of "
+                "its events' costs, reserved 0"
+                + (f"; not: {', '.join(wrong[:5])}" if wrong else ""),
+            )
+        )
+    return checks
+
+
 def check(server: Server) -> list[tuple[bool, str]]:
     """The ledger against what the load generator saw, and every hold released."""
     label = report.SERVER_LABEL.get(server.name, server.name)
@@ -844,6 +910,7 @@ def check(server: Server) -> list[tuple[bool, str]]:
                 f"team ({in_flight})",
             )
         )
+    checks += check_end_users(server, label, events)
     log = server.process.log_path.read_text(errors="replace")
     errors = sum(1 for line in log.splitlines() if "ERROR" in line or "Traceback" in line)
     checks.append((errors == 0, f"{label}: server log: {errors} error lines"))
@@ -898,7 +965,9 @@ def run(args, meta: dict) -> dict:
             servers["floor-grouped"] = start_floor(
                 sim_port, grouped_tmp, stack, args.pg, grouped=True
             )
-        if {"pg", "pg-off", "pg-limits"} & set(args.modes) or args.hot:
+        if {"pg", "pg-off", "pg-limits", "pg-end-users", "pg-end-user-budgets"} & set(
+            args.modes
+        ) or args.hot:
             pg_tmp = tmp / "pg"
             pg_tmp.mkdir()
             servers["pg"] = start_ours(args, "pg", sim_port, pg_tmp, stack)
@@ -961,7 +1030,17 @@ def run(args, meta: dict) -> dict:
         if args.paced:
             c, n = args.paced
             paced_modes = [
-                m for m in args.modes if m not in ("pg-off", "pg-limits", "pg-base", "pg-nosync")
+                m
+                for m in args.modes
+                if m
+                not in (
+                    "pg-off",
+                    "pg-limits",
+                    "pg-end-users",
+                    "pg-end-user-budgets",
+                    "pg-base",
+                    "pg-nosync",
+                )
             ]
             targets = {
                 m: target_for(m, servers, sim_port, True, args, paced=True) for m in paced_modes
