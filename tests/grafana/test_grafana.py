@@ -224,7 +224,9 @@ def test_top_end_users_agree_with_the_api_over_whole_days(query, pg_site):
         )[:20]
         _, drawn = query(expand(sql, start, end, teams))
         assert [(name, money(cost)) for name, cost in drawn] == expected
-        assert {name for name, _ in drawn} == {"cust-ada", "cust-ben", "cust-cy"}
+        # (Other tests of the session may add end users of their own teams.)
+        names = {name for name, _ in drawn}
+        assert names == {"cust-ada", "cust-ben", "cust-cy"} if teams else names >= {"cust-ada"}
     other = team_id(pg_site, "demo-platform")
     assert query(expand(sql, start, end, [other]))[1] == []
 
