@@ -28,6 +28,7 @@ from metering.budgets.endpoints import router as budgets_router
 from metering.budgets.refusals import RefusalLog
 from metering.budgets.runtime import BudgetRuntime
 from metering.catalog import CatalogStore, record_prices
+from metering.catalog import describe as describe_catalog
 from metering.clock import SYSTEM, Clock, reset_current, set_current
 from metering.container import Services, ServicesDep, install
 from metering.dashboard.apidocs import OPENAPI as OPENAPI_URL
@@ -158,7 +159,9 @@ def create_app(
 ) -> FastAPI:
     settings = settings or Settings()
     config_path = settings.config_path()
-    catalog = catalog if catalog is not None else load_catalog(config_path)
+    if catalog is None:  # the file's (a catalog given by the caller is the caller's to tell)
+        catalog = load_catalog(config_path)
+        describe_catalog(catalog, config_path)
     store = CatalogStore(catalog, config_path)
 
     @asynccontextmanager

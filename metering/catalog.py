@@ -70,6 +70,32 @@ async def record_prices(db: Database, catalog: Catalog) -> int:
     return added
 
 
+def describe(catalog: Catalog, path: Path | None) -> None:
+    """Says in the log which catalog the server starts with, and warns when it has no model
+    (every chat request would answer 404 model_not_found)."""
+    if path is None:
+        log.warning(
+            "no catalog: METERING_CONFIG is unset and ./metering.toml does not exist, so no "
+            "model can be called (docs/operator/catalog.md)"
+        )
+        return
+    routes = sum(len(r) for r in catalog.models.values())
+    if not catalog.models:
+        log.warning(
+            "catalog %s has no models (%d providers): no model can be called",
+            path,
+            len(catalog.providers),
+        )
+        return
+    log.info(
+        "catalog %s loaded: %d models (%d routes) from %d providers",
+        path,
+        len(catalog.models),
+        routes,
+        len(catalog.providers),
+    )
+
+
 class CatalogStore:
     """Holds the current catalog; `reload_if_changed` swaps in a new one when the file changes."""
 

@@ -18,13 +18,16 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
 import uvicorn
+from sqlalchemy import create_engine, pool, text
 
 from metering import migrate
 from metering.app import create_app
+from metering.db import sync_url
 from metering.money import format_usd, parse_usd, usd_to_pico
 from metering.server import server_config
 from metering.settings import Settings, parse_catalog
@@ -364,13 +367,20 @@ def python_example() -> str:
     return python
 
 
-def banner(base: str, token: str, admin_key: str, url: str) -> str:
+def metering_command() -> str:
+    """The `metering` command of this interpreter's environment (a venv's, not on PATH)."""
+    beside = Path(sys.executable).parent / "metering"
+    return shlex.quote(str(beside)) if beside.exists() else "metering"
+
+
+def banner(base: str, token: str, admin: tuple[str, str], url: str) -> str:
+    admin_key, whose = admin
     return f"""
 metering demo
   database      {url}
   proxy         {base}/v1   (models: gpt-sim, minimax-m2.1, minimax-m2.5, from a simulated upstream)
   dashboard     {base}/dashboard   (open it and paste the admin key or the demo token)
-  admin key     {admin_key}
+  admin key     {admin_key}   ({whose})
   demo token    {token}
 
   curl {base}/v1/chat/completions \\
@@ -383,15 +393,18 @@ print(c.chat.completions.create(model="gpt-sim", messages=[{{"role": "user", "co
 
   curl -H "Authorization: Bearer {admin_key}" {base}/v1/usage
 
-  Ctrl-C stops the demo (the database file stays; the next run adds to it).
+  METERING_URL={base} METERING_ADMIN_KEY={admin_key} {metering_command()} teams list
+
+  Ctrl-C stops the demo (the database stays, with its admin key; the next run adds to it).
 """
 
 
 def demo_in_background(
-    server: uvicorn.Server, base_url: str, admin_key: str, database_url: str
+    server: uvicorn.Server, base_url: str, admin: tuple[str, str], database_url: str
 ) -> threading.Thread:
-    """Once the server is up: makes the demo token, prints the banner, sends the demo traffic
-    and says in one line how it went."""
+    """Once the server is up: makes the demo token, prints the banner (with the admin key and
+    where it comes from), sends the demo traffic and says in one line how it went."""
+    admin_key, whose = admin
 
     def run() -> None:
         while not server.started:
@@ -401,7 +414,7 @@ def demo_in_background(
         try:
             with admin_client(base_url, admin_key) as http:
                 token = Admin(http).demo_token()
-            print(banner(base_url, token, admin_key, database_url), flush=True)
+            print(banner(base_url, token, admin, database_url), flush=True)
             statuses = generate_traffic(base_url, admin_key, token)
         except (httpx.HTTPError, RuntimeError) as exc:
             print(f"demo traffic failed: {exc}", file=sys.stderr, flush=True)
@@ -428,10 +441,38 @@ class DemoSettings(Settings):
     webhooks_allow_loopback: bool = True
 
 
+# The key_values row that keeps the demo's admin key (beside the signing secret's).
+KEPT_KEY = "demo_admin_key"
+
+
+def kept_admin_key(database_url: str) -> str:
+    """The demo's admin key: made at the first demo on this database and kept in it (table
+    key_values), so a saved key and a dashboard session outlive a restart. Two demos starting
+    at once on one database agree: the first insert wins, both read it."""
+    engine = create_engine(sync_url(database_url), poolclass=pool.NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO key_values (key, value) VALUES (:key, :value) "
+                    "ON CONFLICT (key) DO NOTHING"
+                ),
+                {"key": KEPT_KEY, "value": "demo-admin-" + secrets.token_hex(16)},
+            )
+            kept = conn.execute(
+                text("SELECT value FROM key_values WHERE key = :key"), {"key": KEPT_KEY}
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    return str(kept)
+
+
 def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
-    admin_key = os.environ.get("METERING_ADMIN_KEY") or "demo-admin-" + secrets.token_hex(16)
+    database_url = DemoSettings().database_url
+    migrate.upgrade(database_url)
+    given = os.environ.get("METERING_ADMIN_KEY")
+    admin_key = given or kept_admin_key(database_url)
     settings = DemoSettings(admin_key=admin_key)
-    migrate.upgrade(settings.database_url)
     sim = SimServer().start()
     try:
         catalog = parse_catalog(demo_catalog(sim))
@@ -441,7 +482,8 @@ def run_demo(host: str = "127.0.0.1", port: int = 8080) -> None:
         )
         server = uvicorn.Server(config)
         logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per demo request
-        demo_in_background(server, base, admin_key, settings.database_url)
+        whose = "METERING_ADMIN_KEY" if given else "kept in the database: the same at every start"
+        demo_in_background(server, base, (admin_key, whose), settings.database_url)
         server.run()
     finally:
         sim.stop()

@@ -15,8 +15,9 @@ from metering.settings import Settings, parse_catalog
 from metering.sim.app import SimServer
 from metering.testing import metering_server
 
-# The demo site (a server with the demo traffic) shared by tests/demo, dashboard and grafana.
-pytest_plugins = ["tests.demo_site"]
+# The demo site (a server with the demo traffic) shared by tests/demo, dashboard and grafana;
+# `cli`, the `metering` command in this process against the api server (tests/test_cli_*).
+pytest_plugins = ["tests.demo_site", "tests.cli_runner"]
 
 PG_ADMIN_DSN = os.environ.get("METERING_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 

@@ -1,24 +1,26 @@
-"""The `metering` command: serve, db upgrade, demo, reconcile."""
+"""The commands run on the server's machine, with its settings and its database: serve, db
+upgrade, demo, reconcile, rerate."""
 
 import argparse
 import asyncio
 import contextlib
 import gc
 import json
-import logging
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from metering.cli.options import command, subparsers
 
-from metering import __version__
-from metering.settings import Settings
+if TYPE_CHECKING:
+    from metering.settings import Settings
 
-# Each command imports what it runs (the server, the migrations, the database) when it runs:
-# `metering --version`, or a refusal of a wrong setting, answers before any of it is loaded.
+# Each command imports what it runs (the settings, the server, the migrations, the database)
+# when it runs: `metering --version`, the admin client's commands, or a refusal of a wrong
+# setting, answer before any of it is loaded.
 
 # The admin key .env.example shows: every reader of the repository knows it.
 PLACEHOLDER_ADMIN_KEY = "change-me-to-a-random-key-of-32-characters-or-more"
@@ -85,8 +87,12 @@ def serving_app():
     return app
 
 
-def load_settings() -> Settings | None:
+def load_settings() -> "Settings | None":
     """The settings, or None after saying on stderr which are wrong."""
+    from pydantic import ValidationError
+
+    from metering.settings import Settings
+
     try:
         return Settings()
     except ValidationError as exc:
@@ -124,6 +130,7 @@ def reconcile(args: argparse.Namespace) -> int:
     from metering.db import Database
     from metering.errors import InvalidRequest
     from metering.reports import reconciliation
+    from metering.settings import Settings
 
     async def run() -> dict:
         db = Database(Settings().database_url)
@@ -152,6 +159,7 @@ def rerate(args: argparse.Namespace) -> int:
     from metering.billing import rerate as rerating
     from metering.db import Database, utcnow
     from metering.errors import MeteringError
+    from metering.settings import Settings
 
     async def run() -> dict:
         start = rerating.parse_moment(args.start, "start")
@@ -190,65 +198,67 @@ def db_upgrade(_: argparse.Namespace) -> int:
     return 0
 
 
-def demo(args: argparse.Namespace) -> None:
+def demo(args: argparse.Namespace) -> int:
     from metering.demo import run_demo
 
     run_demo(host=args.host, port=args.port)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="metering", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"metering {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    p = commands.add_parser("serve", help="run the proxy (applies pending migrations first)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--log-level", default="info")
+def add_commands(group: Any) -> None:
+    p = command(group, "serve", "run the proxy (applies pending migrations first)")
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="the port to listen on")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes sharing the port (each with its own pools; on SQLite keep 1)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        help="the least severe log lines written",
+    )
     p.set_defaults(func=serve)
 
-    db = commands.add_parser("db", help="database schema").add_subparsers(
-        dest="db_command", required=True
+    db = command(group, "db", "the database's schema")
+    command(subparsers(db, "db_command"), "upgrade", "apply pending migrations").set_defaults(
+        func=db_upgrade
     )
-    db.add_parser("upgrade", help="apply pending migrations").set_defaults(func=db_upgrade)
 
-    p = commands.add_parser("demo", help="serve with a simulated upstream and a demo token")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p = command(
+        group,
+        "demo",
+        "serve with a simulated upstream, demo traffic and a demo token",
+        "Serve on the database of METERING_DATABASE_URL (default ./metering.db) with a "
+        "simulated upstream, send a few seconds of demo traffic and print a demo token and the "
+        "admin key. The admin key is METERING_ADMIN_KEY if set, else one made at the database's "
+        "first demo and kept in it: the same at every start.",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="the port to listen on")
     p.set_defaults(func=demo)
 
-    p = commands.add_parser(
-        "reconcile", help="compare a provider's usage export (CSV) with the ledger"
-    )
+    p = command(group, "reconcile", "compare a provider's usage export (CSV) with the ledger")
     p.add_argument(
         "file",
         help="the export: CSV with date, provider, model, prompt_tokens, "
         "completion_tokens, cost[, upstream_id]; - reads standard input",
     )
     p.add_argument("--provider", required=True, help="the provider's name in the catalog")
-    p.add_argument("--tolerance", default=None, help="relative tolerance (default 0.001)")
+    p.add_argument("--tolerance", help="relative tolerance for tokens and cost (default: 0.001)")
     p.set_defaults(func=reconcile)
 
-    p = commands.add_parser(
+    p = command(
+        group,
         "rerate",
-        help="correct a model's events in a range to the price history (adjustment events)",
+        "correct a model's events in a range to the price history (adjustment events)",
     )
     p.add_argument("--provider", required=True, help="the provider's name in the catalog")
     p.add_argument("--model", required=True, help="the model's name in the catalog")
     p.add_argument("--start", required=True, help="RFC 3339, inclusive")
-    p.add_argument("--end", default=None, help="RFC 3339, exclusive (default now)")
+    p.add_argument("--end", help="RFC 3339, exclusive (default: now)")
     p.add_argument("--reason", required=True, help="why: kept on every adjustment")
     p.set_defaults(func=rerate)
-
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    for noisy in ("apscheduler", "httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)  # a line per job run or request
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
