@@ -36,14 +36,16 @@ from sqlalchemy import create_engine, pool
 from sqlalchemy.dialects import postgresql
 
 from bench.procs import Process, free_port, metering_command, revision, rss_kib
-from bench.rollups import derive_statement, rebuild_statement
+from bench.rollups import attributed_statements, derive_statement, rebuild_statement
 from metering import migrate
 from metering.db import sync_url
 from metering.ledger.rollup import DERIVED
 from metering.ledger.tables import LedgerEvent
+from metering.reports.attributed import Attributes, parse_tags, values_query
 from metering.reports.spend import (
-    GROUPS,
+    MAX_REPORT_ROWS,
     bound_query,
+    keys_of,
     page_query,
     parse_group_by,
     spend_query,
@@ -104,6 +106,15 @@ VALUES = {
     "cost": "(prompt - v.cached) * r.input + v.cached * r.cached + completion * r.output",
     "ttft_ms": "100 + g %% 400",
     "latency_ms": "800 + g %% 5000",
+    # One event in ten without an end user; the rest each token's customers (--end-users over
+    # the tokens), skewed as real ones are: the k-th of a token's is about k^(-2/3) as busy.
+    "end_user": "CASE WHEN j %% 10 = 0 THEN NULL ELSE 'cust_' || tok || '_' || "
+    "floor({per_token} * power(((j * 2654435761) %% 1000003) / 1000003.0, 3))::bigint END",
+    # Each token is one of 20 projects; most events name one of 4 features too; a few no tags.
+    "tags": "CASE WHEN j %% 7 = 0 THEN '{{}}' "
+    "WHEN j %% 5 = 0 THEN '{{\"project\":\"p' || lpad((tok %% 20)::text, 2, '0') || '\"}}' "
+    'ELSE \'{{"feature":"f\' || (j * 13) %% 4 || \'","project":"p\' '
+    "|| lpad((tok %% 20)::text, 2, '0') || '\"}}' END",
 }
 # Columns of the migrated table the generator does not know, NOT NULL and without a default:
 # filled with a zero of their type.
@@ -118,6 +129,7 @@ CROSS JOIN LATERAL (SELECT
         - (((g - 1)::numeric * %(span_us)s / %(n)s)::bigint + 1) * interval '1 microsecond'
         AS at,
     g %% {tokens} AS tok,
+    g / {tokens} AS j,
     100 + (g * 7919) %% 4000 AS prompt,
     CASE WHEN g %% 5 = 0 THEN ((g * 7919) %% 4000) / 2 ELSE 0 END AS cached,
     20 + (g * 104729) %% 1500 AS completion,
@@ -152,7 +164,11 @@ def insert_sql(conn, org: dict) -> str:
     )
     return GENERATE.format(
         columns=", ".join(names),
-        values=",\n    ".join(values).format(users=org["users"], teams=org["teams"]),
+        values=",\n    ".join(values).format(
+            users=org["users"],
+            teams=org["teams"],
+            per_token=max(1, org["end_users"] // org["tokens"]),
+        ),
         tokens=org["tokens"],
         routes=org["models"],
         route_rows=route_rows,
@@ -193,6 +209,8 @@ def generate(url: str, events: int, end: datetime, org: dict) -> dict:
         # The coarser rollups from the hourly one, as the migration that added them does.
         for rollup in DERIVED:
             conn.execute(derive_statement(rollup, "postgresql"))
+        for statement in attributed_statements():
+            conn.exec_driver_sql(statement)
     engine.dispose()
     timings["rollup_s"] = time.perf_counter() - t2
     t3 = time.perf_counter()
@@ -362,11 +380,41 @@ def named_reports(now: datetime) -> dict[str, dict]:
             "team_id": "team_3",
         },
         "by token and day, 30 days: first page (10,000 rows)": {**month, "group_by": "token,day"},
+        **attributed_reports(now),
+    }
+
+
+def attributed_reports(now: datetime) -> dict[str, dict]:
+    """By end user and by tag: over the 30 whole UTC days before `now`'s (what their daily
+    rollups answer) and the whole day before it, and one over the rolling 30 days, whose
+    partial days at the edges are read from the ledger."""
+    today = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    days = {"start": rfc(today - SPAN), "end": rfc(today)}
+    yesterday = {"start": rfc(today - timedelta(days=1)), "end": rfc(today)}
+    return {
+        "by end user, one team, 30 whole days: first page": {
+            **days,
+            "group_by": "end_user",
+            "team_id": "team_3",
+        },
+        "top end users, the last whole day: first page": {**yesterday, "group_by": "end_user"},
+        "one end user by day, 30 whole days": {**days, "group_by": "day", "end_user": "cust_3_0"},
+        "by tag:project, 30 whole days": {**days, "group_by": "tag:project"},
+        "one tag value by day, 30 whole days": {**days, "group_by": "day", "tag": "project:p03"},
+        "by tag:project and model, 30 whole days": {**days, "group_by": "tag:project,model"},
+        "by tag:project, rolling 30 days (edges from the ledger)": {
+            "start": rfc(now - SPAN),
+            "end": rfc(now),
+            "group_by": "tag:project",
+        },
     }
 
 
 # Reports larger than a report may be (metering.reports.spend.MAX_REPORT_ROWS): a 400, timed.
-REFUSED = {"by token, model and hour, 30 days: refused (400)": "token,model,hour"}
+REFUSED = {
+    "by token, model and hour, 30 days: refused (400)": "token,model,hour",
+    "by end user and hour, 30 days: refused (400)": "end_user,hour",
+}
 PAGED = "by token and day, 30 days"
 
 
@@ -376,12 +424,19 @@ FILTERS = ("team_id", "user_id", "token_id", "model", "provider")
 def report_statement(params: dict):
     """The statement GET /v1/spend runs for a page of a report (its first 10,000 rows), and for
     a report it refuses the statement that bounds its size."""
-    keys = [GROUPS[name] for name in parse_group_by(params.get("group_by"))]
+    keys, grouped = keys_of(parse_group_by(params.get("group_by")))
+    tags = parse_tags([params["tag"]] if "tag" in params else [])
+    attrs = Attributes(grouped.tag_keys, params.get("end_user"), tags)
     filters = {k: params[k] for k in FILTERS if k in params}
     start, end = parse_rfc3339(params["start"]), parse_rfc3339(params["end"])
     if params.get("group_by") in REFUSED.values():
+        if attrs.applies(keys):  # refused after counting the values up to the cap, by hour
+            hours = int((end - start).total_seconds() // 3600) + 1
+            cap = MAX_REPORT_ROWS // hours + 1
+            return values_query("postgresql", keys, filters, attrs, start, end, cap)
         return bound_query(keys, filters, start, end)
-    return page_query(spend_query("postgresql", keys, filters, start, end), keys, 0, 10_000)
+    query = spend_query("postgresql", keys, filters, start, end, attrs)
+    return page_query(query, keys, 0, 10_000)
 
 
 def _plan_facts(lines: list[str]) -> dict:
@@ -586,7 +641,13 @@ def measure_latency(client: httpx.Client, base: str, month: dict, count: int) ->
 
 
 def run(args) -> tuple[dict, str]:
-    org = {"tokens": args.tokens, "users": args.users, "teams": args.teams, "models": args.models}
+    org = {
+        "tokens": args.tokens,
+        "users": args.users,
+        "teams": args.teams,
+        "models": args.models,
+        "end_users": args.end_users,
+    }
     name = args.database or f"metering_bench_reports_{uuid.uuid4().hex[:8]}"
     base = args.pg.rsplit("/", 1)[0]
     url = f"{base}/{name}"
@@ -757,7 +818,8 @@ def markdown(result: dict, command: str, repeat: int) -> str:
         "",
         "`GET /v1/spend` reads whole days from the coarsest daily rollup that has the keys a "
         "report groups or filters on, the hours left at the days' edges from the coarsest hourly "
-        "rollup, and only the partial hours at a range's edges from the ledger, so its cost "
+        "rollup, and only the partial hours at a range's edges from the ledger (by end user or "
+        "tag: whole days from the end-user and tag rollups, the rest from the ledger), so its cost "
         "follows the rows of the rollups it reads, not the events; a report that could hold more "
         "than 100,000 rows is refused with a 400. Targets: every named report under "
         "300 ms, `/v1/usage` pages under 100 ms anywhere in the range, the CSV export streaming "
@@ -770,7 +832,9 @@ def markdown(result: dict, command: str, repeat: int) -> str:
         + (f" at commit {result['revision']}" if result.get("revision") else "")
         + ", PostgreSQL, one `metering serve` process;",
         f"{result['events']:,} ledger events over 30 days ({org['tokens']:,} tokens, "
-        f"{org['users']:,} users, {org['teams']:,} teams, {org['models']:,} models); {rollups} "
+        f"{org['users']:,} users, {org['teams']:,} teams, {org['models']:,} models; "
+        f"{org.get('end_users', 0):,} end users on 9 events in 10, tags `project` (20 values, "
+        f"one a token) and `feature` (4) on 6 in 7); {rollups} "
         f"({made}). Each figure: the median of {repeat} requests after one warm-up, through "
         "HTTP, the whole body read.",
         "",
@@ -902,6 +966,9 @@ def main(argv=None) -> None:
     p.add_argument("--users", type=int, default=500)
     p.add_argument("--teams", type=int, default=50)
     p.add_argument("--models", type=int, default=20)
+    p.add_argument(
+        "--end-users", type=int, default=100_000, help="end users, spread over the tokens"
+    )
     p.add_argument("--repeat", type=int, default=5, help="timed requests per report (median)")
     p.add_argument("--no-csv", action="store_true", help="skip the usage CSV export")
     p.add_argument(

@@ -102,4 +102,35 @@ async def direct(conn: Any, events: list[Event]) -> None:
         await conn.execute(_DIRECT_PG, {name: [row[name] for row in rows] for name in columns})
         return
     for each, upsert in _SQLITE_UPSERTS:
-        await conn.execute(upsert, summed(each, rows))
+        sums = summed(each, rows)
+        if sums:
+            await conn.execute(upsert, sums)
+
+
+_FIGURES_SQL = (
+    "SUM(CASE WHEN e.kind = 'adjustment' THEN 0 ELSE 1 END), SUM(e.prompt_tokens), "
+    "SUM(e.cached_tokens), SUM(e.completion_tokens), SUM(COALESCE(e.reasoning_tokens, 0)), "
+    "SUM(e.cost), SUM(e.uncharged), SUM(CASE WHEN e.kind = 'adjustment' THEN e.cost ELSE 0 END)"
+)
+
+
+def attributed_statements() -> list[str]:
+    """On PostgreSQL, INSERT INTO spend_daily_end_user, spend_daily_tag and
+    spend_daily_tag_model the sums of ledger_events (as migration 0020 backfills them)."""
+    day = "date_trunc('day', e.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+    who = "e.team_id, e.user_id, COALESCE(e.token_id, '')"
+    figures = ", ".join(FIGURES)
+    tag = f"{who}, e.model, e.provider, pair.key, pair.value"
+    return [
+        f"INSERT INTO spend_daily_end_user (day, team_id, user_id, token_id, end_user, "
+        f"{figures}) SELECT {day}, {who}, e.end_user, {_FIGURES_SQL} FROM ledger_events e "
+        f"WHERE e.end_user IS NOT NULL GROUP BY {day}, {who}, e.end_user",
+        f"INSERT INTO spend_daily_tag (day, team_id, user_id, token_id, model, provider, "
+        f"tag_key, tag_value, {figures}) SELECT {day}, {tag}, {_FIGURES_SQL} "
+        "FROM ledger_events e CROSS JOIN LATERAL jsonb_each_text(CAST(e.tags AS jsonb)) AS pair "
+        f"WHERE e.tags <> '{{}}' GROUP BY {day}, {tag}",
+        "INSERT INTO spend_daily_tag_model (day, team_id, model, provider, tag_key, tag_value, "
+        f"{figures}) SELECT day, team_id, model, provider, tag_key, tag_value, "
+        f"{', '.join(f'SUM({f})' for f in FIGURES)} FROM spend_daily_tag "
+        "GROUP BY day, team_id, model, provider, tag_key, tag_value",
+    ]

@@ -102,3 +102,75 @@ def _renames_then_unique(url: str) -> None:
             )
     finally:
         engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0020_backfills_the_end_user_and_tag_rollups_from_the_events(backend, tmp_path):
+    import json
+    import random
+    from collections import defaultdict
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import insert, select
+
+    from metering.ledger.rollup import ATTRIBUTED, FIGURES, floor_day, row_for
+    from metering.ledger.tables import LedgerEvent, LedgerEventArchive
+    from tests.reports.test_spend_attributed import adjustment, make_event
+
+    rng = random.Random(19)
+    base = datetime(2024, 2, 3, tzinfo=UTC)
+    people = [("team_a", "usr_a", "tok_a"), ("team_a", "usr_a", None), ("team_b", "usr_b", "tok_b")]
+    events = [
+        make_event(rng, rng.choice(people), base + timedelta(seconds=rng.randrange(2 * 86400)))
+        for _ in range(60)
+    ]
+    events += [adjustment(rng, e) for e in events[:5]]
+    wanted: dict = {r.table.name: defaultdict(lambda: [0] * len(FIGURES)) for r in ATTRIBUTED}
+    for event in events:
+        row = row_for(event)
+        day = floor_day(row["hour"])
+        pairs = json.loads(event.tags).items()
+        keys = {
+            "spend_daily_end_user": [
+                (row["team_id"], row["user_id"], row["token_id"], row["end_user"])
+            ]
+            if row["end_user"]
+            else [],
+            "spend_daily_tag": [
+                (row["team_id"], row["user_id"], row["token_id"], event.model, event.provider, k, v)
+                for k, v in pairs
+            ],
+            "spend_daily_tag_model": [
+                (row["team_id"], event.model, event.provider, k, v) for k, v in pairs
+            ],
+        }
+        for name, found in keys.items():
+            for key in found:
+                sums = wanted[name][(day, *key)]
+                for i, figure in enumerate(FIGURES):
+                    sums[i] += row[figure]
+    with contextlib.ExitStack() as stack:
+        if backend == "postgresql":
+            url = stack.enter_context(new_pg_database())
+        else:
+            url = f"sqlite:///{tmp_path / 'backfill.db'}"
+        config = migrate.alembic_config(url)
+        command.upgrade(config, "0019")
+        engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+        try:
+            with engine.begin() as conn:  # the archive holds some: both are read
+                conn.execute(insert(LedgerEvent.__table__), [e.params() for e in events[:40]])
+                conn.execute(
+                    insert(LedgerEventArchive.__table__), [e.params() for e in events[40:]]
+                )
+            command.upgrade(config, "head")
+            with engine.connect() as conn:
+                for r in ATTRIBUTED:
+                    rows = conn.execute(select(r.table)).mappings().all()
+                    got = {
+                        tuple(row[k] for k in r.key): [int(row[f]) for f in FIGURES] for row in rows
+                    }
+                    assert got == dict(wanted[r.table.name]), r.table.name
+                    assert got
+        finally:
+            engine.dispose()

@@ -12,6 +12,10 @@ the increments into every rollup a batch at a time, in the transaction that dele
 rollups plus rollup_pending equal the ledger's sums at every instant: the spend report reads
 both (PENDING) in one statement, whole days and hours from the coarsest rollup that has their
 keys and only the partial hours at a range's edges from the ledger.
+
+Three daily rollups keep the sums below the token (ATTRIBUTED): by end user (the increments
+that have one) and by tag pair (one increment per pair of an event's tags), filled by the same
+fold from the end user and tags each pending increment carries.
 """
 
 from collections.abc import Callable
@@ -19,6 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import orjson
 from sqlalchemy import (
     ColumnElement,
     SQLColumnExpression,
@@ -43,7 +48,10 @@ from metering.ledger.event import ADJUSTMENT, Event
 from metering.ledger.tables import (
     RollupPending,
     SpendDaily,
+    SpendDailyEndUser,
     SpendDailyModel,
+    SpendDailyTag,
+    SpendDailyTagModel,
     SpendDailyToken,
     SpendHourly,
     SpendHourlyModel,
@@ -52,6 +60,8 @@ from metering.ledger.tables import (
 from metering.money import COUNTER_CEILING
 
 KEY = ("hour", "team_id", "user_id", "token_id", "model", "provider")
+# An increment's key: KEY and the events' end user ('' for none) and tags (JSON text).
+PENDING_KEY = (*KEY, "end_user", "tags")
 SUMS = (
     "prompt_tokens",
     "cached_tokens",
@@ -68,20 +78,23 @@ SATURATED = {"uncharged": 2**63 - 1}
 @dataclass(frozen=True, slots=True)
 class Rollup:
     """One read model: its table, its grain ("hour" or "day", also the time column's name) and
-    the attribution keys it keeps."""
+    the attribution keys it keeps; `attribute`: "end_user" (only the increments with an end
+    user) or "tag" (one row per tag pair of an increment), "" for the sums of every event."""
 
     table: Table
     grain: str
     keys: tuple[str, ...]
+    attribute: str = ""
 
     @property
     def key(self) -> tuple[str, ...]:
         return (self.grain, *self.keys)
 
 
-def _rollup(model: type[Base], grain: str) -> Rollup:
+def _rollup(model: type[Base], grain: str, attribute: str = "") -> Rollup:
     table = model.__table__
-    return Rollup(table, grain, tuple(c.name for c in table.primary_key.columns if c.name != grain))
+    keys = tuple(c.name for c in table.primary_key.columns if c.name != grain)
+    return Rollup(table, grain, keys, attribute)
 
 
 HOURLY = _rollup(SpendHourly, "hour")
@@ -96,6 +109,15 @@ ROLLUPS = (
     _rollup(SpendDailyModel, "day"),
 )
 DERIVED = ROLLUPS[1:]  # made from spend_hourly's rows
+# By the attribution below the token, whole UTC days only: the increments with an end user, and
+# each tag pair of an increment (a report reads them for the days they answer, and spend_daily's
+# or spend_daily_token's rows minus theirs for the events without one).
+END_USER_DAILY = _rollup(SpendDailyEndUser, "day", "end_user")
+TAG_DAILY = _rollup(SpendDailyTag, "day", "tag")
+TAG_MODEL_DAILY = _rollup(SpendDailyTagModel, "day", "tag")  # by team, model and provider only
+TAGS = (TAG_DAILY, TAG_MODEL_DAILY)
+ATTRIBUTED = (END_USER_DAILY, *TAGS)
+FOLDED = (*ROLLUPS, *ATTRIBUTED)  # every rollup the fold adds the increments to
 
 
 def floor_hour(value: datetime) -> datetime:
@@ -128,6 +150,8 @@ def row_for(event: Event, **override: int) -> dict[str, Any]:
         "token_id": event.token_id or "",
         "model": event.model,
         "provider": event.provider,
+        "end_user": event.end_user or "",
+        "tags": event.tags,
         "requests": 0 if adjusting else 1,
         "prompt_tokens": event.prompt_tokens,
         "cached_tokens": event.cached_tokens,
@@ -140,22 +164,43 @@ def row_for(event: Event, **override: int) -> dict[str, Any]:
     }
 
 
-def project(rollup: Rollup, row: dict[str, Any]) -> dict[str, Any]:
-    """An hourly row (row_for's shape) as the increment it makes to `rollup`."""
-    if rollup is HOURLY:
-        return row
+def project(rollup: Rollup, row: dict[str, Any], **more: str) -> dict[str, Any]:
+    """An hourly row (row_for's shape) as the increment it makes to `rollup` (`more`: the keys
+    the row has no field for, a tag's key and value)."""
     out = {rollup.grain: floor_day(row["hour"]) if rollup.grain == "day" else row["hour"]}
-    for name in (*rollup.keys, "requests", *SUMS):
+    for name in rollup.keys:
+        out[name] = more[name] if name in more else row[name]
+    for name in ("requests", *SUMS):
         out[name] = row[name]
     return out
+
+
+def tag_pairs(tags: str) -> list[tuple[str, str]]:
+    """An event's tags (the JSON text of an object) as (key, value) pairs, values as text."""
+    if tags == "{}":
+        return []
+    pairs = orjson.loads(tags)
+    return [(k, v if isinstance(v, str) else orjson.dumps(v).decode()) for k, v in pairs.items()]
+
+
+def increments(rollup: Rollup, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """What an hourly row adds to `rollup`: one increment, none (the end-user rollup, for a row
+    without one) or one per tag pair (the tag rollup)."""
+    if rollup.attribute == "end_user":
+        return [project(rollup, row)] if row["end_user"] else []
+    if rollup.attribute == "tag":
+        return [
+            project(rollup, row, tag_key=key, tag_value=value)
+            for key, value in tag_pairs(row["tags"])
+        ]
+    return [project(rollup, row)]
 
 
 def summed(rollup: Rollup, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Hourly rows summed into `rollup`'s rows, in key order (concurrent writers, other
     processes, lock shared rows in one order), each sum saturated where it must be."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for row in rows:
-        part = project(rollup, row)
+    for part in (part for row in rows for part in increments(rollup, row)):
         key = tuple(part[name] for name in rollup.key)
         sums = out.get(key)
         if sums is None:
@@ -189,7 +234,7 @@ def _upsert(insert: Callable[[Table], Any], rollup: Rollup) -> Any:
 
 
 # SQLite's fold: every rollup's upsert, built once.
-_SQLITE_UPSERTS = [(rollup, _upsert(sqlite_insert, rollup)) for rollup in ROLLUPS]
+_SQLITE_UPSERTS = [(rollup, _upsert(sqlite_insert, rollup)) for rollup in FOLDED]
 
 
 _MOST = {name: SATURATED.get(name) for name in ("requests", *SUMS)}
@@ -208,16 +253,27 @@ def _positions(n: int) -> str:
     return ", ".join(str(i) for i in range(1, n + 1))
 
 
-def pg_upserts(source: str) -> list[str]:
+# What each attributed rollup reads of an increment (PENDING_KEY's columns): the rows with an
+# end user; each tag pair of a row (tag_key and tag_value are the pair's).
+_PG_FROM = {
+    "": "{source}",
+    "end_user": "{source} WHERE end_user <> ''",
+    "tag": "{source} CROSS JOIN LATERAL jsonb_each_text(CAST({source}.tags AS jsonb)) "
+    "AS pair(tag_key, tag_value) WHERE {source}.tags <> '{{}}'",
+}
+
+
+def pg_upserts(source: str, rollups: tuple[Rollup, ...] = ROLLUPS) -> list[str]:
     """On PostgreSQL, every rollup's upsert as a data-modifying WITH query reading the rows of
-    relation `source` (columns KEY and FIGURES): summed per rollup in SQL, in key order
-    (concurrent folds lock shared rows in one order)."""
+    relation `source` (columns KEY and FIGURES; PENDING_KEY's for the attributed rollups):
+    summed per rollup in SQL, in key order (concurrent folds lock shared rows in one order)."""
     parts = []
-    for i, rollup in enumerate(ROLLUPS):
+    for i, rollup in enumerate(rollups):
         name = rollup.table.name
         at = "hour"
         if rollup.grain == "day":
             at = "date_trunc('day', hour AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+        read = _PG_FROM[rollup.attribute].format(source=source)
         sums = _pg_sums()
         updates = ", ".join(
             f"{f} = CASE WHEN t.{f} > {_MOST[f]} - EXCLUDED.{f} THEN {_MOST[f]} "
@@ -230,7 +286,7 @@ def pg_upserts(source: str) -> list[str]:
         positions = _positions(len(rollup.key))
         parts.append(
             f"r{i} AS (INSERT INTO {name} AS t ({columns}, {', '.join(FIGURES)}) "
-            f"SELECT {at}, {', '.join(rollup.keys)}, {sums} FROM {source} "
+            f"SELECT {at}, {', '.join(rollup.keys)}, {sums} FROM {read} "
             f"GROUP BY {positions} ORDER BY {positions} "
             f"ON CONFLICT ({columns}) DO UPDATE SET {updates})"
         )
@@ -239,13 +295,13 @@ def pg_upserts(source: str) -> list[str]:
 
 # The increments written with their events and not yet folded in: read as an hourly rollup
 # with every key (duplicates allowed; the report sums them with the rollups' rows).
-PENDING = Rollup(RollupPending.__table__, "hour", HOURLY.keys)
+PENDING = Rollup(RollupPending.__table__, "hour", (*HOURLY.keys, "end_user", "tags"))
 
 
 # The ledger columns pg_pending_insert reads: what row_for makes an event's increment of.
 PENDING_SOURCE = (
     "created_at, team_id, user_id, token_id, model, provider, kind, prompt_tokens, "
-    "cached_tokens, completion_tokens, reasoning_tokens, cost, uncharged"
+    "cached_tokens, completion_tokens, reasoning_tokens, cost, uncharged, end_user, tags"
 )
 
 
@@ -260,17 +316,18 @@ def pg_pending_insert(events: str = "ev") -> str:
         [
             "date_trunc('hour', created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS hour",
             "team_id, user_id, COALESCE(token_id, '') AS token_id, model, provider",
+            "COALESCE(end_user, '') AS end_user, tags",
             f"CASE WHEN {adjusting} THEN 0 ELSE 1 END AS requests",
             "prompt_tokens, cached_tokens, completion_tokens",
             "COALESCE(reasoning_tokens, 0) AS reasoning_tokens, cost, uncharged",
             f"CASE WHEN {adjusting} THEN cost ELSE 0 END AS adjustments",
         ]
     )
-    keys = ", ".join(KEY)
+    keys = ", ".join(PENDING_KEY)
     return (
         f"pending AS (INSERT INTO rollup_pending ({keys}, {', '.join(FIGURES)}) "
         f"SELECT {keys}, {_pg_sums()} FROM (SELECT {increments} FROM {events}) AS increment "
-        f"GROUP BY {_positions(len(KEY))})"
+        f"GROUP BY {_positions(len(PENDING_KEY))})"
     )
 
 
@@ -293,14 +350,15 @@ def _fold_pg() -> str:
     (one statement, one snapshot) sees each increment exactly once, in one place or the
     other. Two replicas folding at once take different rows: each skips the rows the other
     has locked (SKIP LOCKED), so neither waits for the other and none is taken twice."""
-    columns = ", ".join((*KEY, *FIGURES))
+    columns = ", ".join((*PENDING_KEY, *FIGURES))
     moved = (
         "moved AS (DELETE FROM rollup_pending WHERE id IN "
         "(SELECT id FROM rollup_pending ORDER BY id LIMIT CAST(:batch AS integer) "
         "FOR UPDATE SKIP LOCKED) "
         f"RETURNING {columns})"
     )
-    return "WITH " + ",\n".join([moved, *pg_upserts("moved")]) + "\nSELECT count(*) FROM moved"
+    upserts = pg_upserts("moved", FOLDED)
+    return "WITH " + ",\n".join([moved, *upserts]) + "\nSELECT count(*) FROM moved"
 
 
 _FOLD_PG = text(_fold_pg())
@@ -314,7 +372,7 @@ _TAKE_SQLITE = (
             select(_PENDING_TABLE.c.id).order_by(_PENDING_TABLE.c.id).limit(bindparam("batch"))
         )
     )
-    .returning(*(_PENDING_TABLE.c[name] for name in (*KEY, *FIGURES)))
+    .returning(*(_PENDING_TABLE.c[name] for name in (*PENDING_KEY, *FIGURES)))
 )
 
 
@@ -327,7 +385,9 @@ async def _fold_once(db: Database, batch: int) -> int:
         rows = [dict(row) for row in taken.mappings()]
         if rows:
             for rollup, upsert in _SQLITE_UPSERTS:
-                await conn.execute(upsert, summed(rollup, rows))
+                sums = summed(rollup, rows)
+                if sums:  # none for the attributed rollups when no event had an end user or tag
+                    await conn.execute(upsert, sums)
     return len(rows)
 
 

@@ -8,7 +8,7 @@ metering.db's Base, with the rest of the schema (metering.models)."""
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from sqlalchemy import BigInteger, Column, Index, Integer, String, Table
+from sqlalchemy import BigInteger, Column, Index, Integer, String, Table, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from metering.db import Base, Pico, UTCDateTime
@@ -93,6 +93,10 @@ class RollupPending(Base):
     token_id: Mapped[str] = mapped_column(String(40))
     model: Mapped[str] = mapped_column(String(200))
     provider: Mapped[str] = mapped_column(String(100))
+    # The events' end user ('' for none) and tags (their JSON text, "{}" for none): the fold
+    # fills spend_daily_end_user and spend_daily_tag from them.
+    end_user: Mapped[str] = mapped_column(String(256), server_default="")
+    tags: Mapped[str] = mapped_column(Text, server_default="{}")
     requests: Mapped[int] = mapped_column(BigInteger)
     prompt_tokens: Mapped[int] = mapped_column(BigInteger)
     cached_tokens: Mapped[int] = mapped_column(BigInteger)
@@ -107,13 +111,24 @@ class RollupPending(Base):
 # (the day stored as its midnight). The fold adds each pending increment to every one of them
 # (metering.ledger.rollup.ROLLUPS); a report reads the coarsest that answers its question
 # exactly.
-_KEY_COLUMNS = {"team_id": 40, "user_id": 40, "token_id": 40, "model": 200, "provider": 100}
+_KEY_COLUMNS = {
+    "team_id": 40,
+    "user_id": 40,
+    "token_id": 40,
+    "model": 200,
+    "provider": 100,
+    "end_user": 256,
+    "tag_key": 64,
+    "tag_value": 512,
+}
 _SUM_COLUMNS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
-def _rollup_table(name: str, grain: str, keys: tuple[str, ...], indexed: tuple[str, ...]) -> Table:
+def _rollup_table(
+    name: str, grain: str, keys: tuple[str, ...], indexed: tuple[str | tuple[str, ...], ...]
+) -> Table:
     """A rollup table: its grain and keys the primary key (the grain first, so a time range is
-    an index range), an index (key, grain) for each key a report filters on."""
+    an index range), an index (key, grain) for each key (or keys) a report filters on."""
     return Table(
         name,
         Base.metadata,
@@ -124,8 +139,13 @@ def _rollup_table(name: str, grain: str, keys: tuple[str, ...], indexed: tuple[s
         Column("cost", Pico, nullable=False),
         Column("uncharged", Pico, nullable=False, server_default="0"),
         Column("adjustments", Pico, nullable=False, server_default="0"),
-        *(Index(f"ix_{name}_{key}_{grain}", key, grain) for key in indexed),
+        *(_index(name, grain, key) for key in indexed),
     )
+
+
+def _index(name: str, grain: str, key: str | tuple[str, ...]) -> Index:
+    keys = (key,) if isinstance(key, str) else key
+    return Index(f"ix_{name}_{'_'.join(keys)}_{grain}", *keys, grain)
 
 
 WHO = ("team_id", "user_id", "token_id")
@@ -161,3 +181,45 @@ class SpendDailyModel(Base):
     """spend_daily by team, model and provider only."""
 
     __table__ = _rollup_table("spend_daily_model", "day", WHAT, ("team_id", "model"))
+
+
+# By the attribution below the token: only the events' own end user and tags (migration 0020).
+END_USER = (*WHO, "end_user")
+TAG = (*EVERY_KEY, "tag_key", "tag_value")
+
+
+class SpendDailyEndUser(Base):
+    """spend_daily by team, user, token and end user: the events that have an end user only
+    (the rest is spend_daily_token's sums minus these)."""
+
+    __table__ = _rollup_table(
+        "spend_daily_end_user", "day", END_USER, (("team_id", "end_user"), "end_user", "user_id")
+    )
+
+
+class SpendDailyTag(Base):
+    """spend_daily by every key and one tag pair: each event counted once for each of its tags
+    (the events without a tag key are spend_daily's sums minus the rows of that key)."""
+
+    __table__ = _rollup_table(
+        "spend_daily_tag",
+        "day",
+        TAG,
+        (
+            ("tag_key", "tag_value"),
+            ("team_id", "tag_key"),
+            ("user_id", "tag_key"),
+        ),
+    )
+
+
+class SpendDailyTagModel(Base):
+    """spend_daily_tag by team, model and provider only (as spend_daily_model is spend_daily's):
+    a report by tag over a whole organisation reads a few rows a day per team and model."""
+
+    __table__ = _rollup_table(
+        "spend_daily_tag_model",
+        "day",
+        (*WHAT, "tag_key", "tag_value"),
+        (("tag_key", "tag_value"), ("team_id", "tag_key")),
+    )

@@ -152,15 +152,25 @@ async def spend(
     group_by: str | None = Query(
         None,
         max_length=200,
-        description="Comma-separated keys among team, user, token, model, provider, day, hour. "
-        f"A grouping that could give more than {MAX_REPORT_ROWS:,} rows over the range is a "
-        "400 (`report_too_large`).",
+        description="Comma-separated keys among team, user, token, model, provider, day, hour, "
+        "end_user and tag:<key> (the value of that tag: row key `tag:<key>`; repeat for more "
+        "keys). By end_user or tag:<key>, the row whose key is null sums the requests without an "
+        f"end user or without that tag. A grouping that could give more than {MAX_REPORT_ROWS:,} "
+        "rows over the range is a 400 (`report_too_large`).",
     ),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),
     token_id: str | None = Query(None, max_length=40),
     model: str | None = Query(None, max_length=200),
     provider: str | None = Query(None, max_length=100),
+    end_user: str | None = Query(
+        None, max_length=256, description="Only the requests made for this end user."
+    ),
+    tag: list[str] | None = Query(
+        None,
+        description="`<key>:<value>` (split at the first colon): only the requests whose tag "
+        "`<key>` has this value. Repeatable: every one must match.",
+    ),
     format: str = Query("json", pattern="^(json|csv)$"),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
     page: int = Query(1, ge=1, le=MAX_PAGE),
@@ -185,6 +195,8 @@ async def spend(
         page=page,
         adjusted=adjustments == "include",
         labels=labels,
+        end_user=end_user,
+        tags=tag,
     )
     if format == "csv":
         return StreamingResponse(

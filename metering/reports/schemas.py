@@ -27,6 +27,8 @@ class SpendSums(BaseModel):
 class SpendRow(SpendSums):
     """One group's sums; only the keys named by group_by are present."""
 
+    model_config = ConfigDict(extra="allow")  # tag:<key>, by group_by=tag:<key>
+
     team_id: str | None = None
     user_id: str | None = None
     token_id: str | None = None
@@ -34,6 +36,8 @@ class SpendRow(SpendSums):
     provider: str | None = None
     day: str | None = None
     hour: str | None = None
+    end_user: str | None = None
+    # By tag:<key>, also the key `tag:<key>` (its value, or null): not a declared field.
     # With labels=true, beside the ids the row is grouped by:
     team_name: str | None = None
     user_email: str | None = None

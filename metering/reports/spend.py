@@ -57,6 +57,8 @@ from metering.ledger.tables import (
     SpendDailyToken,
 )
 from metering.money import format_usd
+from metering.reports import attributed
+from metering.reports.attributed import Attributes
 from metering.reports.cells import row as csv_cells
 from metering.reports.labels import label_keys, label_rows
 from metering.reports.usage import check_range, check_text, own_user, parse_time
@@ -78,6 +80,7 @@ GROUPS = {
     "provider": "provider",
     "day": "day",
     "hour": "hour",
+    "end_user": "end_user",
 }
 METRICS = (
     "requests",
@@ -96,12 +99,18 @@ def parse_group_by(value: str | None) -> list[str]:
     names: list[str] = []
     for part in (value or "").split(","):
         name = part.strip().lower()
+        if name.startswith(attributed.TAG):  # tag:<key>, the key as given
+            name = attributed.TAG + attributed.tag_key(part.strip())
+            if name not in names:
+                names.append(name)
+            continue
         if not name:
             continue
         name = name.removesuffix("_id") if name.removesuffix("_id") in GROUPS else name
         if name not in GROUPS:
             raise InvalidRequest(
-                f"group_by: unknown key {part.strip()!r}; use any of {', '.join(GROUPS)}",
+                f"group_by: unknown key {part.strip()!r}; use any of {', '.join(GROUPS)} "
+                "or tag:<key>",
                 param="group_by",
             )
         if name not in names:
@@ -199,13 +208,32 @@ def sources(
     return parts
 
 
-def spend_query(dialect: str, keys: list[str], filters: dict, start: datetime, end: datetime):
+def keys_of(names: list[str]) -> tuple[list[str], Attributes]:
+    """The SQL keys of group_by's names (`tag:<key>` is `tag_<i>`) and the tag keys grouped."""
+    tags = [name[len(attributed.TAG) :] for name in names if name.startswith(attributed.TAG)]
+    keys = [
+        f"tag_{tags.index(n[len(attributed.TAG) :])}" if n.startswith(attributed.TAG) else GROUPS[n]
+        for n in names
+    ]
+    return keys, Attributes(tag_keys=tuple(tags))
+
+
+def spend_query(
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    start: datetime,
+    end: datetime,
+    attrs: Attributes = Attributes(),
+):
     """One SQL statement: the coarsest rollups' rows for the whole days and hours in
     [start, end), ledger (and archive) rows for the partial hours at its edges, summed per
-    group."""
+    group (by end user or tag: metering.reports.attributed's parts)."""
     needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
     parts = []
-    for name, a, b in sources(keys, start, end):
+    if attrs.applies(keys):
+        parts = attributed.parts(dialect, keys, filters, attrs, start, end)
+    for name, a, b in [] if parts else sources(keys, start, end):
         if name == "ledger":
             for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
                 parts.append(_ledger_part(table, dialect, keys, filters, a, b))
@@ -282,10 +310,19 @@ def _what_label(keys: list[str]) -> str:
     return "models" if "model" in keys else "providers"
 
 
-async def check_size(db, keys: list[str], filters: dict, start: datetime, end: datetime) -> None:
+async def check_size(
+    db,
+    keys: list[str],
+    filters: dict,
+    start: datetime,
+    end: datetime,
+    attrs: Attributes = Attributes(),
+) -> None:
     """Refuse (400) a report that could hold more than MAX_REPORT_ROWS rows. The bound: the
     hours (days) the range touches, times the distinct attributions it holds by the keys
-    grouped on (tokens, users or teams), times the distinct models or providers."""
+    grouped on (tokens, users or teams), times the distinct models or providers; by end user
+    or tag, times their distinct values (null included), or instead of all but the time, the
+    distinct groups of the end user or tag with the other keys, when its rollup has them."""
     bound, parts = 1, []
     if "hour" in keys:
         bound = (ceil_hour(end) - floor_hour(start)) // timedelta(hours=1)
@@ -293,7 +330,30 @@ async def check_size(db, keys: list[str], filters: dict, start: datetime, end: d
     elif "day" in keys:
         bound = (ceil_day(end) - floor_day(start)).days
         parts.append(f"{bound:,} days")
-    if any(k not in ("day", "hour") for k in keys):
+    below = attributed.bound_query(db.dialect, keys, filters, attrs, start, end)
+    joint = False
+    if below is not None:
+        named = [attrs.name(k) for k in keys if k == "end_user" or k.startswith("tag_")]
+        # First, at most as many values as would already be too many (a short index walk):
+        # a report by hour of a million end users is refused without counting them all.
+        cap = MAX_REPORT_ROWS // bound + 1
+        least = 0
+        if bound > 1:
+            some = attributed.values_query(db.dialect, keys, filters, attrs, start, end, cap)
+            async with db.reads() as session:
+                least = int((await session.execute(some)).scalar() or 0)
+        if least >= cap:
+            _refuse(bound * least, [*parts, f"at least {least:,} {_named(named[0])}"], True)
+        async with db.reads() as session:
+            joint, *counts = (await session.execute(below)).one()
+        if joint:
+            bound *= counts[0]
+            parts.append(f"{counts[0]:,} {attributed.joint_label(attrs, keys)}")
+        else:
+            for count, name in zip(counts, named, strict=True):
+                bound *= count
+                parts.append(f"{count:,} {_named(name)}")
+    if not joint and any(k not in ("day", "hour") for k in keys):
         async with db.reads() as session:
             who, what = (await session.execute(bound_query(keys, filters, start, end))).one()
         for count, label in ((who, _who_label(keys)), (what, _what_label(keys))):
@@ -301,17 +361,26 @@ async def check_size(db, keys: list[str], filters: dict, start: datetime, end: d
                 bound *= count
                 parts.append(f"{count:,} {label}")
     if bound > MAX_REPORT_ROWS:
-        raise InvalidRequest(
-            f"this report could hold up to {bound:,} rows ({' x '.join(parts)}); a report holds "
-            f"at most {MAX_REPORT_ROWS:,}: narrow the range, group by day instead of hour, or "
-            "filter by team, user, token or model",
-            param="group_by",
-            code="report_too_large",
-        )
+        _refuse(bound, parts)
 
 
-def _row_out(row, keys: list[str], adjusted: bool = True) -> dict:
-    out = {k: getattr(row, k) for k in keys}
+def _named(name: str) -> str:
+    return "end users" if name == "end_user" else f"values of {name}"
+
+
+def _refuse(bound: int, parts: list[str], more: bool = False) -> None:
+    """The 400 of a report that could hold `bound` rows (`more`: at least that many)."""
+    raise InvalidRequest(
+        f"this report could hold {'at least' if more else 'up to'} {bound:,} rows "
+        f"({' x '.join(parts)}); a report holds at most {MAX_REPORT_ROWS:,}: narrow the range, "
+        "group by day instead of hour, or filter by team, user, token, model, end user or tag",
+        param="group_by",
+        code="report_too_large",
+    )
+
+
+def _row_out(row, keys: list[str], adjusted: bool = True, names: list[str] | None = None) -> dict:
+    out = {name: getattr(row, k) for k, name in zip(keys, names or keys, strict=True)}
     for metric in METRICS:
         out[metric] = int(getattr(row, metric) or 0)
     return _without_adjustments(out) if not adjusted else out
@@ -364,14 +433,15 @@ async def page_parts(db, query, keys: list[str], offset: int, limit: int):
             await asyncio.sleep(0)
 
 
-async def _rows_out(first, rest, keys: list[str], adjusted: bool = True, labelled=None):
-    """The page's rows as dicts, a chunk at a time; `labelled(rows)` adds their labels."""
+async def _rows_out(first, rest, keys: list[str], adjusted: bool = True, labelled=None, names=None):
+    """The page's rows as dicts (keyed by `names`, the keys' names in a row), a chunk at a
+    time; `labelled(rows)` adds their labels."""
     if first:
-        rows = [_row_out(r, keys, adjusted) for r in first]
+        rows = [_row_out(r, keys, adjusted, names) for r in first]
         yield await labelled(rows) if labelled else rows
     if rest is not None:
         async for part in rest:
-            rows = [_row_out(r, keys, adjusted) for r in part]
+            rows = [_row_out(r, keys, adjusted, names) for r in part]
             yield await labelled(rows) if labelled else rows
 
 
@@ -412,7 +482,7 @@ class SpendReport:
     """One page of a report: its head (range, totals, paging) at once, its rows when read."""
 
     head: dict
-    keys: list[str]
+    keys: list[str]  # the rows' key names
     read_rows: Callable[[], AsyncIterator[list[dict]]]
     labels: bool = False
 
@@ -442,24 +512,29 @@ async def spend_report(
     page: int,
     adjusted: bool = True,
     labels: bool = False,
+    end_user: str | None = None,
+    tags: list[str] | None = None,
 ) -> SpendReport:
     """The report a caller asked for: a user's credential sees its own user's spend only."""
     end_at = parse_time(end, "end") or utcnow()
     start_at = parse_time(start, "start") or end_at - timedelta(days=DEFAULT_DAYS)
     check_range(start_at, end_at)
     names = parse_group_by(group_by)
-    keys = [GROUPS[n] for n in names]
+    keys, attrs = keys_of(names)
+    if end_user is not None:
+        check_text(end_user, "end_user")
+    attrs = Attributes(attrs.tag_keys, end_user, attributed.parse_tags(tags))
     given: dict[str, str | None] = {k: v for k, v in filters.items() if v is not None}
     for name, value in given.items():
         check_text(value, name)
     own_user(principal, given.get("user_id"))
     if not principal.is_admin:
         given["user_id"] = principal.user_id
-    query = spend_query(db.dialect, keys, given, start_at, end_at)
-    if "" in given.values():  # no id, model or provider is empty
+    query = spend_query(db.dialect, keys, given, start_at, end_at, attrs)
+    if "" in given.values() or end_user == "":  # no id, model, provider or end user is empty
         query = None
     else:
-        await check_size(db, keys, given, start_at, end_at)
+        await check_size(db, keys, given, start_at, end_at, attrs)
     offset = (page - 1) * limit
     # The first chunk is read now: its rows carry the count and totals the head (and the
     # paging headers) need; the rest is read as the response is sent.
@@ -484,6 +559,10 @@ async def spend_report(
         "next_page": page + 1 if offset + limit < count else None,
     }
     labelled = partial(label_rows, db, keys=keys) if labels else None
+    row_keys = [attrs.name(k) for k in keys]
     return SpendReport(
-        head, keys, partial(_rows_out, first, parts, keys, adjusted, labelled), labels
+        head,
+        row_keys,
+        partial(_rows_out, first, parts, keys, adjusted, labelled, row_keys),
+        labels,
     )

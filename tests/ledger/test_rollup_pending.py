@@ -75,8 +75,8 @@ async def _count(db: Database, team: str) -> int:
 
 
 def _by_key(rows) -> dict[tuple, tuple]:
-    """Rows of rollup.KEY then rollup.FIGURES, summed per key."""
-    width = len(rollup.KEY)
+    """Rows of rollup.PENDING_KEY then rollup.FIGURES, summed per key."""
+    width = len(rollup.PENDING_KEY)
     out: dict[tuple, tuple] = {}
     for row in rows:
         key, figures = row[:width], tuple(int(v) for v in row[width:])
@@ -176,6 +176,9 @@ async def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):
             {"reasoning_tokens": None},
             {"cost": 10**9, "uncharged": 5},  # above the hold: capped, the rest uncharged
             {"token_id": None},
+            {"end_user": "cust-1", "tags": '{"project":"a"}'},
+            {"end_user": "cust-2"},
+            {"tags": '{"feature":"x","project":"b"}'},
         ]
         runtime = BudgetRuntime(db)
 
@@ -198,7 +201,10 @@ async def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):
             pending = (
                 await session.execute(
                     select(
-                        *(RollupPending.__table__.c[c] for c in (*rollup.KEY, *rollup.FIGURES))
+                        *(
+                            RollupPending.__table__.c[c]
+                            for c in (*rollup.PENDING_KEY, *rollup.FIGURES)
+                        )
                     ).where(RollupPending.team_id == subjects["team"])
                 )
             ).all()
@@ -209,6 +215,23 @@ async def test_each_pending_increment_is_row_for_of_the_event_written(fresh_pg):
         )
         assert any(row["token_id"] == "" for row in increments)  # the token-less request
         assert any(row["uncharged"] > 0 for row in increments)  # uncharged, summed
+        # The end users and tags the statement carried, folded into their rollups.
+        await rollup.fold(db)
+        async with db.sessions() as session:
+            found = {}
+            for r in rollup.ATTRIBUTED:
+                t = r.table
+                value = (t.c.end_user,) if "end_user" in t.c else (t.c.tag_key, t.c.tag_value)
+                rows = await session.execute(
+                    select(*value, t.c.requests).where(t.c.team_id == subjects["team"])
+                )
+                found[t.name] = {tuple(row[:-1]): row[-1] for row in rows}
+        tagged = {("project", "a"): 1, ("feature", "x"): 1, ("project", "b"): 1}
+        assert found == {
+            "spend_daily_end_user": {("cust-1",): 1, ("cust-2",): 1},
+            "spend_daily_tag": tagged,
+            "spend_daily_tag_model": tagged,
+        }
     finally:
         await db.dispose()
 
@@ -255,6 +278,6 @@ async def test_replicas_folding_while_settles_go_on_count_each_increment_once(fr
 
 def test_the_pending_read_model_has_every_key_of_the_hourly_rollup():
     assert PENDING.grain == "hour"
-    assert PENDING.keys == rollup.HOURLY.keys
+    assert PENDING.keys == (*rollup.HOURLY.keys, "end_user", "tags")
     columns = {c.name for c in RollupPending.__table__.columns}
-    assert columns == {"id", *rollup.KEY, *rollup.FIGURES}
+    assert columns == {"id", *rollup.PENDING_KEY, *rollup.FIGURES}
