@@ -128,6 +128,11 @@ class Call:
     stream: bool = False
     max_tokens: int | None = None
     context: bool = False  # send LONG_CONTEXT as a system message
+    end_user: str | None = None  # x-metering-end-user: the helpdesk's own customer
+    tags: str | None = None  # x-metering-tags, a JSON object
+
+
+CHAT, EMAIL = '{"channel":"chat"}', '{"channel":"email"}'
 
 
 def demo_calls() -> list[Call]:
@@ -160,8 +165,18 @@ def demo_calls() -> list[Call]:
         ),
         Call("eval-runner", "gpt-sim", "sim:tokens=600 sim:cached=700", context=True),
         Call("eval-runner", "gpt-sim", "sim:tokens=400 sim:fault=stream_error", stream=True),
-        *(Call("helpdesk", "gpt-sim", f"sim:tokens={n}") for n in (60, 80, 95, 120, 70)),
-        Call("helpdesk", "minimax-m2.5", "sim:tokens=200", stream=True),
+        # The helpdesk answers its own customers: each request names one, and its channel.
+        *(
+            Call("helpdesk", "gpt-sim", f"sim:tokens={n}", end_user=who, tags=channel)
+            for n, who, channel in (
+                (60, "cust-ada", CHAT),
+                (80, "cust-ben", EMAIL),
+                (95, "cust-ada", CHAT),
+                (120, "cust-cy", CHAT),
+                (70, "cust-ben", EMAIL),
+            )
+        ),
+        Call("helpdesk", "minimax-m2.5", "sim:tokens=200", stream=True, end_user="cust-ada"),
         Call("helpdesk", "gpt-sim", "sim:fault=http400"),  # the upstream's own 400
         Call("scripts", "minimax-m2.5", "sim:tokens=40"),  # 403 model_not_allowed
         *(Call("scripts", "gpt-sim", f"sim:tokens={n}") for n in (40, 55, 30)),  # 200, 200, 429
@@ -261,6 +276,10 @@ def _send(http: httpx.Client, secret: str, call: Call) -> int:
     if call.stream and call.model == "gpt-sim":
         body["stream_options"] = {"include_usage": True}
     headers = {"authorization": f"Bearer {secret}"}
+    if call.end_user:
+        headers["x-metering-end-user"] = call.end_user
+    if call.tags:
+        headers["x-metering-tags"] = call.tags
     with http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
         for _ in response.iter_bytes():
             pass  # read the whole answer, as a client would

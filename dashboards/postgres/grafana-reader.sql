@@ -16,8 +16,10 @@ ALTER ROLE :"reader" WITH LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE PASSWORD :'r
 GRANT USAGE ON SCHEMA public TO :"reader";
 GRANT SELECT ON teams, budgets, budget_windows, spend_hourly, spend_hourly_token,
     spend_hourly_model, spend_daily, spend_daily_token, spend_daily_model, ledger_events,
-    ledger_events_archive, spend_hourly_model_live, spend_hourly_token_live
+    ledger_events_archive, spend_hourly_model_live, spend_hourly_token_live, spend_daily_end_user
     TO :"reader";
+-- The increments not yet folded into spend_daily_end_user (the top end users panel adds them).
+GRANT SELECT (hour, team_id, end_user, cost) ON rollup_pending TO :"reader";
 GRANT SELECT (id, subject_id, amount) ON budget_leases TO :"reader";
 GRANT SELECT (amount, token_lease, user_lease, team_lease) ON holds TO :"reader";
 GRANT SELECT (id, email, name, team_id, created_at, deleted_at) ON users TO :"reader";

@@ -16,6 +16,14 @@ BilledCost totals equal /v1/spend's cost over the same range. Each group gives:
 * one Adjustment row (ChargeFrequency One-Time) with the group's adjustments (price
   corrections, credits), when there are any.
 
+A group is also split by the end user and the tags its events carry (FOCUS `Tags`: the team,
+user and token, `end_user` when there is one, and each of the event's tags as `tag:<key>`, the
+name /v1/spend gives a tag's column, so no tag can take a key of ours). The rollups keep no end
+user or tags: the groups of the hour come from them whole, less the events that carry an end
+user or tags, which are read from the ledger (and its archive) and added back by end user and
+tags. The sums stay the rollups', so BilledCost still totals /v1/spend's cost, and a range whose
+requests carry no attribution reads nothing more than before.
+
 A CSV is written a chunk of groups at a time; a Parquet file one row group per chunk (its bytes
 leave as each row group is written, the footer last), so no range is held whole in memory.
 """
@@ -29,10 +37,14 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from sqlalchemy import String, case, func, literal, or_, select, union_all
+
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
+from metering.ledger.event import ADJUSTMENT
 from metering.ledger.prices import PriceBook
-from metering.ledger.rollup import floor_hour
+from metering.ledger.rollup import floor_hour, hour_text, hour_value
+from metering.ledger.tables import LedgerEvent, LedgerEventArchive
 from metering.reports.focus_columns import (
     BY_NAME,
     DATETIME,
@@ -41,11 +53,13 @@ from metering.reports.focus_columns import (
     SERVICE_SUBCATEGORY,
     SPEC,
 )
-from metering.reports.spend import check_range, parse_time, spend_query
+from metering.reports.spend import METRICS, check_range, parse_time, spend_query
 from metering.timefmt import parse_rfc3339
 
 CHUNK = 5_000  # groups read, turned into rows and written at a time (one Parquet row group)
 KEYS = ["hour", "team_id", "user_id", "token_id", "model", "provider"]
+ATTRIBUTION = ("end_user", "tags")  # the ledger's columns a group is split by
+NO_TAGS = "{}"
 DEFAULT_DAYS = 30
 TOKENS = "Tokens"
 EXPORTED = frozenset(
@@ -122,6 +136,89 @@ def parse_range(start: str | None, end: str | None) -> tuple[datetime, datetime]
     return start_at, end_at
 
 
+def focus_tags(g) -> str:
+    """FOCUS Tags of a group: team_id, user_id and token_id, end_user when its requests had one,
+    and their tags, each as `tag:<key>`."""
+    tags: dict[str, str | None] = {
+        "team_id": g.team_id,
+        "user_id": g.user_id or None,
+        "token_id": g.token_id,
+    }
+    if g.end_user is not None:
+        tags["end_user"] = g.end_user
+    for key, value in sorted(json.loads(g.tags or NO_TAGS).items()):
+        tags[f"tag:{key}"] = value
+    return json.dumps(tags, separators=(",", ":"), ensure_ascii=False)
+
+
+def _attributed(table, dialect: str, filters: dict, start: datetime, end: datetime, sign: int):
+    """The events of [start, end) that carry an end user or tags, as rows of the report's
+    shape: by their end user and tags (sign 1), or as the part of the rollups' unattributed
+    groups to take away (sign -1: no end user, no tags, every figure negated)."""
+    t = table
+    keys = [
+        hour_text(hour_value(t.c.created_at, dialect), dialect).label("hour"),
+        t.c.team_id,
+        t.c.user_id,
+        t.c.token_id,
+        t.c.model,
+        t.c.provider,
+    ]
+    if sign > 0:
+        keys += [t.c.end_user, t.c.tags]
+    else:
+        keys += [literal(None, String).label("end_user"), literal(NO_TAGS).label("tags")]
+    adjustment = t.c.kind == ADJUSTMENT
+    figures = {
+        "requests": func.sum(case((adjustment, 0), else_=1)),
+        "prompt_tokens": func.sum(t.c.prompt_tokens),
+        "cached_tokens": func.sum(t.c.cached_tokens),
+        "completion_tokens": func.sum(t.c.completion_tokens),
+        "reasoning_tokens": func.sum(func.coalesce(t.c.reasoning_tokens, 0)),
+        "cost": func.sum(t.c.cost),
+        "uncharged": func.sum(t.c.uncharged),
+        "adjustments": func.sum(case((adjustment, t.c.cost), else_=0)),
+    }
+    return (
+        select(*keys, *((func.coalesce(figures[m], 0) * sign).label(m) for m in METRICS))
+        .where(
+            t.c.created_at >= start,
+            t.c.created_at < end,
+            or_(t.c.end_user.is_not(None), t.c.tags != NO_TAGS),
+            *(t.c[k] == v for k, v in filters.items()),
+        )
+        .group_by(*keys[:6], *(keys[6:] if sign > 0 else ()))
+    )
+
+
+def focus_query(dialect: str, filters: dict, start: datetime, end: datetime):
+    """The export's groups: /v1/spend's by hour, team, user, token, model and provider (whole
+    hours: from the rollups), each split by the end user and the tags of its events."""
+    whole = spend_query(dialect, KEYS, filters, start, end)
+    if whole is None:
+        return None
+    report = whole.order_by(None).subquery("report")
+    unattributed = select(
+        *(report.c[k] for k in KEYS),
+        literal(None, String).label("end_user"),
+        literal(NO_TAGS).label("tags"),
+        *(report.c[m] for m in METRICS),
+    )
+    parts = [unattributed]
+    for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
+        for sign in (-1, 1):
+            parts.append(_attributed(table, dialect, filters, start, end, sign))
+    source = union_all(*parts).subquery("source")
+    keys = [source.c[k] for k in (*KEYS, *ATTRIBUTION)]
+    sums = [func.sum(source.c[m]).label(m) for m in METRICS]
+    return (
+        select(*keys, *sums)
+        .group_by(*keys)
+        .having(or_(*(func.sum(source.c[m]) != 0 for m in ("requests", "cost", "adjustments"))))
+        .order_by(*keys)
+    )
+
+
 class Rows:
     """Turns the report's groups into FOCUS rows (dicts of Python values)."""
 
@@ -156,10 +253,7 @@ class Rows:
             "SkuId": f"{provider}/{service}",
             "SubAccountId": g.team_id,
             "SubAccountName": None,
-            "Tags": json.dumps(
-                {"team_id": g.team_id, "user_id": g.user_id or None, "token_id": token},
-                separators=(",", ":"),
-            ),
+            "Tags": focus_tags(g),
         }
 
     def of(self, g) -> list[dict]:
@@ -246,7 +340,7 @@ class Rows:
 
 async def _groups(db: Database, start: datetime, end: datetime, filters: dict):
     """The report's groups, CHUNK at a time as the database sends them."""
-    query = spend_query(db.dialect, KEYS, filters, start, end)
+    query = focus_query(db.dialect, filters, start, end)
     if query is None:
         return
     async with db.reads() as session:

@@ -218,11 +218,21 @@ def test_csv_export_is_what_is_on_screen(tab, site):
     with open(info.value.path(), encoding="utf-8") as f:
         text = f.read()
     rows = list(csv.reader(io.StringIO(text)))
-    assert rows[0] == ["time", "who", "model", "status", "tokens in → out", "cost", "latency"]
+    assert rows[0] == [
+        "time",
+        "who",
+        "end user",
+        "tags",
+        "model",
+        "status",
+        "tokens in → out",
+        "cost",
+        "latency",
+    ]
     shown = page.page.locator("#recent-body tr").all()
     assert len(rows) == len(shown) + 1
     first = shown[0].locator("td").all_inner_texts()
-    assert rows[1][0] == first[0] and rows[1][5] == first[5]
+    assert rows[1][0] == first[0] and rows[1][7] == first[7]
     with page.page.expect_download() as info:
         page.page.click("button.csv[data-table='drill']")
     with open(info.value.path(), encoding="utf-8") as f:

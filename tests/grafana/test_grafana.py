@@ -15,6 +15,8 @@ import psycopg
 import pytest
 import yaml
 
+from tests.demo_site import ADMIN_KEY
+
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "dashboards" / "grafana"
 READER_SQL = ROOT / "dashboards" / "postgres" / "grafana-reader.sql"
@@ -43,6 +45,7 @@ COLUMNS = {
         "id",
     ],
     "Top tokens by spend": ["token", "spend_usd"],
+    "Top end users by spend": ["end_user", "spend_usd"],
     "Tokens by kind": ["model", "prompt", "cached", "completion", "reasoning"],
     "Upstream latency": ["time", "metric", "p50_ms", "p95_ms"],
     "Recent requests": [
@@ -144,7 +147,9 @@ def test_the_dashboards_have_every_panel():
 @pytest.mark.parametrize("title", sorted(COLUMNS))
 @pytest.mark.parametrize("teams", ["all", "one"])
 def test_each_panel_runs_as_the_reader_with_its_columns(query, pg_site, title, teams):
-    chosen = None if teams == "all" else [team_id(pg_site, "demo-platform")]
+    # The demo's end users are the helpdesk's customers, in demo-support.
+    one = "demo-support" if title == "Top end users by spend" else "demo-platform"
+    chosen = None if teams == "all" else [team_id(pg_site, one)]
     for target in PANELS[title]["targets"]:
         columns, rows = query(expand(target["rawSql"], *window(), chosen))
         if target["refId"] == "A":
@@ -200,6 +205,45 @@ def test_token_kinds_and_top_tokens_agree_with_the_api(query, pg_site):
     _, rows = query(expand(PANELS["Top tokens by spend"]["targets"][0]["rawSql"], start, end, None))
     assert [money(cost) for _, cost in rows] == top
     assert rows[0][0].startswith("notebook (alice@demo.example)")
+
+
+def test_top_end_users_agree_with_the_api_over_whole_days(query, pg_site):
+    """The demo's helpdesk names its customers: the panel is /v1/spend by end user over the
+    UTC days the range touches, largest first, without the requests that named none."""
+    start, end = window()
+    day = start.replace(hour=0, minute=0, second=0, microsecond=0)
+    sql = PANELS["Top end users by spend"]["targets"][0]["rawSql"]
+    support = team_id(pg_site, "demo-support")
+    for teams, params in ((None, {}), ([support], {"team_id": support})):
+        rows = pg_site.get("/v1/spend", start=day.isoformat(), group_by="end_user", **params)[
+            "rows"
+        ]
+        expected = sorted(
+            ((r["end_user"], money(r["cost"])) for r in rows if r["end_user"] is not None),
+            key=lambda pair: (-pair[1], pair[0]),
+        )[:20]
+        _, drawn = query(expand(sql, start, end, teams))
+        assert [(name, money(cost)) for name, cost in drawn] == expected
+        # (Other tests of the session may add end users of their own teams.)
+        names = {name for name, _ in drawn}
+        assert names == {"cust-ada", "cust-ben", "cust-cy"} if teams else names >= {"cust-ada"}
+    other = team_id(pg_site, "demo-platform")
+    assert query(expand(sql, start, end, [other]))[1] == []
+
+
+def test_prometheus_has_no_series_per_end_user(pg_site):
+    """End users are unbounded: no metric names one, even behind the metrics key."""
+    names = {e["end_user"] for e in pg_site.get("/v1/usage", limit=1000)["data"]} - {None}
+    assert names >= {"cust-ada", "cust-ben", "cust-cy"}
+    text = pg_site.http.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"}).text
+    labels = set()
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" in line:
+            body = line[line.index("{") + 1 : line.rindex("}")]
+            labels |= {pair.split("=", 1)[0] for pair in re.findall(r'\w+="[^"]*"', body)}
+            values = set(re.findall(r'="([^"]*)"', body))
+            assert not values & names, line
+    assert labels and not labels & {"end_user", "tag", "tags"}
 
 
 def test_budget_use_agrees_with_the_budget_api(query, pg_site):

@@ -88,7 +88,8 @@ def check_row(row: dict) -> None:
     else:
         assert row["ConsumedQuantity"] == row["ConsumedUnit"] == ""
     tags = json.loads(row["Tags"])
-    assert set(tags) == {"team_id", "user_id", "token_id"}
+    ours = {k for k in tags if k != "end_user" and not k.startswith("tag:")}
+    assert ours == {"team_id", "user_id", "token_id"}
     assert tags["team_id"] == row["SubAccountId"]
 
 
@@ -183,3 +184,137 @@ def test_a_large_range_is_written_a_chunk_at_a_time(api, monkeypatch):
     assert chunked.read().to_pylist() == whole.to_pylist()
     text = export(api, "csv", **params).decode()
     assert len(list(csv.DictReader(io.StringIO(text)))) == whole.num_rows
+
+
+def attributed_traffic(api) -> tuple[dict, dict, str, str]:
+    """A team's events with end users and tags (one tag named like a key of ours), others
+    without, in the same hours; a request through the proxy with the headers; a credit."""
+    team, user, token = api.principal()
+    at = hour(datetime.now(UTC)) - timedelta(hours=2)
+    carried = [
+        ("acme", {"project": "search", "team_id": "spoof"}),
+        ("acme", {"project": "search", "team_id": "spoof"}),
+        ("acme", {"project": "chat"}),
+        (None, {"env": "prod"}),
+        ("globex", {}),
+        (None, {}),
+    ]
+    events = []
+    for i, (end_user, tags) in enumerate(carried):
+        event = usage_event(token_id=token["id"], occurred_at=rfc(at + timedelta(minutes=i)))
+        if end_user is not None:
+            event["end_user"] = end_user
+        if tags:
+            event["tags"] = tags
+        events.append(event)
+    events.append(usage_event(token_id=token["id"], occurred_at=rfc(at - timedelta(hours=3))))
+    created = post(api, events)
+    assert {a["status"] for a in created} == {"created"}
+    # A correction of globex's request is globex's too.
+    api.ok(
+        "POST",
+        "/v1/adjustments",
+        201,
+        json={
+            "amount": "-0.00001",
+            "reason": "goodwill",
+            "corrects_event_id": created[4]["event_id"],
+        },
+    )
+    client = api.openai(token["token"])
+    client.chat.completions.create(
+        model="gpt-sim",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=20,
+        extra_headers={"x-metering-end-user": "initech", "x-metering-tags": '{"env":"dev"}'},
+    )
+    api.ok(
+        "POST",
+        "/v1/adjustments",
+        201,
+        json={"team_id": team["id"], "amount": "-0.0005", "reason": "outage credit"},
+    )
+    params = {
+        "start": rfc(at - timedelta(hours=4)),
+        "end": rfc(hour(datetime.now(UTC)) + timedelta(hours=1)),
+        "team_id": team["id"],
+    }
+    return team, user, params["start"], params["end"]
+
+
+def attribution(tags: dict) -> tuple:
+    """(end user, the event's own tags) of a FOCUS Tags object."""
+    own = {k.removeprefix("tag:"): v for k, v in tags.items() if k.startswith("tag:")}
+    return tags.get("end_user"), json.dumps(own, sort_keys=True)
+
+
+def test_focus_tags_carry_the_end_user_and_the_events_tags(api):
+    team, user, start, end = attributed_traffic(api)
+    params = {"start": start, "end": end, "team_id": team["id"]}
+    rows = list(csv.DictReader(io.StringIO(export(api, "csv", **params).decode())))
+    for row in rows:
+        check_row(row)
+    spend = api.ok("GET", "/v1/spend", params=params)
+    assert sum(Decimal(r["BilledCost"]) for r in rows) == Decimal(spend["total"]["cost"])
+
+    # Every row's Tags: ours (team, user, token; end_user when there is one), then the event's
+    # own as tag:<key>, a tag named team_id included, never in place of ours.
+    billed: dict[tuple, Decimal] = {}
+    for row in rows:
+        tags = json.loads(row["Tags"])
+        assert tags["team_id"] == team["id"] == row["SubAccountId"]
+        assert set(tags) - {"end_user"} - {k for k in tags if k.startswith("tag:")} == {
+            "team_id",
+            "user_id",
+            "token_id",
+        }
+        key = attribution(tags)
+        billed[key] = billed.get(key, Decimal(0)) + Decimal(row["BilledCost"])
+    spoofed = [json.loads(r["Tags"]) for r in rows if "tag:team_id" in json.loads(r["Tags"])]
+    assert spoofed and all(t["tag:team_id"] == "spoof" and t["end_user"] == "acme" for t in spoofed)
+
+    # Split by end user and tags, the rows sum to what the ledger's events cost, each.
+    expected: dict[tuple, Decimal] = {}
+    for event in api.events(team_id=team["id"]):
+        key = (event["end_user"], json.dumps(event["tags"], sort_keys=True))
+        expected[key] = expected.get(key, Decimal(0)) + Decimal(event["cost"])
+    assert billed == expected
+    assert set(expected) == {
+        ("acme", json.dumps({"project": "search", "team_id": "spoof"}, sort_keys=True)),
+        ("acme", '{"project": "chat"}'),
+        (None, '{"env": "prod"}'),
+        ("globex", "{}"),
+        ("initech", '{"env": "dev"}'),
+        (None, "{}"),
+    }
+    [goodwill] = [
+        r
+        for r in rows
+        if r["ChargeCategory"] == "Adjustment" and json.loads(r["Tags"]).get("end_user") == "globex"
+    ]
+    assert Decimal(goodwill["BilledCost"]) == Decimal("-0.00001")
+    # The two requests of acme with the same tags in one hour are one group: one row per kind.
+    search = [
+        r
+        for r in rows
+        if attribution(json.loads(r["Tags"]))[0] == "acme"
+        and json.loads(r["Tags"]).get("tag:project") == "search"
+    ]
+    assert sorted(r["SkuMeter"] for r in search) == [
+        "Cached Input Tokens",
+        "Input Tokens",
+        "Output Tokens",
+    ]
+    assert (
+        sum(int(Decimal(r["ConsumedQuantity"])) for r in search if r["SkuMeter"] == "Output Tokens")
+        == 600
+    )
+
+
+def test_the_parquet_export_carries_the_same_tags(api):
+    team, _, start, end = attributed_traffic(api)
+    params = {"start": start, "end": end, "team_id": team["id"]}
+    table = pq.read_table(io.BytesIO(export(api, "parquet", **params)))
+    rows = list(csv.DictReader(io.StringIO(export(api, "csv", **params).decode())))
+    assert table.column("Tags").to_pylist() == [r["Tags"] for r in rows]
+    assert any("end_user" in json.loads(t) for t in table.column("Tags").to_pylist())

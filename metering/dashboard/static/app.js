@@ -19,6 +19,10 @@ const MAX_SERIES = 8; // more groups than this are drawn as one "other" series
 const MAX_BUDGETS = 100; // per scope, for the admin
 const PARALLEL = 6;
 const DIRECTORY_TTL_MS = 5 * 60 * 1000;
+const GROUPED_ROWS = 10_000; // rows of the spend-by-end-user (or tag) table asked for at once
+const MAX_TAG_FILTERS = 16; // a request holds at most 16 tags: more filters could match nothing
+const MAX_TEXT = 200; // the longest end user, tag key or tag filter the URL may carry here
+const PLAIN_GROUPS = ["team", "model", "provider", "end_user"];
 
 const $ = (id) => document.getElementById(id);
 const { html } = Charts;
@@ -40,7 +44,9 @@ const state = {
   generation: 0,
   prefs: { range: "24h", group: "team", refresh: 30, tz: "utc" },
   // What the viewer narrowed the page to; every panel's calls carry it, and so does the URL.
-  filters: { team: null, user: null, token: null, model: null },
+  // end_user and tags (["key:value", ...], all must match) narrow what /v1/spend and /v1/usage
+  // report; budgets, limits and refusals are kept by team, user and token only.
+  filters: { team: null, user: null, token: null, model: null, end_user: null, tags: [] },
   models: [],
 };
 const FILTERS = { team: "team_id", user: "user_id", token: "token_id", model: "model" };
@@ -68,7 +74,8 @@ async function api(path) {
 function query(params) {
   const search = new URLSearchParams();
   for (const [name, value] of Object.entries(params)) {
-    if (value !== null && value !== undefined) search.set(name, value);
+    if (Array.isArray(value)) value.forEach((v) => search.append(name, v)); // a repeated parameter
+    else if (value !== null && value !== undefined) search.set(name, value);
   }
   return search.toString();
 }
@@ -222,12 +229,20 @@ function when(iso) {
 
 // --- data for each panel --------------------------------------------------------------------------
 
-/** The filters as API parameters (team_id, user_id, token_id, model). */
-function filterParams() {
+/** The team, user, token and model filters as API parameters (what every panel takes). */
+function whoParams() {
   const out = {};
   for (const [name, param] of Object.entries(FILTERS)) {
     if (state.filters[name]) out[param] = state.filters[name];
   }
+  return out;
+}
+
+/** Every filter as parameters of /v1/spend and /v1/usage: with `end_user` and `tag` (repeated). */
+function filterParams() {
+  const out = whoParams();
+  if (state.filters.end_user) out.end_user = state.filters.end_user;
+  if (state.filters.tags.length) out.tag = state.filters.tags;
   return out;
 }
 
@@ -373,8 +388,45 @@ function compareDesc(a, b) {
   return a > b ? -1 : a < b ? 1 : 0;
 }
 
+/** The row key /v1/spend writes for a group: team_id, model, provider, end_user, tag:<key>. */
+function groupField(group) {
+  return group === "team" ? "team_id" : group;
+}
+
+/** What the page calls a group: "team", "end user", "tag project". */
+function groupName(group) {
+  if (group === "end_user") return "end user";
+  if (group.startsWith("tag:")) return `tag ${group.slice(4)}`;
+  return group;
+}
+
+/** A group's value as shown: a team's name, or what requests without one are called. */
+function groupLabel(directory, group, key) {
+  if (group === "team") return teamName(directory, key);
+  if (key === null) return group === "end_user" ? "(no end user)" : `(no tag ${group.slice(4)})`;
+  return key;
+}
+
+/** A report a panel could not have, said in that panel (the rest of the page still draws). */
+function showError(id, error) {
+  const line = $(id);
+  line.hidden = !error;
+  line.textContent = error
+    ? `the API refused this view${error.status ? ` (${error.status})` : ""}: ${error.message}`
+    : "";
+}
+
 function drawSpend(range, report, directory, group) {
-  const field = group === "team" ? "team_id" : group;
+  showError("spend-error", report.error);
+  if (report.error) {
+    Charts.stacked($("spend-chart"), {
+      name: "spend", title: `spend by ${groupName(group)}`, buckets: range.buckets, series: [],
+      format: Money.format, plain: Money.plain, empty: "nothing to draw: see the message above",
+    });
+    $("spend-caption").textContent = "";
+    return;
+  }
+  const field = groupField(group);
   const byKey = new Map();
   for (const row of report.rows) {
     const key = row[field];
@@ -385,7 +437,7 @@ function drawSpend(range, report, directory, group) {
   }
   let series = [...byKey.entries()].map(([key, values]) => ({
     key,
-    label: group === "team" ? teamName(directory, key) : key,
+    label: groupLabel(directory, group, key),
     values,
     total: [...values.values()].reduce((a, v) => a + v, 0n),
   }));
@@ -399,7 +451,7 @@ function drawSpend(range, report, directory, group) {
   }
   Charts.stacked($("spend-chart"), {
     name: "spend",
-    title: `spend by ${group}`,
+    title: `spend by ${groupName(group)}`,
     buckets: range.buckets,
     series,
     format: Money.format,
@@ -408,7 +460,57 @@ function drawSpend(range, report, directory, group) {
   });
   const unit = range.unit === "hour" ? `hour (${state.prefs.tz === "local" ? "local time" : "UTC"})` : "UTC day";
   $("spend-caption").textContent =
-    `per ${unit}, stacked by ${group} · total ${Money.format(Money.parse(report.total.cost))}`;
+    `per ${unit}, stacked by ${groupName(group)} · total ${Money.format(Money.parse(report.total.cost))}`;
+}
+
+/** Spend by end user or by a tag's values: one row each, largest first. */
+function drawGrouped(report, directory, group) {
+  const panel = $("grouped-panel");
+  panel.hidden = !isAttribution(group);
+  if (panel.hidden) return;
+  $("grouped-name").textContent = groupName(group);
+  $("grouped-key").textContent = groupName(group);
+  $("grouped").dataset.group = group;
+  showError("grouped-error", report.error);
+  const rows = report.error ? [] : [...report.rows]
+    .map((r) => ({ ...r, pico: Money.parse(r.cost) }))
+    .sort((a, b) => compareDesc(a.pico, b.pico) || String(a[groupField(group)]).localeCompare(String(b[groupField(group)])));
+  const total = report.error ? 0n : Money.parse(report.total.cost);
+  const cell = (content, cls) => html("td", cls ? { class: cls } : {}, [content ?? ""]);
+  $("grouped-body").replaceChildren(
+    ...rows.map((r) => {
+      const key = r[groupField(group)];
+      const attrs = { "data-cost": Money.plain(r.pico), "data-requests": String(r.requests) };
+      if (key !== null) attrs["data-key"] = key; // no attribute: requests without one
+      return html("tr", attrs, [
+        cell(groupLabel(directory, group, key), key === null ? "none" : ""),
+        cell(Money.count(r.requests), "num"),
+        cell(Money.format(r.pico), "num"),
+        cell(Money.percent(r.pico, total), "num"),
+      ]);
+    }),
+  );
+  $("grouped").dataset.rows = String(rows.length);
+  $("grouped").dataset.total = report.error ? "" : Money.plain(total);
+  const more = report.error ? 0 : report.row_count - rows.length;
+  $("grouped-caption").textContent = report.error
+    ? ""
+    : `${Money.count(report.row_count)} ${group === "end_user" ? "end user" : "value"}${report.row_count === 1 ? "" : "s"} in this range` +
+      (more > 0 ? ` · the first ${Money.count(rows.length)} by name are shown, largest first` : "") +
+      ` · total ${Money.format(total)}`;
+  const empty = $("grouped-empty");
+  empty.hidden = rows.length > 0 || Boolean(report.error);
+  empty.textContent = emptyText("nothing spent in this range");
+}
+
+function isAttribution(group) {
+  return group === "end_user" || group.startsWith("tag:");
+}
+
+/** A datalist's suggestions: the values seen, each once, at most 200. */
+function fillList(id, values) {
+  const seen = [...new Set(values)].slice(0, 200);
+  $(id).replaceChildren(...seen.map((v) => html("option", { value: v })));
 }
 
 function drawKinds(report) {
@@ -572,6 +674,8 @@ function drawRecent(events, directory) {
     }, [
       cell(fmtTime(e.created_at, { seconds: true })),
       who,
+      cell(e.end_user ?? "", "end-user"),
+      tagsCell(e.tags ?? {}),
       modelCell,
       statusCell,
       cell(details.length ? `${tokens} (${details.join(", ")})` : tokens, "num"),
@@ -590,6 +694,15 @@ function drawRecent(events, directory) {
     : "";
 }
 
+/** An event's tags, one "key: value" chip each (in CSV: the JSON object, as /v1/usage writes it). */
+function tagsCell(tags) {
+  const pairs = Object.entries(tags).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
+  const td = html("td", { class: "tags" }, pairs.map(([k, v]) =>
+    html("span", { class: "chip", "data-tag": `${k}:${v}` }, [`${k}: ${v}`])));
+  td.dataset.csv = pairs.length ? JSON.stringify(Object.fromEntries(pairs)) : "";
+  return td;
+}
+
 /** Team, user and token of a row, on two lines (one cell of CSV). */
 function whoCell(directory, row) {
   const team = row.team_name ?? teamName(directory, row.team_id);
@@ -601,7 +714,8 @@ function whoCell(directory, row) {
 }
 
 function filtered() {
-  return Object.values(state.filters).some((v) => v);
+  const f = state.filters;
+  return Object.keys(FILTERS).some((k) => f[k]) || Boolean(f.end_user) || f.tags.length > 0;
 }
 
 /** An empty panel's text: what to do about it. */
@@ -745,11 +859,27 @@ function drawFilters(directory) {
   fill("filter-user", "all users", users, f.user);
   fill("filter-token", "all tokens", tokens, f.token);
   fill("filter-model", "all models", state.models.map((m) => [m, m]), f.model);
-  const shown = Object.entries(f).filter(([, v]) => v).map(([k]) => k);
-  $("filters-note").textContent = shown.length
-    ? `every panel shows only: ${shown.map((k) => `${k} ${$(`filter-${k}`).selectedOptions[0]?.textContent ?? f[k]}`).join(", ")}`
-    : "showing everything this key may see";
-  $("filters-clear").disabled = !shown.length;
+  $("filter-end-user").value = f.end_user ?? "";
+  $("tag-chips").replaceChildren(...f.tags.map((tag) => {
+    const chip = html("button", { type: "button", class: "chip", "data-tag": tag, title: "remove this filter" }, [`${tag} ×`]);
+    chip.addEventListener("click", () => {
+      f.tags = f.tags.filter((t) => t !== tag);
+      changed();
+    });
+    return chip;
+  }));
+  const shown = Object.keys(FILTERS).filter((k) => f[k]);
+  const parts = shown.map((k) => `${k} ${$(`filter-${k}`).selectedOptions[0]?.textContent ?? f[k]}`);
+  const narrowed = [];
+  if (f.end_user) narrowed.push(`end user ${f.end_user}`);
+  if (f.tags.length) narrowed.push(`tag${f.tags.length > 1 ? "s" : ""} ${f.tags.join(" and ")}`);
+  let note = parts.length ? `every panel shows only: ${parts.join(", ")}` : "";
+  if (narrowed.length) {
+    note += `${note ? "; " : ""}spend and requests only: ${narrowed.join(", ")} ` +
+      "(budgets, limits and refusals are kept by team, user and token)";
+  }
+  $("filters-note").textContent = note || "showing everything this key may see";
+  $("filters-clear").disabled = !filtered();
   $("tz-note").textContent = zoneNote();
   document.body.dataset.filters = query(filterParams());
   document.body.dataset.tz = state.prefs.tz;
@@ -763,6 +893,30 @@ function changed() {
 
 const URL_PREFS = { range: "24h", group: "team", tz: "utc" };
 
+/** A group the page knows: team, model, provider, end_user or tag:<key>; else null. */
+function validGroup(value) {
+  if (typeof value !== "string") return null;
+  if (PLAIN_GROUPS.includes(value)) return value;
+  if (value.startsWith("tag:") && value.length > 4 && value.length <= 4 + MAX_TEXT) return value;
+  return null;
+}
+
+/** A tag filter as typed: "key:value" with a key (the value may be empty); else null. */
+function validTag(value) {
+  const text = (value ?? "").trim();
+  const colon = text.indexOf(":");
+  return colon > 0 && text.length <= MAX_TEXT ? text : null;
+}
+
+/** The group-by controls as the preference says: the select, and the tag key when by a tag. */
+function showGroup() {
+  const group = state.prefs.group;
+  const byTag = group.startsWith("tag:");
+  $("group").value = byTag ? "tag" : group;
+  $("group-tag-label").hidden = !byTag;
+  if (byTag) $("group-tag").value = group.slice(4);
+}
+
 function writeUrl() {
   const params = {};
   for (const [name, fallback] of Object.entries(URL_PREFS)) {
@@ -771,6 +925,8 @@ function writeUrl() {
   for (const name of Object.keys(FILTERS)) {
     if (state.filters[name]) params[name] = state.filters[name];
   }
+  if (state.filters.end_user) params.end_user = state.filters.end_user;
+  if (state.filters.tags.length) params.tag = state.filters.tags;
   const search = query(params);
   history.replaceState(null, "", `${location.pathname}${search ? "?" + search : ""}`);
 }
@@ -778,12 +934,16 @@ function writeUrl() {
 function readUrl() {
   const params = new URLSearchParams(location.search);
   if (params.get("range") in RANGES) state.prefs.range = params.get("range");
-  if (["team", "model", "provider"].includes(params.get("group"))) state.prefs.group = params.get("group");
+  state.prefs.group = validGroup(params.get("group")) ?? state.prefs.group;
   if (["utc", "local"].includes(params.get("tz"))) state.prefs.tz = params.get("tz");
   for (const name of Object.keys(FILTERS)) {
     const value = params.get(name);
-    if (value && value.length <= 200) state.filters[name] = value;
+    if (value && value.length <= MAX_TEXT) state.filters[name] = value;
   }
+  const endUser = params.get("end_user");
+  if (endUser && endUser.length <= MAX_TEXT) state.filters.end_user = endUser;
+  const tags = params.getAll("tag").map(validTag).filter((t) => t !== null);
+  state.filters.tags = [...new Set(tags)].slice(0, MAX_TAG_FILTERS);
 }
 
 /** A table as CSV, as it is on screen (a cell's data-csv where it shows more than one line). */
@@ -827,6 +987,8 @@ function draw() {
   const { range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals, alerts } =
     state.data;
   drawFilters(directory);
+  drawGrouped(state.data.grouped, directory, group);
+  suggest(recent.data, state.data.grouped, group);
   drawDrill(state.data.level, state.data.drill, directory);
   drawRefused(state.data.refusalSummary, state.data.refusalPage, directory);
   drawSummary(byModel.total);
@@ -845,7 +1007,29 @@ function draw() {
   document.body.dataset.start = range.start;
 }
 
+/** What the end-user, tag and tag-key inputs suggest: what the recent requests and the
+ * spend-by-end-user table hold. */
+function suggest(events, grouped, group) {
+  const endUsers = events.map((e) => e.end_user);
+  if (group === "end_user" && !grouped.error) endUsers.push(...grouped.rows.map((r) => r.end_user));
+  fillList("end-users", endUsers.filter((v) => v !== null && v !== undefined));
+  const pairs = events.flatMap((e) => Object.entries(e.tags ?? {}));
+  fillList("tag-pairs", pairs.map(([k, v]) => `${k}:${v}`));
+  fillList("tag-keys", pairs.map(([k]) => k));
+}
+
 // --- the refresh cycle ---------------------------------------------------------------------------
+
+/** A report that may be refused (a 400 for a view too large, say): its error instead of it, so
+ * the panel says why and the rest of the page still draws. A refused key (401) stays fatal. */
+async function orError(promise) {
+  try {
+    return await promise;
+  } catch (error) {
+    if (!(error instanceof ApiError) || error.status === 401) throw error;
+    return { error };
+  }
+}
 
 function status(message, kind = "info") {
   const line = $("status");
@@ -865,9 +1049,11 @@ async function refresh(force = false) {
     const directory = await loadDirectory(force);
     const level = drillLevel();
     const filters = filterParams();
-    const [byTime, byModel, byToken, recent, budgets, limits, refusals, drill, refusalSummary, refusalPage, alerts] =
+    const who = whoParams(); // refusals are kept by team, user, token and model only
+    const noGroup = Promise.resolve({ rows: [], total: { cost: "0" }, row_count: 0 });
+    const [byTime, byModel, byToken, recent, budgets, limits, refusals, drill, refusalSummary, refusalPage, alerts, grouped] =
       await Promise.all([
-        spend(range, `${unit},${group}`),
+        orError(spend(range, `${unit},${group}`)),
         spend(range, "model"),
         spend(range, "token"),
         api(`/v1/usage?${query({ limit: RECENT, ...filters })}`),
@@ -875,14 +1061,15 @@ async function refresh(force = false) {
         limitRows(directory),
         limitRefusals(),
         spend(range, level, { labels: "true" }),
-        api(`/v1/refusals/summary?${query({ start: range.start, group_by: "reason", ...filters })}`),
-        api(`/v1/refusals?${query({ start: range.start, limit: REFUSALS_SHOWN, labels: "true", ...filters })}`),
+        api(`/v1/refusals/summary?${query({ start: range.start, group_by: "reason", ...who })}`),
+        api(`/v1/refusals?${query({ start: range.start, limit: REFUSALS_SHOWN, labels: "true", ...who })}`),
         api(`/v1/alerts?${query({ limit: RECENT_ALERTS })}`),
+        isAttribution(group) ? orError(spend(range, group, { limit: GROUPED_ROWS })) : noGroup,
       ]);
     if (generation !== state.generation) return; // a newer refresh has started
     state.data = {
       range, group, directory, byTime, byModel, byToken, recent, budgets, limits, refusals,
-      level, drill, refusalSummary, refusalPage, alerts,
+      level, drill, refusalSummary, refusalPage, alerts, grouped,
     };
     draw();
     status(`updated ${fmtTime(new Date(), { seconds: true, date: false })} (${state.prefs.tz === "local" ? "local time" : "UTC"})`);
@@ -949,7 +1136,7 @@ function loadPrefs() {
   try {
     const saved = JSON.parse(sessionStorage.getItem(PREFS_STORE) ?? "{}");
     if (saved.range in RANGES) state.prefs.range = saved.range;
-    if (["team", "model", "provider"].includes(saved.group)) state.prefs.group = saved.group;
+    state.prefs.group = validGroup(saved.group) ?? state.prefs.group;
     if ([0, 10, 30, 60].includes(Number(saved.refresh))) state.prefs.refresh = Number(saved.refresh);
     if (["utc", "local"].includes(saved.tz)) state.prefs.tz = saved.tz;
   } catch {
@@ -958,8 +1145,29 @@ function loadPrefs() {
   readUrl(); // a shared link's view wins over this tab's last one
   $("tz").value = state.prefs.tz;
   $("range").value = state.prefs.range;
-  $("group").value = state.prefs.group;
+  showGroup();
   $("refresh-every").value = String(state.prefs.refresh);
+}
+
+function groupBy(group) {
+  state.prefs.group = group;
+  savePrefs();
+  changed();
+}
+
+/** The tag filter input's key:value, added to the filters (all must match). */
+function addTag(input) {
+  const text = input.value.trim();
+  if (!text) return;
+  const tag = validTag(text);
+  if (tag === null) {
+    status(`a tag filter is key:value (the key, a colon, its value), not ${JSON.stringify(text)}`, "error");
+    return;
+  }
+  input.value = "";
+  if (state.filters.tags.includes(tag) || state.filters.tags.length >= MAX_TAG_FILTERS) return;
+  state.filters.tags = [...state.filters.tags, tag];
+  changed();
 }
 
 function start() {
@@ -972,7 +1180,7 @@ function start() {
   });
   $("sign-out").addEventListener("click", () => signOut());
   $("refresh-now").addEventListener("click", () => refresh(true));
-  for (const [id, pref] of [["range", "range"], ["group", "group"], ["refresh-every", "refresh"], ["tz", "tz"]]) {
+  for (const [id, pref] of [["range", "range"], ["refresh-every", "refresh"], ["tz", "tz"]]) {
     $(id).addEventListener("change", (event) => {
       state.prefs[pref] = pref === "refresh" ? Number(event.target.value) : event.target.value;
       savePrefs();
@@ -993,8 +1201,32 @@ function start() {
       changed();
     });
   }
+  $("group").addEventListener("change", (event) => {
+    const byTag = event.target.value === "tag";
+    $("group-tag-label").hidden = !byTag;
+    const group = byTag ? validGroup(`tag:${$("group-tag").value.trim()}`) : event.target.value;
+    if (group === null) {
+      $("group-tag").focus(); // by a tag: which key? The choice is made when one is typed.
+      return;
+    }
+    groupBy(group);
+  });
+  $("group-tag").addEventListener("change", (event) => {
+    const group = validGroup(`tag:${event.target.value.trim()}`);
+    if (group !== null && group !== state.prefs.group) groupBy(group);
+  });
+  $("filter-end-user").addEventListener("change", (event) => {
+    const value = event.target.value.trim() || null;
+    if (value === state.filters.end_user) return;
+    state.filters.end_user = value;
+    changed();
+  });
+  $("filter-tag").addEventListener("keydown", (event) => {
+    if (event.key === "Enter") addTag(event.target);
+  });
+  $("filter-tag").addEventListener("change", (event) => addTag(event.target));
   $("filters-clear").addEventListener("click", () => {
-    Object.assign(state.filters, { team: null, user: null, token: null, model: null });
+    Object.assign(state.filters, { team: null, user: null, token: null, model: null, end_user: null, tags: [] });
     changed();
   });
   for (const button of document.querySelectorAll("button.csv")) {
