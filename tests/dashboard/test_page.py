@@ -105,7 +105,15 @@ def test_the_page_and_its_files_are_served_to_anyone(site):
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert page.headers["x-content-type-options"] == "nosniff"
     assets = re.findall(r'(?:src|href)="/dashboard/([^"]+)"', page.text)
-    assert sorted(assets) == ["app.js", "charts.js", "money.js", "style.css"]
+    assert sorted(assets) == [
+        "admin-ops.js",
+        "admin.css",
+        "admin.js",
+        "app.js",
+        "charts.js",
+        "money.js",
+        "style.css",
+    ]
     for name in assets:
         response = site.http.get(f"/dashboard/{name}")
         assert response.status_code == 200, name
