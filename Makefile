@@ -48,22 +48,26 @@ chromium:
 # Most of the suite runs in four processes (pytest-xdist: most tests wait on servers and
 # sockets, not on the two cores; each process has its own servers and databases; an idle
 # process takes tests queued for another, `--dist worksteal`), then the tests marked serial
-# (tests/conftest.py SERIAL: load, replicas, kills) in two processes, each with a core of its
+# (tests/serial.txt: load, replicas, kills) in two processes, each with a core of its
 # own, then those marked alone (a descriptor count against a deadline; the PostgreSQL restart)
 # one at a time. TEST_WORKERS=0 runs the first part in this one process too; SERIAL_WORKERS=0
 # the serial part.
 TEST_WORKERS ?= 4
 SERIAL_WORKERS ?= 2
+# The serial and alone parts' files (tests/conftest.py marks the same): their pytest collects
+# only these, not the whole suite again.
+SERIAL_TESTS := $(shell grep -v '^\#' tests/serial.txt)
+ALONE_TESTS := $(shell grep -v '^\#' tests/alone.txt)
 
 test: $(BIN)/metering postgres chromium
 	rm -f test-output/junit-*.xml
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial and not alone" \
 		--junitxml=test-output/junit-parallel.xml; \
 		parallel=$$?; \
-		$(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal -m serial \
+		$(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal -m serial $(SERIAL_TESTS) \
 		--junitxml=test-output/junit-serial.xml; \
 		serial=$$?; \
-		$(BIN)/pytest -q -m alone --junitxml=test-output/junit-alone.xml; \
+		$(BIN)/pytest -q -m alone $(ALONE_TESTS) --junitxml=test-output/junit-alone.xml; \
 		alone=$$?; \
 		test $$parallel -eq 0 -a $$serial -eq 0 -a $$alone -eq 0
 

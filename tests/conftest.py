@@ -4,6 +4,7 @@ the real metering server on loopback for each backend."""
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import psycopg
@@ -32,24 +33,16 @@ ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
 BACKENDS = ("sqlite", "postgresql")
 
 
-# Run apart, after the rest of the suite has run in parallel (`make test`: pytest-xdist in four
-# processes, then `-m serial` in two, then `-m alone` in one): bursts against limits, several
-# replicas, killed processes and deadlines measured against a loaded machine. Beside the whole
-# suite on two cores their upstream and pool deadlines (2 s, 30 s) would be tested against its
-# load. ALONE: the descriptor count, whose deadline met the other serial process's load, and the
-# PostgreSQL restart, which stops the database every other test uses (last, in file order).
-SERIAL = (
-    "tests/budgets/test_concurrency.py",
-    "tests/budgets/test_crash_recovery.py",
-    "tests/budgets/test_end_users_replicas.py",
-    "tests/budgets/test_leases.py",
-    "tests/budgets/test_limits_replicas.py",
-    "tests/resilience/test_ledger_unavailable.py",
-    "tests/resilience/test_pool_exhausted.py",
-    "tests/resilience/test_settle_blip.py",
-    "tests/resilience/test_slow_clients.py",
-)
-ALONE = ("tests/resilience/test_descriptors.py", "tests/resilience/test_postgres_restart.py")
+def _listed(name: str) -> tuple[str, ...]:
+    """The test files a list in tests/ names, one per line (`#` starts a comment): the Makefile
+    passes the same files to the serial and alone parts' pytest, which then collect only them."""
+    lines = Path(__file__).with_name(name).read_text().splitlines()
+    return tuple(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+# Run apart from the rest of the suite (tests/serial.txt, tests/alone.txt say why).
+SERIAL = _listed("serial.txt")
+ALONE = _listed("alone.txt")
 
 
 # The fixtures that start a server (the metering server, the simulated upstream, a webhook
