@@ -221,7 +221,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.no_sqlite:
         modes.discard("sqlite")
     if args.baseline is not None:
-        if not (args.baseline / "metering" / "cli.py").is_file():
+        cli = args.baseline / "metering" / "cli"
+        if not (cli.with_suffix(".py").is_file() or (cli / "__init__.py").is_file()):
             p.error(f"--baseline: no checkout of metering at {args.baseline}")
         modes.add("pg-base")
     elif "pg-base" in modes:

@@ -13,7 +13,7 @@ from tests.conftest import PG_ADMIN_DSN
 
 pytestmark = pytest.mark.postgres
 
-ORG = {"tokens": 1000, "users": 500, "teams": 50, "models": 20}
+ORG = {"tokens": 1000, "users": 500, "teams": 50, "models": 20, "end_users": 100_000}
 
 
 @pytest.fixture
