@@ -8,7 +8,10 @@ charges (its token's, its user's, its team's) has a lease with `amount - infligh
 its whole hold. Its hold row is still written before anything is forwarded (grouped with the
 holds of the requests that arrive together: one INSERT), naming its leases instead of adding
 to `reserved`; a hold that names a lease keeps the lease's row from being deleted (a foreign
-key). Settling such a hold moves its cost from the lease (and `reserved`) to `spent`.
+key). Settling such a hold moves its cost from the lease (and `reserved`) to `spent`. A request
+of an end user with a budget (metering.budgets.end_users) is reserved in that budget's row, never
+leased, in the transaction that writes its hold (which names its end user's budget too); the
+row refusing it sends the request to the database path, its claim given back.
 
 Why a budget never ends a window above its limit: a budget's `spent + reserved` only grows
 through conditional writes that check the limit (a hold reserved in the rows, a lease taken or
@@ -261,7 +264,7 @@ class LeaseBook:
         # Budgets found too near their limit to lease, until when (monotonic).
         self.too_small: dict[str, float] = {}
         self.holds = HoldWriter(db, settles)
-        # Teams whose end users may have budgets: their requests take the database path.
+        # Teams whose end users may have budgets: their requests reserve the end user's row.
         self.end_user_teams = EndUserTeams(db)
         self._lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
