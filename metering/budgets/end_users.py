@@ -7,22 +7,24 @@ one. The row is made by the end user's first request while its team has a defaul
 (`end_user_credit_limit`), or by an override; an end user with neither has no budget and is
 held against nothing of its own.
 
-An end user's budget is small and its requests few: a request of an end user with a budget is
-reserved in the rows, by the conditional UPDATE every budget of the request takes
-(metering.budgets.reserve), never against a lease. So that the requests of teams without
-end-user budgets keep the leases, each process remembers which teams have any
-(`EndUserTeams`), forgotten on every change to a team (the credential listener drops it before
-the changing call returns, on every replica).
+An end user's budget is small and its requests few, so it is never leased: a request of an end
+user with a budget is always reserved in that budget's row, by the same conditional UPDATE as
+its other budgets on the database path (metering.budgets.reserve). Its token's, user's and
+team's budgets may still admit it against this process's leases (metering.budgets.leases):
+then only the end user's row is locked, by `reserve_in_row`, in the transaction that writes
+the hold. Each process remembers which teams have end-user budgets (`EndUserTeams`), forgotten
+on every change to a team (the credential listener drops it before the changing call returns,
+on every replica).
 """
 
 import hashlib
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, exists, or_, select
+from sqlalchemy import bindparam, exists, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from metering.budgets.views import upsert_ignore
+from metering.budgets.views import current_window, load, roll, upsert_ignore
 from metering.budgets.windows import parse_interval, window_for
 from metering.db import Database
 from metering.models import Budget, EndUserBudget, Team
@@ -119,6 +121,35 @@ async def create(
     }
     await conn.execute(insert(EndUserBudget.__table__).values(listed).on_conflict_do_nothing())
     return subject
+
+
+_RESERVE_ONE = (
+    update(Budget.__table__)
+    .where(
+        Budget.subject_id == bindparam("subject"),
+        (Budget.credit_limit.is_(None))
+        | (Budget.spent + Budget.reserved + bindparam("amount") <= Budget.credit_limit),
+    )
+    .values(reserved=Budget.reserved + bindparam("amount"))
+    .execution_options(synchronize_session=False)
+)
+
+
+async def reserve_in_row(
+    conn: AsyncConnection, subject: str, amount: int, now: datetime
+) -> tuple[Any, ...] | None:
+    """Hold `amount` in one end user's budget row (locked, moved into its current window, then
+    the conditional UPDATE): its window (reset_interval, anchor, start), or None when the row
+    cannot cover the amount."""
+    budget = (await load(conn, [subject], lock=True)).get(subject)
+    if budget is None:
+        return None
+    await roll(conn, budget, now)
+    start, _ = current_window(budget, now)
+    held = await conn.execute(_RESERVE_ONE, {"subject": subject, "amount": amount})
+    if held.rowcount != 1:
+        return None
+    return (budget.reset_interval, budget.anchor_at, start)
 
 
 _TEAM_HAS = select(

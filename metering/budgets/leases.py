@@ -8,7 +8,10 @@ charges (its token's, its user's, its team's) has a lease with `amount - infligh
 its whole hold. Its hold row is still written before anything is forwarded (grouped with the
 holds of the requests that arrive together: one INSERT), naming its leases instead of adding
 to `reserved`; a hold that names a lease keeps the lease's row from being deleted (a foreign
-key). Settling such a hold moves its cost from the lease (and `reserved`) to `spent`.
+key). Settling such a hold moves its cost from the lease (and `reserved`) to `spent`. A request
+of an end user with a budget (metering.budgets.end_users) is reserved in that budget's row, never
+leased, in the transaction that writes its hold (which names its end user's budget too); the
+row refusing it sends the request to the database path, its claim given back.
 
 Why a budget never ends a window above its limit: a budget's `spent + reserved` only grows
 through conditional writes that check the limit (a hold reserved in the rows, a lease taken or
@@ -46,7 +49,7 @@ from typing import Any
 from sqlalchemy import BigInteger, bindparam, delete, exists, insert, or_, select, update
 from sqlalchemy import exc as sa_exc
 
-from metering.budgets import settle_pg
+from metering.budgets import end_users, settle_pg
 from metering.budgets.end_users import EndUserTeams
 from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.reserve import Claim, HoldSpec, Reservation, hold_json, hold_row
@@ -261,7 +264,7 @@ class LeaseBook:
         # Budgets found too near their limit to lease, until when (monotonic).
         self.too_small: dict[str, float] = {}
         self.holds = HoldWriter(db, settles)
-        # Teams whose end users may have budgets: their requests take the database path.
+        # Teams whose end users may have budgets: their requests reserve the end user's row.
         self.end_user_teams = EndUserTeams(db)
         self._lock: asyncio.Lock | None = None
         self._task: asyncio.Task[None] | None = None
@@ -318,8 +321,10 @@ class LeaseBook:
         if spec.max_cost is not None and amount > spec.max_cost:
             return None  # to be clamped to (or refused by) its own ceiling: the database path
         billing = spec.billing
-        if billing.end_user is not None and await self.end_user_teams.limited(billing.team_id):
-            return None  # its end user's budget is reserved in its row: the database path
+        # Its end user's budget, if it has one, is reserved in its row with the hold.
+        end_user = billing.end_user is not None and await self.end_user_teams.limited(
+            billing.team_id
+        )
         subjects = spec.subjects
         claim = self._claim(subjects, amount)
         if claim is None:
@@ -350,8 +355,17 @@ class LeaseBook:
                     if claim is None:
                         return None
         leases = {lease.scope: lease.id for lease in claim.leases if lease.id is not None}
+        windows = {lease.subject_id: lease.window for lease in claim.leases}
+        held_in: str | None = None
         try:
-            await self.holds.insert(hold_row(spec, amount, utcnow(), self.ttl_s, leases))
+            if end_user:
+                held_in = await self._with_end_user(spec, amount, leases, windows)
+                if held_in == "":
+                    # Its end user cannot cover it: the database path clamps or refuses.
+                    claim.end(released=True)
+                    return None
+            else:
+                await self.holds.insert(hold_row(spec, amount, utcnow(), self.ttl_s, leases))
         except sa_exc.IntegrityError:
             # A lease was returned under us (this process stalled past its expiry).
             claim.end(released=True)
@@ -361,9 +375,34 @@ class LeaseBook:
             claim.end(released=True)
             raise
         self.admitted += 1
-        windows = {lease.subject_id: lease.window for lease in claim.leases}
-        plain = spec.rates is None and spec.run is None
+        # A hold in an end user's row too: the general settle (not the one-statement one).
+        plain = spec.rates is None and spec.run is None and held_in is None
         return Reservation(spec.hold_id, amount, wanted, False, windows, claim, plain)
+
+    async def _with_end_user(
+        self,
+        spec: HoldSpec,
+        amount: int,
+        leases: dict[str, Any],
+        windows: dict[str, Any],
+    ) -> str | None:
+        """Reserve a leased request's hold in its end user's budget row and write the hold, in
+        one transaction: the end user's budget (None: it has none), or "" when its row cannot
+        cover the amount (nothing written). The end user's budget is made on first use."""
+        billing = spec.billing
+        assert billing.end_user is not None
+        now = utcnow()
+        async with self.db.begin() as conn:
+            held_in = await end_users.held_in(conn, billing.team_id, billing.end_user, now)
+            if held_in is not None:
+                window = await end_users.reserve_in_row(conn, held_in, amount, now)
+                if window is None:
+                    await conn.rollback()
+                    return ""
+                windows[held_in] = window
+            row = hold_row(spec, amount, now, self.ttl_s, leases, end_user_budget=held_in)
+            await conn.execute(_INSERT_HOLDS, row)
+        return held_in
 
     async def _take(self, spec: HoldSpec, amount: int) -> bool:
         """Take or grow a lease on each of the request's limited budgets, in one transaction;

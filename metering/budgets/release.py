@@ -23,8 +23,12 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
     try:
         async with db.begin() as session:
             hold = (await session.execute(TAKE_HOLD, {"hold_id": hold_id})).first()
-            if hold is not None and not hold.leased:
-                await session.execute(_RELEASE, {"ids": held_subjects(hold), "amount": hold.amount})
+            if hold is not None:
+                # A leased hold reserved in the rows only its end user's budget, if it has one.
+                held = held_subjects(hold) if not hold.leased else [hold.end_user_budget]
+                held = [s for s in held if s is not None]
+                if held:
+                    await session.execute(_RELEASE, {"ids": held, "amount": hold.amount})
             if hold is not None and hold.run_id is not None:
                 await session.execute(CHARGE_RUN, [run_charge(hold, 0)])
             if hold is not None:
