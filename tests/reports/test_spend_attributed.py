@@ -367,11 +367,12 @@ async def _direct_report(db: Database, keys, start, end, filters, tags) -> dict:
     return {tuple(row[k] for k in sql_keys): {m: int(row[m]) for m in SUMS + MONEY} for row in rows}
 
 
-async def _assert_exact(db: Database, events, base: datetime) -> None:
-    spans = [
-        (base, base + timedelta(days=3)),
-        (base + timedelta(hours=5), base + timedelta(days=2)),
-    ]
+async def _assert_exact(db: Database, events, base: datetime, edges: bool = True) -> None:
+    """Every DIRECT report equals the events' sums over three whole days and, with `edges`,
+    over a range with partial days at both ends (read from the ledger there)."""
+    spans = [(base, base + timedelta(days=3))]
+    if edges:
+        spans.append((base + timedelta(hours=5), base + timedelta(days=2)))
     for start, end in spans:
         for keys in DIRECT:
             for filters, tags in DIRECT_FILTERS:
@@ -398,9 +399,10 @@ def test_reports_are_exact_while_pending_and_after_each_fold(backend, tmp_path):
             half = len(events) // 2
             async with db.transaction() as session:
                 await writer.append_many(session, events[:half])
-            await _assert_exact(db, events[:half], base)  # all pending
+            # The partial days come from the ledger whatever is folded: checked once, below.
+            await _assert_exact(db, events[:half], base, edges=False)  # all pending
             await rollup.fold(db)
-            await _assert_exact(db, events[:half], base)  # all folded
+            await _assert_exact(db, events[:half], base, edges=False)  # all folded
             for event in events[half:]:
                 async with db.transaction() as session:
                     await writer.append(session, event)
