@@ -82,16 +82,7 @@ GROUPS = {
     "hour": "hour",
     "end_user": "end_user",
 }
-METRICS = (
-    "requests",
-    "prompt_tokens",
-    "cached_tokens",
-    "completion_tokens",
-    "reasoning_tokens",
-    "cost",
-    "uncharged",
-    "adjustments",
-)
+METRICS = attributed.METRICS  # the sums of every report, its rollups' columns
 MONEY = ("cost", "uncharged", "adjustments")
 
 
