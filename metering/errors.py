@@ -8,6 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -219,6 +220,26 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, "invalid_request", message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
-        return error_response(exc.status_code, code, str(exc.detail), None, exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:
+            headers = {"Allow": ", ".join(allowed_methods(app, request))}
+        return error_response(exc.status_code, code, str(exc.detail), None, headers)
+
+
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route takes at this request's path. FastAPI makes one route per method,
+    so Starlette's own 405 names only the first route that matched the path; each method is asked
+    of the router as a request of that method would be."""
+    return [
+        method
+        for method in HTTP_METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] == Match.FULL
+            for route in app.router.routes
+        )
+    ]
+
+
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
