@@ -191,8 +191,68 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+def _header(description: str, **schema: Any) -> dict[str, Any]:
+    return {"description": description, "schema": {"type": "string", **schema}}
+
+
+_RATE_HEADERS = {
+    f"x-ratelimit-{what}-{kind}": _header(
+        f"{text} of the tightest {kind} per minute limit (sent only where one applies)",
+        **({"pattern": "^[0-9]+$"} if what != "reset" else {}),
+    )
+    for kind in ("requests", "tokens")
+    for what, text in (
+        ("limit", "The cap"),
+        ("remaining", "What is left this minute"),
+        ("reset", "The time until this minute ends (e.g. 41.2s)"),
+    )
+}
+# The response headers the service sends, declared in components.headers and referred to by
+# every response that carries them (each response also carries x-request-id).
+HEADERS: dict[str, dict[str, Any]] = {
+    "x-request-id": _header(
+        "This request's id: a proxied request's ledger event, refusal and logs carry it"
+    ),
+    "retry-after": _header("Seconds to wait before retrying", pattern="^[0-9]+$"),
+    "x-budget-scope": _header(
+        "The budget that refused the request",
+        enum=["token", "user", "team", "run", "end_user"],
+    ),
+    "x-budget-resets-at": _header(
+        "When the refusing budget's window resets (absent when it never does)",
+        format="date-time",
+    ),
+    "x-max-tokens-clamped": _header(
+        "The max_tokens the request was lowered to so that its budgets could hold it (absent "
+        "when it was not lowered)",
+        pattern="^[0-9]+$",
+    ),
+    **_RATE_HEADERS,
+}
+# Beside x-request-id: the headers each status carries.
+STATUS_HEADERS: dict[str, tuple[str, ...]] = {
+    "402": ("x-budget-scope", "x-budget-resets-at"),
+    "429": ("retry-after", *_RATE_HEADERS),
+    "503": ("retry-after",),
+}
+
+
+def _declare_headers(schema: dict[str, Any]) -> None:
+    schema.setdefault("components", {})["headers"] = HEADERS
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            for status, response in operation.get("responses", {}).items():
+                names = ["x-request-id", *STATUS_HEADERS.get(status, ())]
+                if status.startswith("2") and path == "/v1/chat/completions":
+                    names += ["x-max-tokens-clamped", *_RATE_HEADERS]
+                declared = response.setdefault("headers", {})
+                for name in names:
+                    declared.setdefault(name, {"$ref": f"#/components/headers/{name}"})
+
+
 def _schema_without_422(app: FastAPI) -> None:
-    """Invalid input answers 400 (below), so the schema must not promise FastAPI's 422."""
+    """Invalid input answers 400 (below), so the schema must not promise FastAPI's 422; each
+    response declares the headers it carries."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -200,6 +260,7 @@ def _schema_without_422(app: FastAPI) -> None:
         for path in schema.get("paths", {}).values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
+        _declare_headers(schema)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         return schema

@@ -69,3 +69,30 @@ def test_a_405_allows_every_method_the_document_gives_its_path(api):
         assert documented <= allowed, (path, allowed, documented)
         checked += 1
     assert checked == len(document["paths"]) > 30
+
+
+def test_every_response_declares_the_headers_it_carries(api):
+    document = api.ok("GET", "/openapi.json")
+    headers = document["components"]["headers"]
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            for status, response in operation["responses"].items():
+                declared = response["headers"]
+                assert "x-request-id" in declared, (method, path, status)
+                for ref in declared.values():
+                    assert ref["$ref"].removeprefix("#/components/headers/") in headers
+    chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"x-budget-scope", "x-budget-resets-at"} <= set(chat["402"]["headers"])
+    assert {"retry-after", "x-ratelimit-remaining-requests"} <= set(chat["429"]["headers"])
+    assert "x-max-tokens-clamped" in chat["200"]["headers"]
+    assert headers["x-budget-scope"]["schema"]["enum"] == [
+        "token",
+        "user",
+        "team",
+        "run",
+        "end_user",
+    ]
+    # What a live answer carries is what its status declares.
+    refused = api.request("GET", "/v1/teams", key="not-a-key")
+    assert refused.status_code == 401
+    assert refused.headers["x-request-id"]

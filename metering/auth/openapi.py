@@ -1,6 +1,6 @@
-"""The credentials in /openapi.json: one HTTP bearer scheme (every credential is sent as
-`Authorization: Bearer <credential>`), and on each operation that needs one, a `security`
-requirement and the credentials its rule accepts (metering.auth.rules). Routes open to anyone
+"""The credentials in /openapi.json: an HTTP bearer scheme per kind of credential (every one
+is sent as `Authorization: Bearer <credential>`), and on each operation that needs one, a
+`security` requirement listing the schemes its rule accepts (metering.auth.rules). Routes open to anyone
 (/healthz, login) declare none. Swagger UI's Authorize button sends the key given to it on every
 operation that declares the scheme."""
 
@@ -13,16 +13,24 @@ from fastapi import FastAPI
 from metering.auth.rules import route_rules
 from metering.auth.tokens import ACCESS_PREFIX, API_TOKEN_PREFIX, INGEST_PREFIX
 
-SCHEME = "bearer"
-BEARER = {
-    "type": "http",
-    "scheme": "bearer",
-    "description": (
-        "Every credential is sent as `Authorization: Bearer <credential>`: the admin key "
-        f"(METERING_ADMIN_KEY), a user's API token (`{API_TOKEN_PREFIX}...`), a user's access "
-        f"token (`{ACCESS_PREFIX}...`, from POST /v1/auth/login), or a team's ingestion key "
-        f"(`{INGEST_PREFIX}...`, for POST /v1/events only). Each operation says which it takes."
-    ),
+# One HTTP bearer scheme per kind of credential (each is sent as `Authorization: Bearer ...`),
+# so a generated client or Swagger UI's Authorize knows which it holds; each operation lists
+# the schemes its rule accepts, any one of which is enough (OpenAPI's alternatives).
+SCHEMES = {
+    "adminKey": "The admin key (METERING_ADMIN_KEY).",
+    "apiToken": f"A user's API token (`{API_TOKEN_PREFIX}...`), made by POST "
+    "/v1/users/{user_id}/tokens.",
+    "accessToken": f"A user's access token (`{ACCESS_PREFIX}...`), from POST /v1/auth/login or "
+    "/v1/auth/refresh; it expires (`expires_in`) and is renewed with the refresh token, sent in "
+    "the body of POST /v1/auth/refresh.",
+    "ingestKey": f"A team's ingestion key (`{INGEST_PREFIX}...`), for POST /v1/events only.",
+}
+# The schemes each rule but `open` accepts (metering.auth.rules enforces the same).
+RULE_SCHEMES = {
+    "admin": ("adminKey",),
+    "self": ("adminKey", "apiToken", "accessToken"),
+    "user": ("apiToken", "accessToken"),
+    "ingest": ("adminKey", "ingestKey", "apiToken", "accessToken"),
 }
 # Who may call a route of each rule but `open`, as its operation's description says it.
 ACCEPTS = {
@@ -53,17 +61,21 @@ def _secure(app: FastAPI, schema: dict[str, Any]) -> None:
         rules = route_rules(route)
         if not operations or len(rules) != 1:
             continue
-        accepts = ACCEPTS.get(rules.pop())
+        rule = rules.pop()
+        accepts = ACCEPTS.get(rule)
         for method in getattr(route, "methods", None) or ():
             operation = operations.get(method.lower())
             if operation is None or accepts is None:
                 continue
-            operation["security"] = [{SCHEME: []}]
+            operation["security"] = [{name: []} for name in RULE_SCHEMES[rule]]
             line = f"Credential (`Authorization: Bearer`): {accepts}."
             description = operation.get("description", "")
             if line not in description:
                 operation["description"] = f"{description}\n\n{line}".strip()
-    schema.setdefault("components", {}).setdefault("securitySchemes", {})[SCHEME] = BEARER
+    schema.setdefault("components", {})["securitySchemes"] = {
+        name: {"type": "http", "scheme": "bearer", "description": text}
+        for name, text in SCHEMES.items()
+    }
 
 
 def declare_security(app: FastAPI) -> None:

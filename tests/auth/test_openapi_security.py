@@ -5,7 +5,7 @@ other."""
 
 import pytest
 
-from metering.auth.openapi import ACCEPTS, SCHEME
+from metering.auth.openapi import ACCEPTS, RULE_SCHEMES, SCHEMES
 from tests.auth.test_rules import APP, describe, route_rule, routes
 
 SCHEMA = APP.openapi()
@@ -40,10 +40,11 @@ def test_every_operation_of_the_document_is_found_with_its_rule():
     ]
 
 
-def test_the_bearer_scheme_is_declared():
-    scheme = SCHEMA["components"]["securitySchemes"]
-    assert list(scheme) == [SCHEME]
-    assert (scheme[SCHEME]["type"], scheme[SCHEME]["scheme"]) == ("http", "bearer")
+def test_a_bearer_scheme_per_credential_is_declared():
+    schemes = SCHEMA["components"]["securitySchemes"]
+    assert set(schemes) == {"adminKey", "apiToken", "accessToken", "ingestKey"} == set(SCHEMES)
+    for scheme in schemes.values():
+        assert (scheme["type"], scheme["scheme"]) == ("http", "bearer")
     assert "security" not in SCHEMA  # no default: each operation says its own
 
 
@@ -53,7 +54,7 @@ def test_each_operation_requires_what_its_rule_accepts(label):
     if rule == "open":
         assert "security" not in operation
     else:
-        assert operation["security"] == [{SCHEME: []}]
+        assert operation["security"] == [{name: []} for name in RULE_SCHEMES[rule]]
         assert operation["description"].endswith(
             f"Credential (`Authorization: Bearer`): {ACCEPTS[rule]}."
         )
@@ -68,6 +69,13 @@ def test_open_and_guarded_routes_as_the_contract_has_them():
     assert rules["POST /v1/events"] == "ingest"
     assert rules["GET /v1/usage"] == "self"
     assert set(rules.values()) == {"open", "admin", "self", "user", "ingest"}
+    schemes = {label: operation.get("security") for label, (_, operation) in OPERATIONS.items()}
+    assert schemes["GET /v1/teams"] == [{"adminKey": []}]
+    assert schemes["POST /v1/chat/completions"] == [{"apiToken": []}, {"accessToken": []}]
+    assert {"ingestKey": []} in schemes["POST /v1/events"]
+    assert all(
+        {"ingestKey": []} not in (s or []) for label, s in schemes.items() if "events" not in label
+    )
 
 
 def test_the_document_is_the_same_when_built_again():
