@@ -1,6 +1,7 @@
 """MeteringError, the base of every error a service raises, and the handlers that turn it (and
 FastAPI's own validation and HTTP errors) into OpenAI-shaped JSON: {"error": {...}}."""
 
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -250,6 +251,53 @@ def _declare_headers(schema: dict[str, Any]) -> None:
                     declared.setdefault(name, {"$ref": f"#/components/headers/{name}"})
 
 
+# Each create, by the path parameter its answer's `id` fills: a link from its answer to every
+# operation that takes that parameter, so a client (or a stateful fuzzer) goes from the object
+# it made to its reads, updates and deletes. The target's other path parameters come from the
+# create's own path or its answer's field of the same name.
+CREATES = {
+    "team_id": ("/v1/teams", "post"),
+    "user_id": ("/v1/users", "post"),
+    "token_id": ("/v1/users/{user_id}/tokens", "post"),
+    "key_id": ("/v1/teams/{team_id}/ingest-keys", "post"),
+    "webhook_id": ("/v1/webhooks", "post"),
+    "reconciliation_id": ("/v1/reconciliations", "post"),
+}
+
+
+def _declare_links(schema: dict[str, Any]) -> None:
+    paths = schema.get("paths", {})
+    for param, (create_path, create_method) in CREATES.items():
+        create = paths.get(create_path, {}).get(create_method)
+        if create is None:
+            continue
+        answer = create["responses"].get("201", {})
+        ref = answer.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref")
+        made = schema["components"]["schemas"].get(str(ref).rsplit("/", 1)[-1], {})
+        fields = set(made.get("properties", {}))
+        links = answer.setdefault("links", {})
+        for path, operations in paths.items():
+            if "{" + param + "}" not in path:
+                continue
+            for method, operation in operations.items():
+                values = {}
+                for name in re.findall(r"{(\w+)}", path):
+                    if name == param:
+                        values[name] = "$response.body#/id"
+                    elif "{" + name + "}" in create_path:
+                        values[name] = f"$request.path.{name}"
+                    elif name in fields:
+                        values[name] = f"$response.body#/{name}"
+                    else:  # a parameter the create does not know (an end user): no link
+                        break
+                else:
+                    links[operation["operationId"]] = {
+                        "operationId": operation["operationId"],
+                        "parameters": values,
+                        "description": f"{method.upper()} {path} of the object made",
+                    }
+
+
 def _schema_without_422(app: FastAPI) -> None:
     """Invalid input answers 400 (below), so the schema must not promise FastAPI's 422; each
     response declares the headers it carries."""
@@ -261,6 +309,7 @@ def _schema_without_422(app: FastAPI) -> None:
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
         _declare_headers(schema)
+        _declare_links(schema)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         return schema

@@ -2,6 +2,7 @@
 it, never the framework's own words; every amount in a message is in the one money format."""
 
 import re
+import uuid
 from decimal import Decimal
 
 import pytest
@@ -96,3 +97,35 @@ def test_every_response_declares_the_headers_it_carries(api):
     refused = api.request("GET", "/v1/teams", key="not-a-key")
     assert refused.status_code == 401
     assert refused.headers["x-request-id"]
+
+
+def test_each_create_links_to_the_operations_on_what_it_made(api):
+    document = api.ok("GET", "/openapi.json")
+    by_id = {
+        operation["operationId"]: (path, method)
+        for path, operations in document["paths"].items()
+        for method, operation in operations.items()
+    }
+    linked = set()
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            for link in operation["responses"].get("201", {}).get("links", {}).values():
+                target, method = by_id[link["operationId"]]
+                assert set(re.findall(r"{(\w+)}", target)) == set(link["parameters"]), target
+                linked.add(f"{method.upper()} {target}")
+    for wanted in (
+        "GET /v1/teams/{team_id}",
+        "PATCH /v1/teams/{team_id}",
+        "DELETE /v1/teams/{team_id}",
+        "GET /v1/users/{user_id}",
+        "POST /v1/users/{user_id}/tokens",
+        "DELETE /v1/tokens/{token_id}",
+        "DELETE /v1/teams/{team_id}/ingest-keys/{key_id}",
+        "POST /v1/webhooks/{webhook_id}/test",
+        "GET /v1/webhooks/{webhook_id}/deliveries",
+        "GET /v1/reconciliations/{reconciliation_id}",
+    ):
+        assert wanted in linked, wanted
+    # A link the client follows works: the team made answers its GET by the id linked.
+    team = api.ok("POST", "/v1/teams", 201, json={"name": f"linked-{uuid.uuid4().hex[:8]}"})
+    assert api.ok("GET", f"/v1/teams/{team['id']}")["id"] == team["id"]
