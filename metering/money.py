@@ -5,8 +5,9 @@ micro-dollars per 1M tokens, and tokens x that number is the cost in
 picodollars: every cost is an exact integer, no rounding anywhere.
 """
 
+import re
 from decimal import Decimal
-from typing import overload
+from typing import Any, overload
 
 from metering.numbers import NumberError, parse_decimal
 
@@ -23,6 +24,32 @@ COUNTER_CEILING = 9 * 10**18
 
 class MoneyError(ValueError):
     pass
+
+
+# An amount of USD as the API takes it in JSON: a decimal string from 0 to 1,000,000 (MAX_USD)
+# with at most 12 decimals, no sign, exponent or spaces. The one declaration of it: usd_text
+# checks it and /openapi.json carries it (USD_SCHEMA), so the two cannot differ.
+_USD = r"(?:1000000(?:\.0{1,12})?|(?:0|[1-9][0-9]{0,5})(?:\.[0-9]{1,12})?)"
+USD_PATTERN = f"^{_USD}$"
+SIGNED_USD_PATTERN = f"^-?{_USD}$"
+# A change of money (an adjustment): signed and never zero.
+CHANGE_USD_PATTERN = f"^(?!-?0+(?:\\.0+)?$)-?{_USD}$"
+USD_RULE = 'a decimal string of USD such as "10.50" (0 to 1000000, at most 12 decimals)'
+
+
+def usd_schema(*, signed: bool = False, nullable: bool = False) -> dict[str, Any]:
+    """The JSON Schema of an amount usd_text takes."""
+    text = {"type": "string", "pattern": SIGNED_USD_PATTERN if signed else USD_PATTERN}
+    return {"anyOf": [text, {"type": "null"}]} if nullable else text
+
+
+def usd_text(value: object, field: str, *, signed: bool = False) -> Decimal:
+    """An amount a client sent in JSON, as USD_PATTERN (or SIGNED_USD_PATTERN) has it."""
+    pattern = SIGNED_USD_PATTERN if signed else USD_PATTERN
+    if not isinstance(value, str) or re.fullmatch(pattern, value) is None:
+        rule = USD_RULE.replace("(0 to", "(-1000000 to") if signed else USD_RULE
+        raise MoneyError(f"{field} must be {rule}")
+    return Decimal(value)
 
 
 def parse_usd(value: object, *, places: int = 12, field: str = "amount") -> Decimal:

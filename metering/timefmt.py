@@ -45,6 +45,21 @@ def parse_rfc3339(text: str) -> datetime:
     return bounded(value)
 
 
+def range_edge(text: str) -> datetime:
+    """An RFC 3339 timestamp with its zone as the edge of a range read (a report's start or
+    end), in UTC: any valid one is taken, one before the bounds read as their first moment and
+    one after as the first moment after them (nothing is stored outside them, so the range
+    holds the same). ValueError when it is no RFC 3339 timestamp."""
+    value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    if value.tzinfo is None:
+        raise ValueError("timestamp needs a time zone (e.g. 2026-01-01T00:00:00Z)")
+    try:
+        value = value.astimezone(UTC)
+    except OverflowError:  # past year 1 or 9999 once in UTC
+        return EARLIEST if value.year < EARLIEST.year else END
+    return min(max(value, EARLIEST), END)
+
+
 def client_moment(value: str | None) -> str | None:
     """A body field's RFC 3339 text, checked (pydantic validator: ValueError names the
     problem); the text itself is kept for the service that reads it."""

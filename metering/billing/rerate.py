@@ -28,8 +28,10 @@ are locked before the check, in the transaction that writes it.
 """
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import overload
 
 from sqlalchemy import func, select, tuple_
@@ -47,8 +49,13 @@ from metering.ledger.external import MANUAL, RERATED, adjustment_event
 from metering.ledger.prices import PriceBook
 from metering.ledger.tables import LedgerEvent
 from metering.models import ApiToken, Team, User
-from metering.money import MAX_USD, MoneyError, cost_pico, format_usd, parse_usd, usd_to_pico
-from metering.numbers import NumberError, parse_decimal
+from metering.money import (
+    CHANGE_USD_PATTERN,
+    MAX_USD,
+    cost_pico,
+    format_usd,
+    usd_to_pico,
+)
 from metering.timefmt import parse_rfc3339, rfc3339
 
 CHUNK = 1_000  # events read, compared and corrected per transaction
@@ -255,21 +262,16 @@ async def rerate(
 
 
 def parse_amount(value) -> int:
-    """A signed USD amount ("-5.00": a credit) in picodollars, at most MAX_USD either way."""
-    if not isinstance(value, str):
-        raise InvalidRequest('amount must be a decimal string such as "-5.00"', param="amount")
-    negative = value.startswith("-")
-    try:
-        if parse_decimal(value.removeprefix("-"), "amount", low=None) > MAX_USD:
-            raise InvalidRequest(
-                f"amount must be between -{MAX_USD} and {MAX_USD} USD", param="amount"
-            )
-        amount = usd_to_pico(parse_usd(value.removeprefix("-"), field="amount"))
-    except (MoneyError, NumberError) as exc:
-        raise InvalidRequest(str(exc), param="amount") from None
-    if amount == 0:
-        raise InvalidRequest("amount must not be zero", param="amount")
-    return -amount if negative else amount
+    """A signed USD amount ("-5.00": a credit) in picodollars, at most MAX_USD either way, never
+    zero: money.CHANGE_USD_PATTERN, as /openapi.json declares it."""
+    if not isinstance(value, str) or re.fullmatch(CHANGE_USD_PATTERN, value) is None:
+        raise InvalidRequest(
+            'amount must be a decimal string of signed USD such as "-5.00" (a credit) or '
+            f'"12.5", not zero, between -{MAX_USD} and {MAX_USD}, at most 12 decimals',
+            param="amount",
+        )
+    amount = usd_to_pico(Decimal(value.removeprefix("-")))
+    return -amount if value.startswith("-") else amount
 
 
 def reach(retention_days: int | None) -> timedelta:

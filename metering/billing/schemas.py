@@ -5,6 +5,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from metering.billing.ingest import MAX_BATCH
+from metering.money import CHANGE_USD_PATTERN
 from metering.text import RequestBody
 from metering.timefmt import BOUNDS, client_moment
 
@@ -111,6 +112,7 @@ class AdjustmentIn(RequestBody):
 
     amount: str = Field(
         max_length=64,
+        json_schema_extra={"pattern": CHANGE_USD_PATTERN},
         description='signed USD, e.g. "-5.00" for a credit; at most 1000000 either way, and '
         "never taking a budget's spent below zero or past 9000000 (400)",
     )

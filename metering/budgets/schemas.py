@@ -1,14 +1,14 @@
 """Response bodies of the budget routes. Money is a decimal string of USD."""
 
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from metering import limits
 from metering.budgets.views import BudgetView
 from metering.budgets.windows import InvalidInterval, parse_interval
-from metering.money import MoneyError, format_usd, parse_usd
+from metering.money import MoneyError, format_usd, usd_schema, usd_text
 from metering.text import RequestBody
 from metering.timefmt import rfc3339
 
@@ -83,7 +83,7 @@ def _limit(value: object) -> Decimal | None:
     if value is None:
         return None
     try:
-        return parse_usd(value, field="credit_limit")
+        return usd_text(value, "credit_limit")
     except MoneyError as exc:
         raise ValueError(str(exc)) from None
 
@@ -102,7 +102,9 @@ class EndUserBudgetIn(RequestBody):
 
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
 
-    credit_limit: Decimal | None = Field(description="USD as a decimal string; null: not limited")
+    credit_limit: Annotated[Decimal | None, WithJsonSchema(usd_schema(nullable=True))] = Field(
+        description="USD as a decimal string; null: not limited"
+    )
     reset_interval: str = "never"
 
     _check_limit = field_validator("credit_limit", mode="before")(_limit)

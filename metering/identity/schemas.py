@@ -5,24 +5,42 @@ import re
 from decimal import Decimal
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from metering import limits
 from metering.alerts.record import DEFAULT_THRESHOLDS, thresholds_of
 from metering.budgets.windows import InvalidInterval, parse_interval
 from metering.models import ApiToken, Budget, Team, User
-from metering.money import MoneyError, format_usd, parse_usd
+from metering.money import MoneyError, format_usd, usd_schema, usd_text
 from metering.text import RequestBody
 from metering.timefmt import BOUNDS, bounded, rfc3339
 
 
-def _limit(value: object) -> Decimal | None:
-    if value is None:
-        return None
-    try:
-        return parse_usd(value, field="credit_limit")
-    except MoneyError as exc:
-        raise ValueError(str(exc)) from None
+def _usd(field: str):
+    """A field validator (mode before) of an amount or null, as money.usd_text reads it."""
+
+    def check(value: object) -> Decimal | None:
+        if value is None:
+            return None
+        try:
+            return usd_text(value, field)
+        except MoneyError as exc:
+            raise ValueError(str(exc)) from None
+
+    return check
+
+
+# An amount or null in a body, declared as usd_text checks it.
+Usd = Annotated[Decimal | None, WithJsonSchema(usd_schema(nullable=True))]
+_limit = _usd("credit_limit")
 
 
 def _interval(value: object) -> str:
@@ -56,24 +74,18 @@ def _thresholds(value: object) -> list[int] | None:
     return sorted(set(value))
 
 
-def _soft(value: object) -> Decimal | None:
-    if value is None:
-        return None
-    try:
-        return parse_usd(value, field="soft_limit")
-    except MoneyError as exc:
-        raise ValueError(str(exc)) from None
+_soft = _usd("soft_limit")
 
 
 class _Limited(_Body):
-    credit_limit: Decimal | None = None
+    credit_limit: Usd = None
     reset_interval: str = "never"
     alert_thresholds: list[int] | None = Field(
         default=None,
         description="Percentages of credit_limit (1 to 100) at which budget.threshold_crossed "
         "is sent, once per window; null: [50, 80, 100]; []: none",
     )
-    soft_limit: Decimal | None = Field(
+    soft_limit: Usd = Field(
         default=None,
         description="An amount (USD) whose crossing sends budget.soft_limit_reached, once per "
         "window; it never refuses a request; null: none",
@@ -165,19 +177,13 @@ class _Expiring(_Body):
         return self
 
 
-def _end_user_limit(value: object) -> Decimal | None:
-    if value is None:
-        return None
-    try:
-        return parse_usd(value, field="end_user_credit_limit")
-    except MoneyError as exc:
-        raise ValueError(str(exc)) from None
+_end_user_limit = _usd("end_user_credit_limit")
 
 
 class _EndUserDefaults(_Body):
     """The default budget of each end user of a team (metering.budgets.end_users)."""
 
-    end_user_credit_limit: Decimal | None = Field(
+    end_user_credit_limit: Usd = Field(
         default=None,
         description="The credit limit (USD) of each end user of the team that has no override "
         "of its own; null: end users without an override are not limited",

@@ -43,6 +43,10 @@ LABELS_DOC = (
     "(for the ids the row has)"
 )
 
+# A report's start and end: any RFC 3339 date-time, read within the stored bounds
+# (reports.usage.parse_time).
+DATE_TIME = {"format": "date-time"}
+
 TAG_DOC = (
     "`<key>:<value>` (split at the first colon): the events whose tags have that key with that "
     "value. Repeatable: every one must match (at most 16)"
@@ -69,8 +73,8 @@ def _csv_stream(rows: AsyncIterator[bytes], headers: dict[str, str]) -> Streamin
 async def list_usage(
     principal: SelfPrincipal,
     services: ServicesDep,
-    start: str | None = Query(None, max_length=64),
-    end: str | None = Query(None, max_length=64),
+    start: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
+    end: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),
     token_id: str | None = Query(None, max_length=40),
@@ -147,8 +151,8 @@ SPEND_400 = (
 async def spend(
     principal: SelfPrincipal,
     services: ServicesDep,
-    start: str | None = Query(None, max_length=64),
-    end: str | None = Query(None, max_length=64),
+    start: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
+    end: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
     group_by: str | None = Query(
         None,
         max_length=200,
@@ -241,8 +245,8 @@ def _json_errors(*statuses: int) -> dict:
 async def focus_export(
     _: AdminPrincipal,
     services: ServicesDep,
-    start: str | None = Query(None, max_length=64),
-    end: str | None = Query(None, max_length=64),
+    start: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
+    end: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
     team_id: str | None = Query(None, max_length=40),
     format: str = Query("csv", pattern="^(csv|parquet)$"),
 ) -> StreamingResponse:
@@ -286,8 +290,8 @@ SCOPE = Query(None, pattern="^(token|user|team|request|run)$")
 async def list_refusals(
     principal: SelfPrincipal,
     services: ServicesDep,
-    start: str | None = Query(None, max_length=64),
-    end: str | None = Query(None, max_length=64),
+    start: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
+    end: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),
     token_id: str | None = Query(None, max_length=40),
@@ -338,8 +342,8 @@ async def list_refusals(
 async def refusal_summary(
     principal: SelfPrincipal,
     services: ServicesDep,
-    start: str | None = Query(None, max_length=64),
-    end: str | None = Query(None, max_length=64),
+    start: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
+    end: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
     group_by: str | None = Query(None, max_length=200),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),

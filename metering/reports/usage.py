@@ -23,7 +23,7 @@ from metering.money import format_price, format_usd
 from metering.reports.cells import row as csv_cells
 from metering.reports.labels import LABEL_KEYS, LABELS, label_rows, lookup
 from metering.reports.tag_filter import parse_tags, tag_conditions
-from metering.timefmt import OutOfBounds, parse_rfc3339, rfc3339
+from metering.timefmt import parse_rfc3339, range_edge, rfc3339
 
 CSV_COLUMNS = PUBLIC  # the event's public columns, the detail objects flattened
 
@@ -100,12 +100,12 @@ def decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 def parse_time(value: str | None, name: str) -> datetime | None:
+    """A report's start or end: any RFC 3339 date-time (the document's `format: date-time`),
+    read within the stored bounds (timefmt.range_edge)."""
     if value is None:
         return None
     try:
-        return parse_rfc3339(value)
-    except OutOfBounds as exc:
-        raise InvalidRequest(f"{name}: {exc}", param=name) from None
+        return range_edge(value)
     except ValueError:
         raise InvalidRequest(f"{name} must be an RFC 3339 timestamp", param=name) from None
 

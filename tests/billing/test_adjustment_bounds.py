@@ -55,7 +55,7 @@ def test_an_amount_beyond_a_million_either_way_is_refused(api):
     team = api.team()
     for amount in ("1000001", "-1000001", "1000000.000000000001"):
         message = refused(adjust(api, team_id=team["id"], amount=amount), "amount")
-        assert message == "amount must be between -1000000 and 1000000 USD", message
+        assert "between -1000000 and 1000000" in message, message
     assert adjustments_of(api, team["id"]) == []
 
 

@@ -271,6 +271,13 @@ def test_chunked_body_over_the_limit_is_413(api, principal, secret):
         pytest.param("0.0000000000001", id="13-decimals"),
         pytest.param("1e400", id="exponent-too-large"),
         pytest.param("1000001", id="above-max"),
+        # Not the form /openapi.json declares (money.USD_PATTERN): refused, not read.
+        pytest.param(7, id="int"),
+        pytest.param(" 2.50 ", id="spaces"),
+        pytest.param("1e3", id="exponent"),
+        pytest.param("2.5E-1", id="exponent-negative"),
+        pytest.param("007", id="leading-zeros"),
+        pytest.param("+5", id="sign"),
     ],
 )
 def test_invalid_credit_limit_is_400(api, credit_limit):
@@ -290,17 +297,12 @@ def test_invalid_credit_limit_is_400(api, credit_limit):
     [
         ("10", "10"),
         ("0.000000000001", "0.000000000001"),
-        (" 2.50 ", "2.5"),
-        (7, "7"),
+        ("2.50", "2.5"),
         ("0", "0"),
-        # A decimal string in exponent notation is still an exact decimal: accepted at its value.
-        ("1e3", "1000"),
-        ("2.5E-1", "0.25"),
+        ("1000000.000", "1000000"),
     ],
 )
-def test_credit_limit_as_exact_decimal_is_accepted_exponent_notation_included(
-    api, credit_limit, stored
-):
+def test_credit_limit_as_a_plain_decimal_string_is_accepted_at_its_value(api, credit_limit, stored):
     name = f"t-{uuid.uuid4().hex[:8]}"
     team = api.ok("POST", "/v1/teams", 201, json={"name": name, "credit_limit": credit_limit})
     assert team["credit_limit"] == stored
@@ -543,7 +545,6 @@ def test_an_unbounded_credit_limit_in_a_patch_is_400(api, principal):
         ("/v1/teams", {"limit": "1e3"}, "limit"),
         ("/v1/usage", {"limit": HUGE_INT}, "limit"),
         ("/v1/usage", {"start": "2026-01-01T00:00:00" + "0" * 100 + "Z"}, "start"),
-        ("/v1/usage", {"end": "9999-12-31T23:59:59-23:59"}, "end"),
         ("/v1/spend", {"limit": HUGE_INT}, "limit"),
         ("/v1/spend", {"page": HUGE_INT}, "page"),
         ("/v1/spend", {"limit": "100001"}, "limit"),
