@@ -48,7 +48,7 @@ from metering.reports.endpoints import router as reports_router
 from metering.reports.prometheus import router as metrics_router
 from metering.requestid import RequestId
 from metering.settings import Catalog, Settings, load_catalog
-from metering.text import valid_parameters
+from metering.text import declare_parameters, valid_parameters
 
 log = logging.getLogger("metering")
 
@@ -269,6 +269,7 @@ def create_app(
     )
     install_error_handlers(app)
     declare_security(app)
+    declare_parameters(app)
     for error in (
         sa_exc.OperationalError,
         sa_exc.InterfaceError,

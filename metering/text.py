@@ -12,7 +12,9 @@ import re
 from typing import Any, ClassVar
 
 from fastapi import Request
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel, GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema
 
 from metering.errors import NOT_UNICODE, InvalidRequest, InvalidText
 
@@ -20,6 +22,16 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _FREE_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 # What pydantic's str_strip_whitespace takes off both ends before a value is kept.
 _EDGE_SPACE = "\t\n\x0b\x0c\r "
+
+# The same rules as JSON Schema patterns, declared by every request body and query parameter
+# in /openapi.json (RequestBody, declare_parameters): text without control characters; free
+# text, which may hold tab, newline and carriage return; and either with the whitespace a
+# model strips from both ends before it checks allowed there.
+TEXT_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+FREE_TEXT_PATTERN = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
+_EDGE = r"[\t\n\x0b\x0c\r ]*"
+STRIPPED_TEXT_PATTERN = rf"^{_EDGE}[^\x00-\x1f\x7f]*{_EDGE}$"
+STRIPPED_FREE_TEXT_PATTERN = rf"^{_EDGE}[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*{_EDGE}$"
 
 CONTROL = "must not contain control characters"
 FREE_CONTROL = "must not contain control characters other than tab, newline and carriage return"
@@ -89,6 +101,28 @@ class RequestBody(BaseModel):
 
     free_text: ClassVar[frozenset[str]] = frozenset()
 
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The text rules above, in the model's JSON Schema: a pattern on each string field
+        that declares none of its own, and on field names where others are taken."""
+        schema = handler(core_schema)
+        target = handler.resolve_ref_schema(schema)
+        strip = bool(cls.model_config.get("str_strip_whitespace"))
+        for name, field in target.get("properties", {}).items():
+            free = name in cls.free_text
+            pattern = (
+                (STRIPPED_FREE_TEXT_PATTERN if free else STRIPPED_TEXT_PATTERN)
+                if strip
+                else (FREE_TEXT_PATTERN if free else TEXT_PATTERN)
+            )
+            for option in field.get("anyOf", [field]):
+                _text_pattern(option, pattern)
+        if target.get("additionalProperties") is not False:
+            target["propertyNames"] = {"pattern": TEXT_PATTERN}
+        return schema
+
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
@@ -102,6 +136,32 @@ class RequestBody(BaseModel):
             if bad is not None:
                 raise bad
         return data
+
+
+def _text_pattern(schema: dict[str, Any], pattern: str) -> None:
+    """`pattern` on a string schema with no rule of its own, and on the strings of its items."""
+    if schema.get("type") == "string" and not {"pattern", "enum", "const", "format"} & set(schema):
+        schema["pattern"] = pattern
+    elif schema.get("type") == "array" and isinstance(schema.get("items"), dict):
+        _text_pattern(schema["items"], pattern)
+
+
+def declare_parameters(app: Any) -> None:
+    """Wraps app.openapi: each string parameter (query and path) with no rule of its own
+    declares TEXT_PATTERN, the rule valid_parameters (query) and the routes (path) apply."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema: dict[str, Any] = build()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                for parameter in operation.get("parameters", []):
+                    if parameter.get("in") in ("query", "path") and "schema" in parameter:
+                        for option in parameter["schema"].get("anyOf", [parameter["schema"]]):
+                            _text_pattern(option, TEXT_PATTERN)
+        return schema
+
+    app.openapi = openapi
 
 
 async def valid_parameters(request: Request) -> None:

@@ -129,3 +129,28 @@ def test_each_create_links_to_the_operations_on_what_it_made(api):
     # A link the client follows works: the team made answers its GET by the id linked.
     team = api.ok("POST", "/v1/teams", 201, json={"name": f"linked-{uuid.uuid4().hex[:8]}"})
     assert api.ok("GET", f"/v1/teams/{team['id']}")["id"] == team["id"]
+
+
+@pytest.mark.parametrize(
+    ("name", "taken"),
+    [
+        ("ops{}", True),
+        ("\tops{} \n", True),
+        ("o\tps{}", False),
+        ("o\x7fps{}", False),
+        ("ö ps{}", True),
+    ],
+)
+def test_the_document_declares_the_text_rule_the_service_applies(api, name, taken):
+    """Each body's strings and each parameter carry metering.text's rule as a pattern: a name
+    the pattern refuses the service refuses, one it takes the service takes."""
+    document = api.ok("GET", "/openapi.json")
+    pattern = document["components"]["schemas"]["TeamCreate"]["properties"]["name"]["pattern"]
+    name = name.format(uuid.uuid4().hex[:6])
+    assert (re.fullmatch(pattern, name) is not None) is taken
+    response = api.request("POST", "/v1/teams", json={"name": name})
+    assert (response.status_code == 201) is taken, response.text
+    usage = document["paths"]["/v1/usage"]["get"]["parameters"]
+    model = next(p for p in usage if p["name"] == "model")["schema"]["anyOf"][0]
+    assert re.fullmatch(model["pattern"], "gpt\x00") is None
+    assert api.request("GET", "/v1/usage", params={"model": "gpt\x00"}).status_code == 400
