@@ -74,3 +74,19 @@ def parse_count(text: str, name: str, *, high: int) -> int:
     if len(digits) > len(str(high)):
         raise NumberError(f"{name} must be at most {high}")
     return _range(int(digits or "0"), name, None, high)
+
+
+def upto_pattern(high: int) -> str:
+    """A regular expression (no anchors) of the whole numbers 1 to `high` written without sign
+    or leading zeros: a bound a JSON Schema `pattern` can carry for a number inside a text."""
+    top = str(high)
+    shorter = [f"[1-9][0-9]{{{n - 1}}}" if n > 1 else "[1-9]" for n in range(1, len(top))]
+    same: list[str] = []
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            tail = f"[0-9]{{{rest}}}" if rest else ""
+            same.append(f"{top[:i]}[{low}-{int(digit) - 1}]{tail}")
+    same.append(top)
+    return "(?:" + "|".join(shorter + same) + ")"

@@ -111,6 +111,8 @@ class RequestBody(BaseModel):
         target = handler.resolve_ref_schema(schema)
         strip = bool(cls.model_config.get("str_strip_whitespace"))
         for name, field in target.get("properties", {}).items():
+            if {"pattern", "items", "enum", "format"} & set(field):
+                continue  # the field declares its own rule, stricter than this one
             free = name in cls.free_text
             pattern = (
                 (STRIPPED_FREE_TEXT_PATTERN if free else STRIPPED_TEXT_PATTERN)

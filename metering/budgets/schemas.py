@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validat
 
 from metering import limits
 from metering.budgets.views import BudgetView
-from metering.budgets.windows import InvalidInterval, parse_interval
+from metering.budgets.windows import INTERVAL_PATTERN, InvalidInterval, parse_interval
 from metering.money import MoneyError, format_usd, usd_schema, usd_text
 from metering.text import RequestBody
 from metering.timefmt import rfc3339
@@ -105,7 +105,7 @@ class EndUserBudgetIn(RequestBody):
     credit_limit: Annotated[Decimal | None, WithJsonSchema(usd_schema(nullable=True))] = Field(
         description="USD as a decimal string; null: not limited"
     )
-    reset_interval: str = "never"
+    reset_interval: str = Field(default="never", json_schema_extra={"pattern": INTERVAL_PATTERN})
 
     _check_limit = field_validator("credit_limit", mode="before")(_limit)
     _check_interval = field_validator("reset_interval", mode="before")(_interval)

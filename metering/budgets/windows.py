@@ -21,8 +21,11 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from metering.numbers import upto_pattern
+
 __all__ = [
     "CALENDAR_KINDS",
+    "INTERVAL_PATTERN",
     "MAX_FIXED_SECONDS",
     "InvalidInterval",
     "Interval",
@@ -41,6 +44,17 @@ MAX_FIXED_SECONDS = MAX_FIXED_DAYS * 86400
 # ASCII digits only (no Unicode digits, underscores, signs or leading zeros), at
 # most 10 of them, then exactly one lowercase unit. fullmatch: no trailing "\n".
 _FIXED = re.compile(r"([1-9][0-9]{0,9})([smhd])", re.ASCII)
+
+# Every text parse_interval takes, as the JSON Schema `pattern` /openapi.json declares for a
+# reset_interval: the same forms and the same bound, each unit's count up to MAX_FIXED_DAYS.
+INTERVAL_PATTERN = (
+    "^(?:never|hourly|daily|weekly|monthly|"
+    + "|".join(
+        f"{upto_pattern(MAX_FIXED_SECONDS // seconds)}{unit}"
+        for unit, seconds in _UNIT_SECONDS.items()
+    )
+    + ")$"
+)
 
 _ACCEPTED = (
     "expected one of 'never', 'hourly', 'daily', 'weekly', 'monthly', or a duration "

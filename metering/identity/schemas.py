@@ -3,7 +3,7 @@ are refused) and leaves as decimal strings; times leave as RFC 3339 UTC text."""
 
 import re
 from decimal import Decimal
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AwareDatetime,
@@ -17,7 +17,7 @@ from pydantic import (
 
 from metering import limits
 from metering.alerts.record import DEFAULT_THRESHOLDS, thresholds_of
-from metering.budgets.windows import InvalidInterval, parse_interval
+from metering.budgets.windows import INTERVAL_PATTERN, InvalidInterval, parse_interval
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import MoneyError, format_usd, usd_schema, usd_text
 from metering.text import RequestBody
@@ -41,6 +41,10 @@ def _usd(field: str):
 # An amount or null in a body, declared as usd_text checks it.
 Usd = Annotated[Decimal | None, WithJsonSchema(usd_schema(nullable=True))]
 _limit = _usd("credit_limit")
+
+
+# A reset interval as parse_interval takes it, declared with its pattern.
+INTERVAL: dict[str, Any] = {"pattern": INTERVAL_PATTERN}
 
 
 def _interval(value: object) -> str:
@@ -79,7 +83,7 @@ _soft = _usd("soft_limit")
 
 class _Limited(_Body):
     credit_limit: Usd = None
-    reset_interval: str = "never"
+    reset_interval: str = Field(default="never", json_schema_extra=INTERVAL)
     alert_thresholds: list[int] | None = Field(
         default=None,
         description="Percentages of credit_limit (1 to 100) at which budget.threshold_crossed "
@@ -142,6 +146,11 @@ class _RateLimited(_Body):
     ) = None
     allowed_models: list[str] | None = Field(
         default=None,
+        # _models's rules, declared: each entry _PATTERN, at most MAX_MODELS of them.
+        json_schema_extra={
+            "items": {"type": "string", "pattern": f"^{_PATTERN.pattern}$"},
+            "maxItems": limits.MAX_MODELS,
+        },
         description="Catalog model names (`*` and `?` as wildcards) this scope may call (403 "
         "model_not_allowed otherwise); every scope's list must allow a model; null: all",
     )
@@ -189,7 +198,9 @@ class _EndUserDefaults(_Body):
         "of its own; null: end users without an override are not limited",
     )
     end_user_reset_interval: str = Field(
-        default="never", description="The reset interval of those end users' budgets"
+        default="never",
+        description="The reset interval of those end users' budgets",
+        json_schema_extra=INTERVAL,
     )
 
     _check_end_user_limit = field_validator("end_user_credit_limit", mode="before")(_end_user_limit)
@@ -203,8 +214,8 @@ class TeamCreate(_Limited, _RateLimited, _EndUserDefaults):
 class TeamPatch(_Limited, _RateLimited, _EndUserDefaults):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     # A patch may leave out what a create defaults: these fields and their checks take None.
-    reset_interval: str | None = None  # type: ignore[assignment]
-    end_user_reset_interval: str | None = None  # type: ignore[assignment]
+    reset_interval: str | None = Field(default=None, json_schema_extra=INTERVAL)  # type: ignore[assignment]
+    end_user_reset_interval: str | None = Field(default=None, json_schema_extra=INTERVAL)  # type: ignore[assignment]
 
     _check_interval = field_validator("reset_interval", mode="before")(  # type: ignore[assignment]
         lambda v: None if v is None else _interval(v)
@@ -229,7 +240,7 @@ class UserPatch(_Limited, _RateLimited):
     team_id: str | None = Field(default=None, min_length=1, max_length=40)
     password: str | None = Field(default=None, min_length=8, max_length=1024)
     # A patch may leave out what a create defaults: these fields and their checks take None.
-    reset_interval: str | None = None  # type: ignore[assignment]
+    reset_interval: str | None = Field(default=None, json_schema_extra=INTERVAL)  # type: ignore[assignment]
 
     _check_interval = field_validator("reset_interval", mode="before")(  # type: ignore[assignment]
         lambda v: None if v is None else _interval(v)
@@ -243,7 +254,7 @@ class TokenCreate(_Limited, _RateLimited, _Expiring):
 class TokenPatch(_Limited, _RateLimited, _Expiring):
     name: str | None = Field(default=None, min_length=1, max_length=200)
     # A patch may leave out what a create defaults: these fields and their checks take None.
-    reset_interval: str | None = None  # type: ignore[assignment]
+    reset_interval: str | None = Field(default=None, json_schema_extra=INTERVAL)  # type: ignore[assignment]
 
     _check_interval = field_validator("reset_interval", mode="before")(  # type: ignore[assignment]
         lambda v: None if v is None else _interval(v)

@@ -1,11 +1,13 @@
 import calendar
+import re
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metering.budgets.windows import (
+    INTERVAL_PATTERN,
     MAX_FIXED_SECONDS,
     Interval,
     InvalidInterval,
@@ -466,3 +468,22 @@ def test_property_timezone_and_naive_equivalence(interval, pair, tz):
 @given(anchor=moments, now=moments)
 def test_property_never(anchor, now):
     assert window_for(parse_interval("never"), anchor, now) == (anchor, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.from_regex(INTERVAL_PATTERN, fullmatch=True) | st.text(max_size=14))
+def test_the_declared_interval_pattern_is_what_parse_interval_takes(text):
+    """/openapi.json declares INTERVAL_PATTERN for every reset_interval: a text it matches is
+    taken, any other refused (the unit's bound included: 3650d, 87600h, 5256000m, 315360000s)."""
+    try:
+        parse_interval(text)
+        taken = True
+    except InvalidInterval:
+        taken = False
+    assert taken is (re.fullmatch(INTERVAL_PATTERN, text) is not None), text
+
+
+@pytest.mark.parametrize("text", ["3650d", "87600h", "5256000m", "315360000s", "3651d", "87601h"])
+def test_the_interval_pattern_holds_each_unit_to_its_bound(text):
+    taken = int(re.sub(r"\D", "", text)) in (3650, 87600, 5256000, 315360000)
+    assert (re.fullmatch(INTERVAL_PATTERN, text) is not None) is taken
