@@ -5,6 +5,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from metering.billing.ingest import MAX_BATCH
+from metering.ledger.attribution import END_USER_PATTERN
 from metering.money import CHANGE_USD_PATTERN
 from metering.text import RequestBody
 from metering.timefmt import BOUNDS, client_moment
@@ -29,7 +30,9 @@ class UsageEventIn(RequestBody):
         None,
         min_length=1,
         max_length=256,
-        description="who the usage was for, within the team: 1 to 256 printable characters",
+        description="who the usage was for, within the team: 1 to 256 characters, no control, "
+        "line-break, zero-width or bidi-control character",
+        json_schema_extra={"pattern": END_USER_PATTERN},
     )
     tags: dict[str, str] | None = Field(
         None,

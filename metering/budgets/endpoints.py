@@ -3,7 +3,9 @@ GET /v1/{tokens,users,teams}/{id}/limits: the rate, parallel and model limits an
 (admin, or self); the budgets of a team's end users (set by the admin, read by the admin or a
 member of the team, as the team's own budget is)."""
 
-from fastapi import APIRouter, Query, Response
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
 
 from metering.auth.principal import RULE_ERRORS, AdminPrincipal, SelfPrincipal
 from metering.budgets import end_user_terms, queries
@@ -16,6 +18,7 @@ from metering.budgets.schemas import (
 )
 from metering.container import ServicesDep, SessionDep
 from metering.errors import error_responses
+from metering.ledger.attribution import END_USER_PATTERN, MAX_END_USER_CHARS
 
 router = APIRouter(prefix="/v1", responses=error_responses(*RULE_ERRORS["self"]))
 
@@ -79,11 +82,24 @@ async def team_limits(
 
 _END_USER = "/teams/{team_id}/end-users/{end_user:path}/budget"
 ADMIN = RULE_ERRORS["admin"]
+# An end user in the path (URL-encoded), declared as end_user_terms.check_end_user takes it.
+EndUserPath = Annotated[
+    str,
+    Path(
+        min_length=1,
+        max_length=MAX_END_USER_CHARS,
+        json_schema_extra={"pattern": END_USER_PATTERN},
+    ),
+]
 
 
 @router.put(_END_USER, responses=error_responses(400, 404, *ADMIN))
 async def put_end_user_budget(
-    team_id: str, end_user: str, body: EndUserBudgetIn, _: AdminPrincipal, session: SessionDep
+    team_id: str,
+    end_user: EndUserPath,
+    body: EndUserBudgetIn,
+    _: AdminPrincipal,
+    session: SessionDep,
 ) -> EndUserBudgetOut:
     """One end user's own budget, in place of its team's default (`end_user` URL-encoded)."""
     end_user_terms.check_end_user(end_user)
@@ -95,7 +111,7 @@ async def put_end_user_budget(
 
 @router.delete(_END_USER, status_code=204, responses=error_responses(400, 404, *ADMIN))
 async def delete_end_user_budget(
-    team_id: str, end_user: str, _: AdminPrincipal, session: SessionDep
+    team_id: str, end_user: EndUserPath, _: AdminPrincipal, session: SessionDep
 ) -> Response:
     """The end user back on its team's default budget (what it spent in the window stays)."""
     end_user_terms.check_end_user(end_user)
@@ -105,7 +121,7 @@ async def delete_end_user_budget(
 
 @router.get(_END_USER, responses=error_responses(400))
 async def end_user_budget(
-    team_id: str, end_user: str, _: SelfPrincipal, session: SessionDep
+    team_id: str, end_user: EndUserPath, _: SelfPrincipal, session: SessionDep
 ) -> EndUserBudgetOut:
     """An end user's budget as it stands now (its team's default if it has no override)."""
     end_user_terms.check_end_user(end_user)

@@ -6,6 +6,7 @@ refuse what is out of bounds with a 400 (or the event's rejection) naming the fi
 Tags are kept as compact JSON text of an object of strings, its keys sorted, so that equal tags
 are equal text; NO_TAGS when there are none (the common case costs nothing)."""
 
+import re
 from typing import Any
 
 import orjson
@@ -19,8 +20,20 @@ MAX_TAG_VALUE_CHARS = 512
 NO_TAGS = "{}"
 
 
+# What an end user may not hold: control characters (C0, DEL, C1), line and paragraph
+# separators, and the invisible ones that make two ids look alike (zero-width characters, bidi
+# controls, word joiners, the byte-order mark). END_USER_PATTERN is the rule: the check below and
+# /openapi.json's declaration of every end user (header, body, path, query) are the same text.
+_NOT_IN_END_USER = (
+    "\\x00-\\x1f\\x7f-\\x9f\\u00ad\\u200b-\\u200f\\u2028-\\u202e\\u2060-\\u2064"
+    "\\u2066-\\u206f\\ufeff"
+)
+END_USER_PATTERN = f"^[^{_NOT_IN_END_USER}]{{1,{MAX_END_USER_CHARS}}}$"
+_END_USER = re.compile(END_USER_PATTERN)
+
+
 def end_user(value: object, param: str) -> str:
-    """An end user as sent in `param`: 1 to 256 printable characters."""
+    """An end user as sent in `param`: 1 to 256 characters, none of them invisible (above)."""
     if not isinstance(value, str):
         raise InvalidRequest(f"{param} must be a string", param=param)
     if not 1 <= len(value) <= MAX_END_USER_CHARS:
@@ -28,10 +41,9 @@ def end_user(value: object, param: str) -> str:
             f"{param} must be 1 to {MAX_END_USER_CHARS} characters (got {len(value)})",
             param=param,
         )
-    if not value.isprintable():
+    if _END_USER.fullmatch(value) is None:
         raise InvalidRequest(
-            f"{param} must hold printable characters only (no control, line break or "
-            "unassigned character)",
+            f"{param} must not hold control, line-break, zero-width or bidi-control characters",
             param=param,
         )
     return value

@@ -13,7 +13,12 @@ from metering.auth.principal import RULE_ERRORS, SelfPrincipal, UserPrincipal
 from metering.budgets.ceilings import END_USER, MAX_COST, RUN, RUN_BUDGET, TAGS
 from metering.container import get_services
 from metering.errors import ErrorResponse, error_responses
-from metering.ledger.attribution import MAX_END_USER_CHARS, MAX_TAG_VALUE_CHARS, MAX_TAGS
+from metering.ledger.attribution import (
+    END_USER_PATTERN,
+    MAX_END_USER_CHARS,
+    MAX_TAG_VALUE_CHARS,
+    MAX_TAGS,
+)
 from metering.proxy import admission, service
 from metering.proxy.request import read_body
 from metering.proxy.runtime import ProxyServices
@@ -67,9 +72,14 @@ CHAT_OPENAPI = {
             "name": END_USER,
             "in": "header",
             "required": False,
-            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_END_USER_CHARS},
-            "description": "who the request is made for (UTF-8, 1 to 256 printable "
-            "characters); recorded as the event's `end_user`, before the body's `user` and "
+            "schema": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_END_USER_CHARS,
+                "pattern": END_USER_PATTERN,
+            },
+            "description": "who the request is made for (UTF-8, 1 to 256 characters, no "
+            "control, line-break, zero-width or bidi-control character); recorded as the event's `end_user`, before the body's `user` and "
             "`safety_identifier`; never sent upstream",
         },
         {
@@ -98,6 +108,7 @@ CHAT_OPENAPI = {
                             "type": "string",
                             "minLength": 1,
                             "maxLength": MAX_END_USER_CHARS,
+                            "pattern": END_USER_PATTERN,
                             "description": "the end user, when x-metering-end-user is not "
                             "sent; sent upstream only to providers whose API takes it",
                         },
@@ -105,6 +116,7 @@ CHAT_OPENAPI = {
                             "type": "string",
                             "minLength": 1,
                             "maxLength": MAX_END_USER_CHARS,
+                            "pattern": END_USER_PATTERN,
                             "description": "the end user, when neither x-metering-end-user "
                             "nor `user` is sent; sent upstream as `user` is",
                         },

@@ -14,6 +14,7 @@ from metering.auth.principal import (
 )
 from metering.container import ServicesDep
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
+from metering.ledger.attribution import END_USER_PATTERN
 from metering.reports import focus, reconciliation, refusals, usage
 from metering.reports.schemas import (
     ReconciliationOut,
@@ -81,7 +82,11 @@ async def list_usage(
     model: str | None = Query(None, max_length=200),
     provider: str | None = Query(None, max_length=100),
     end_user: str | None = Query(
-        None, min_length=1, max_length=256, description="the events of this end user only"
+        None,
+        min_length=1,
+        max_length=256,
+        description="the events of this end user only",
+        json_schema_extra={"pattern": END_USER_PATTERN},
     ),
     tag: list[str] | None = Query(None, description=TAG_DOC),
     limit: int | None = Query(
@@ -168,7 +173,11 @@ async def spend(
     model: str | None = Query(None, max_length=200),
     provider: str | None = Query(None, max_length=100),
     end_user: str | None = Query(
-        None, max_length=256, description="Only the requests made for this end user."
+        None,
+        min_length=1,
+        max_length=256,
+        description="Only the requests made for this end user.",
+        json_schema_extra={"pattern": END_USER_PATTERN},
     ),
     tag: list[str] | None = Query(
         None,
