@@ -154,3 +154,17 @@ def test_the_document_declares_the_text_rule_the_service_applies(api, name, take
     model = next(p for p in usage if p["name"] == "model")["schema"]["anyOf"][0]
     assert re.fullmatch(model["pattern"], "gpt\x00") is None
     assert api.request("GET", "/v1/usage", params={"model": "gpt\x00"}).status_code == 400
+
+
+@pytest.mark.parametrize(
+    ("tag", "taken"),
+    [("project:alpha", True), ("k:", True), ("k:a:b", True), (":v", False), ("novalue", False)],
+)
+def test_the_declared_tag_filter_is_what_the_reports_take(api, tag, taken):
+    document = api.ok("GET", "/openapi.json")
+    for path in ("/v1/usage", "/v1/spend"):
+        parameters = document["paths"][path]["get"]["parameters"]
+        declared = next(p for p in parameters if p["name"] == "tag")["schema"]
+        assert (re.fullmatch(declared["items"]["pattern"], tag) is not None) is taken
+        response = api.request("GET", path, params={"tag": tag})
+        assert (response.status_code == 200) is taken, response.text

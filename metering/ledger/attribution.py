@@ -29,6 +29,8 @@ _NOT_IN_END_USER = (
     "\\u2066-\\u206f\\ufeff"
 )
 END_USER_PATTERN = f"^[^{_NOT_IN_END_USER}]{{1,{MAX_END_USER_CHARS}}}$"
+# A report's `tag=<key>:<value>` filter (split at the first colon), as /openapi.json declares it.
+TAG_FILTER_PATTERN = f"^[^:\\x00-\\x1f\\x7f]{{1,{MAX_TAG_KEY_CHARS}}}:[^\\x00-\\x1f\\x7f]{{0,{MAX_TAG_VALUE_CHARS}}}$"
 _END_USER = re.compile(END_USER_PATTERN)
 
 

@@ -14,7 +14,7 @@ from metering.auth.principal import (
 )
 from metering.container import ServicesDep
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
-from metering.ledger.attribution import END_USER_PATTERN
+from metering.ledger.attribution import END_USER_PATTERN, MAX_TAGS, TAG_FILTER_PATTERN
 from metering.reports import focus, reconciliation, refusals, usage
 from metering.reports.schemas import (
     ReconciliationOut,
@@ -47,6 +47,8 @@ LABELS_DOC = (
 # A report's start and end: any RFC 3339 date-time, read within the stored bounds
 # (reports.usage.parse_time).
 DATE_TIME = {"format": "date-time"}
+# The repeatable tag filter, as reports.tag_filter parses it.
+TAG_FILTERS = {"items": {"type": "string", "pattern": TAG_FILTER_PATTERN}, "maxItems": MAX_TAGS}
 
 TAG_DOC = (
     "`<key>:<value>` (split at the first colon): the events whose tags have that key with that "
@@ -88,7 +90,7 @@ async def list_usage(
         description="the events of this end user only",
         json_schema_extra={"pattern": END_USER_PATTERN},
     ),
-    tag: list[str] | None = Query(None, description=TAG_DOC),
+    tag: list[str] | None = Query(None, description=TAG_DOC, json_schema_extra=TAG_FILTERS),
     limit: int | None = Query(
         None,
         ge=1,
@@ -183,6 +185,7 @@ async def spend(
         None,
         description="`<key>:<value>` (split at the first colon): only the requests whose tag "
         "`<key>` has this value. Repeatable: every one must match.",
+        json_schema_extra=TAG_FILTERS,
     ),
     format: str = Query("json", pattern="^(json|csv)$"),
     limit: int = Query(DEFAULT_ROWS, ge=1, le=MAX_ROWS),
