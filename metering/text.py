@@ -158,9 +158,13 @@ def declare_parameters(app: Any) -> None:
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
                 for parameter in operation.get("parameters", []):
-                    if parameter.get("in") in ("query", "path") and "schema" in parameter:
-                        for option in parameter["schema"].get("anyOf", [parameter["schema"]]):
-                            _text_pattern(option, TEXT_PATTERN)
+                    declared = parameter.get("schema", {})
+                    if parameter.get("in") not in ("query", "path"):
+                        continue
+                    if {"pattern", "items", "enum", "format"} & set(declared):
+                        continue  # a rule of its own, stricter than this one
+                    for option in declared.get("anyOf", [declared]):
+                        _text_pattern(option, TEXT_PATTERN)
         return schema
 
     app.openapi = openapi

@@ -168,3 +168,25 @@ def test_the_declared_tag_filter_is_what_the_reports_take(api, tag, taken):
         assert (re.fullmatch(declared["items"]["pattern"], tag) is not None) is taken
         response = api.request("GET", path, params={"tag": tag})
         assert (response.status_code == 200) is taken, response.text
+
+
+@pytest.mark.parametrize(
+    ("path", "group_by", "taken"),
+    [
+        ("/v1/spend", "team,model", True),
+        ("/v1/spend", "tag:project,end_user", True),
+        ("/v1/spend", "", True),
+        ("/v1/spend", "team, model", False),
+        ("/v1/spend", "Team", False),
+        ("/v1/spend", "reason", False),
+        ("/v1/refusals/summary", "reason,scope", True),
+        ("/v1/refusals/summary", "tag:project", False),
+    ],
+)
+def test_the_declared_group_by_is_what_each_report_takes(api, path, group_by, taken):
+    document = api.ok("GET", "/openapi.json")
+    parameters = document["paths"][path]["get"]["parameters"]
+    declared = next(p for p in parameters if p["name"] == "group_by")["schema"]
+    assert (re.fullmatch(declared["pattern"], group_by) is not None) is taken
+    response = api.request("GET", path, params={"group_by": group_by})
+    assert (response.status_code == 200) is taken, response.text

@@ -16,6 +16,7 @@ from metering.container import ServicesDep
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
 from metering.ledger.attribution import END_USER_PATTERN, MAX_TAGS, TAG_FILTER_PATTERN
 from metering.reports import focus, reconciliation, refusals, usage
+from metering.reports.refusals import GROUP_BY_PATTERN as REFUSALS_GROUP_BY
 from metering.reports.schemas import (
     ReconciliationOut,
     RefusalsOut,
@@ -30,6 +31,7 @@ from metering.reports.spend import (
     MAX_ROWS,
     spend_report,
 )
+from metering.reports.spend import GROUP_BY_PATTERN as SPEND_GROUP_BY
 from metering.reports.usage import check_text
 
 router = APIRouter(prefix="/v1")
@@ -163,6 +165,7 @@ async def spend(
     group_by: str | None = Query(
         None,
         max_length=200,
+        json_schema_extra={"pattern": SPEND_GROUP_BY},
         description="Comma-separated keys among team, user, token, model, provider, day, hour, "
         "end_user and tag:<key> (the value of that tag: row key `tag:<key>`; repeat for more "
         "keys). By end_user or tag:<key>, the row whose key is null sums the requests without an "
@@ -356,7 +359,9 @@ async def refusal_summary(
     services: ServicesDep,
     start: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
     end: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
-    group_by: str | None = Query(None, max_length=200),
+    group_by: str | None = Query(
+        None, max_length=200, json_schema_extra={"pattern": REFUSALS_GROUP_BY}
+    ),
     team_id: str | None = Query(None, max_length=40),
     user_id: str | None = Query(None, max_length=40),
     token_id: str | None = Query(None, max_length=40),

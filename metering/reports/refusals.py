@@ -7,6 +7,7 @@ import asyncio
 import base64
 import csv
 import io
+import re
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 
@@ -19,7 +20,7 @@ from metering.ledger.rollup import day_text, hour_text
 from metering.models import Refusal
 from metering.reports.cells import row as csv_cells
 from metering.reports.labels import LABEL_KEYS, LABELS, label_keys, label_rows
-from metering.reports.usage import check_range, check_text, own_user, parse_time
+from metering.reports.usage import check_range, check_text, group_by_pattern, own_user, parse_time
 from metering.timefmt import parse_rfc3339, rfc3339
 
 COLUMNS = (
@@ -165,10 +166,19 @@ async def csv_stream(
         last = found[-1]
 
 
+# group_by as /openapi.json declares it and parse_group_by takes it.
+GROUP_BY_PATTERN = group_by_pattern(GROUPS, tags=False)
+
+
 def parse_group_by(value: str | None) -> list[str]:
+    if value and re.fullmatch(GROUP_BY_PATTERN, value) is None:
+        raise InvalidRequest(
+            f"group_by: {value[:80]!r} is not a comma-separated list of {', '.join(GROUPS)}",
+            param="group_by",
+        )
     names: list[str] = []
     for part in (value or "").split(","):
-        name = part.strip().lower()
+        name = part
         if not name:
             continue
         name = name.removesuffix("_id") if name.removesuffix("_id") in GROUPS else name

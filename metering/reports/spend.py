@@ -22,6 +22,7 @@ import asyncio
 import csv
 import io
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -61,7 +62,7 @@ from metering.reports import attributed
 from metering.reports.attributed import Attributes
 from metering.reports.cells import row as csv_cells
 from metering.reports.labels import label_keys, label_rows
-from metering.reports.usage import check_range, check_text, own_user, parse_time
+from metering.reports.usage import check_range, check_text, group_by_pattern, own_user, parse_time
 from metering.timefmt import rfc3339
 
 DEFAULT_DAYS = 30
@@ -86,12 +87,23 @@ METRICS = attributed.METRICS  # the sums of every report, its rollups' columns
 MONEY = ("cost", "uncharged", "adjustments")
 
 
+# group_by as /openapi.json declares it and parse_group_by takes it: names (or a name's `_id`
+# form) and `tag:<key>`, comma-separated, nothing else; empty: one total row.
+GROUP_BY_PATTERN = group_by_pattern(GROUPS, tags=True)
+
+
 def parse_group_by(value: str | None) -> list[str]:
+    if value and re.fullmatch(GROUP_BY_PATTERN, value) is None:
+        raise InvalidRequest(
+            f"group_by: {value[:80]!r} is not a comma-separated list of {', '.join(GROUPS)} "
+            "or tag:<key>",
+            param="group_by",
+        )
     names: list[str] = []
     for part in (value or "").split(","):
-        name = part.strip().lower()
+        name = part
         if name.startswith(attributed.TAG):  # tag:<key>, the key as given
-            name = attributed.TAG + attributed.tag_key(part.strip())
+            name = attributed.TAG + attributed.tag_key(part)
             if name not in names:
                 names.append(name)
             continue

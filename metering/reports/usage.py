@@ -6,7 +6,7 @@ import asyncio
 import base64
 import csv
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from datetime import datetime
 from operator import attrgetter
 
@@ -17,6 +17,7 @@ from metering import text
 from metering.auth.service import Principal
 from metering.db import Database, UTCDateTime
 from metering.errors import Forbidden, InvalidRequest
+from metering.ledger.attribution import MAX_TAG_KEY_CHARS
 from metering.ledger.event import PUBLIC, SPECS
 from metering.ledger.tables import LedgerEvent
 from metering.money import format_price, format_usd
@@ -108,6 +109,17 @@ def parse_time(value: str | None, name: str) -> datetime | None:
         return range_edge(value)
     except ValueError:
         raise InvalidRequest(f"{name} must be an RFC 3339 timestamp", param=name) from None
+
+
+def group_by_pattern(groups: Iterable[str], *, tags: bool) -> str:
+    """A report's group_by, as a JSON Schema pattern: its names (each also with `_id`) and, with
+    `tags`, `tag:<key>` (a tag's key: 1 to 64 characters, no comma), comma-separated: no
+    space, no empty key, lowercase as listed."""
+    names = "|".join(groups)
+    key = f"(?:{names})(?:_id)?"
+    if tags:
+        key += f"|tag:[^,\\x00-\\x1f\\x7f]{{1,{MAX_TAG_KEY_CHARS}}}"
+    return f"^(?:(?:{key})(?:,(?:{key}))*)?$"  # empty: no key, one total row
 
 
 def check_text(value: str | None, name: str) -> None:
