@@ -24,6 +24,7 @@ from metering.auth.passwords import Passwords
 from metering.auth.principal import RefreshedTokenHeaders, open_access
 from metering.auth.tokens import Signer
 from metering.billing.endpoints import router as billing_router
+from metering.billing.schemas import declare_event_schema
 from metering.budgets.endpoints import router as budgets_router
 from metering.budgets.refusals import RefusalLog
 from metering.budgets.runtime import BudgetRuntime
@@ -270,6 +271,7 @@ def create_app(
     install_error_handlers(app)
     declare_security(app)
     declare_parameters(app)
+    declare_event_schema(app)
     for error in (
         sa_exc.OperationalError,
         sa_exc.InterfaceError,

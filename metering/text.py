@@ -148,6 +148,26 @@ def _text_pattern(schema: dict[str, Any], pattern: str) -> None:
         _text_pattern(schema["items"], pattern)
 
 
+# Any JSON value whose strings and field names are valid text: what RequestBody takes where a
+# body holds free JSON (the events of POST /v1/events, each then checked on its own). A
+# component of /openapi.json, referred to as TEXT_JSON_REF.
+TEXT_JSON = "TextJson"
+TEXT_JSON_REF: dict[str, Any] = {"$ref": f"#/components/schemas/{TEXT_JSON}"}
+TEXT_JSON_SCHEMA = {
+    "description": "Any JSON value whose strings and field names hold no control character",
+    "anyOf": [
+        {"type": "string", "pattern": TEXT_PATTERN},
+        {"type": ["number", "boolean", "null"]},
+        {"type": "array", "items": TEXT_JSON_REF},
+        {
+            "type": "object",
+            "propertyNames": {"pattern": TEXT_PATTERN},
+            "additionalProperties": TEXT_JSON_REF,
+        },
+    ],
+}
+
+
 def declare_parameters(app: Any) -> None:
     """Wraps app.openapi: each string parameter (query and path) with no rule of its own
     declares TEXT_PATTERN, the rule valid_parameters (query) and the routes (path) apply."""
@@ -155,6 +175,7 @@ def declare_parameters(app: Any) -> None:
 
     def openapi() -> dict[str, Any]:
         schema: dict[str, Any] = build()
+        schema.setdefault("components", {}).setdefault("schemas", {})[TEXT_JSON] = TEXT_JSON_SCHEMA
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
                 for parameter in operation.get("parameters", []):

@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field, field_validator
 from metering.billing.ingest import MAX_BATCH
 from metering.ledger.attribution import END_USER_PATTERN
 from metering.money import CHANGE_USD_PATTERN
-from metering.text import RequestBody
+from metering.text import TEXT_JSON_REF, RequestBody
 from metering.timefmt import BOUNDS, client_moment
 
 
@@ -48,10 +48,12 @@ class EventsIn(RequestBody):
 
     events: list[Any] = Field(
         max_length=MAX_BATCH,
-        description=f"Up to {MAX_BATCH:,} events, each checked on its own; a string in any "
-        "of them that is not valid text (a lone surrogate, a control character) refuses the "
-        "whole request (400 naming it, e.g. `events[3].idempotency_key`)",
-        json_schema_extra={"items": UsageEventIn.model_json_schema()},
+        description=f"Up to {MAX_BATCH:,} events, each checked on its own as the UsageEvent "
+        "schema says: one that does not fit it (a field missing, out of bounds, unknown) is "
+        "answered in `data` as `rejected` with reason `invalid_event`, the others taken. A "
+        "string in any of them that is not valid text (a lone surrogate, a control character) "
+        "refuses the whole request (400 naming it, e.g. `events[3].idempotency_key`)",
+        json_schema_extra={"items": dict(TEXT_JSON_REF)},
     )
 
 
@@ -144,3 +146,17 @@ class AdjustmentOut(BaseModel):
     corrects_event_id: str | None
     cost: str
     reason: str
+
+
+def declare_event_schema(app: Any) -> None:
+    """Wraps app.openapi: the UsageEvent component, the shape each event of POST /v1/events is
+    checked against on its own (the body declares its events as free JSON, TEXT_JSON_REF)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema: dict[str, Any] = build()
+        event = UsageEventIn.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {})["UsageEvent"] = event
+        return schema
+
+    app.openapi = openapi
