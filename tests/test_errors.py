@@ -190,3 +190,12 @@ def test_the_declared_group_by_is_what_each_report_takes(api, path, group_by, ta
     assert (re.fullmatch(declared["pattern"], group_by) is not None) is taken
     response = api.request("GET", path, params={"group_by": group_by})
     assert (response.status_code == 200) is taken, response.text
+
+
+def test_the_ingested_event_schema_is_its_own_component(api):
+    """Each event of POST /v1/events is checked against UsageEventIn; /v1/usage's rows are
+    UsageEvent: two schemas, neither overwriting the other."""
+    schemas = api.ok("GET", "/openapi.json")["components"]["schemas"]
+    assert "idempotency_key" in schemas["UsageEventIn"]["required"]
+    assert "idempotency_key" not in schemas["UsageEvent"].get("required", [])
+    assert "cost" in schemas["UsageEvent"]["properties"]

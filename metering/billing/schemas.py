@@ -48,7 +48,7 @@ class EventsIn(RequestBody):
 
     events: list[Any] = Field(
         max_length=MAX_BATCH,
-        description=f"Up to {MAX_BATCH:,} events, each checked on its own as the UsageEvent "
+        description=f"Up to {MAX_BATCH:,} events, each checked on its own as the UsageEventIn "
         "schema says: one that does not fit it (a field missing, out of bounds, unknown) is "
         "answered in `data` as `rejected` with reason `invalid_event`, the others taken. A "
         "string in any of them that is not valid text (a lone surrogate, a control character) "
@@ -149,14 +149,14 @@ class AdjustmentOut(BaseModel):
 
 
 def declare_event_schema(app: Any) -> None:
-    """Wraps app.openapi: the UsageEvent component, the shape each event of POST /v1/events is
+    """Wraps app.openapi: the UsageEventIn component, the shape each event of POST /v1/events is
     checked against on its own (the body declares its events as free JSON, TEXT_JSON_REF)."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         schema: dict[str, Any] = build()
         event = UsageEventIn.model_json_schema(ref_template="#/components/schemas/{model}")
-        schema.setdefault("components", {}).setdefault("schemas", {})["UsageEvent"] = event
+        schema.setdefault("components", {}).setdefault("schemas", {})["UsageEventIn"] = event
         return schema
 
     app.openapi = openapi
