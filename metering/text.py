@@ -111,7 +111,7 @@ class RequestBody(BaseModel):
         target = handler.resolve_ref_schema(schema)
         strip = bool(cls.model_config.get("str_strip_whitespace"))
         for name, field in target.get("properties", {}).items():
-            if {"pattern", "items", "enum", "format"} & set(field):
+            if {"pattern", "items", "enum", "format", "propertyNames"} & set(field):
                 continue  # the field declares its own rule, stricter than this one
             free = name in cls.free_text
             pattern = (
@@ -146,6 +146,10 @@ def _text_pattern(schema: dict[str, Any], pattern: str) -> None:
         schema["pattern"] = pattern
     elif schema.get("type") == "array" and isinstance(schema.get("items"), dict):
         _text_pattern(schema["items"], pattern)
+    elif schema.get("type") == "object" and "properties" not in schema:  # a free mapping
+        schema.setdefault("propertyNames", {"pattern": TEXT_PATTERN})
+        if isinstance(schema.get("additionalProperties"), dict):
+            _text_pattern(schema["additionalProperties"], pattern)
 
 
 # Any JSON value whose strings and field names are valid text: what RequestBody takes where a
