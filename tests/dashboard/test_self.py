@@ -117,7 +117,11 @@ class Tab:
         assert no_overlap(self.page, "#self", "td, p") == [], (name, size)
         assert no_overlap(self.page, "#password-login", "label, p") == [], (name, size)
         OUTPUT.mkdir(exist_ok=True)
-        self.page.screenshot(path=str(OUTPUT / f"dashboard-self-{name}-{size}.png"), full_page=True)
+        shot = OUTPUT / f"dashboard-self-{name}-{size}.png"
+        if self.page.locator("#self").is_visible():
+            self.page.locator("#self").screenshot(path=str(shot))
+        else:
+            self.page.screenshot(path=str(shot))
 
 
 def test_a_user_manages_their_own_tokens_and_sees_their_own_spend_only(browser, api, clock):

@@ -182,7 +182,8 @@
   }
 
   function limitsText(t) {
-    const parts = [t.credit_limit === null ? "no credit limit" : `${Money.format(Money.parse(t.credit_limit))} ${t.reset_interval}`];
+    const resets = t.reset_interval === "never" ? "never resets" : `resets ${t.reset_interval}`;
+    const parts = [t.credit_limit === null ? "no credit limit" : `${Money.format(Money.parse(t.credit_limit))}, ${resets}`];
     if (t.rpm_limit !== null) parts.push(`${t.rpm_limit} requests/min`);
     if (t.tpm_limit !== null) parts.push(`${t.tpm_limit} tokens/min`);
     if (t.max_parallel_requests !== null) parts.push(`${t.max_parallel_requests} in parallel`);
@@ -245,10 +246,10 @@
       const mine = view.me.token_id === t.id ? " (this sign-in)" : "";
       return el("tr", { "data-id": t.id },
         el("td", { class: "self-name", text: `${t.name}${mine}` }),
-        el("td", { class: "self-prefix", text: `${t.prefix}…` }),
-        el("td", { class: "self-limits", text: limitsText(t) }),
-        el("td", { class: "self-spent", "data-spent": t.budget.spent, text: spentText(t.budget) }),
-        el("td", { class: "self-expires", text: t.expires_at ? fmtTime(t.expires_at) : "never" }),
+        el("td", { class: "self-prefix", "data-label": "prefix", text: `${t.prefix}…` }),
+        el("td", { class: "self-limits", "data-label": "limits", text: limitsText(t) }),
+        el("td", { class: "self-spent", "data-label": "spent this window", "data-spent": t.budget.spent, text: spentText(t.budget) }),
+        el("td", { class: "self-expires", "data-label": "expires", text: t.expires_at ? fmtTime(t.expires_at) : "never" }),
         el("td", { class: "self-actions" }, tighten, revoke));
     }));
     $("#self-table").dataset.rows = String(active);
