@@ -7,8 +7,6 @@ wrong password is said; no sideways scroll or overlapping text at desktop and ph
 import uuid
 from decimal import Decimal
 
-import openai
-
 from tests.conftest import ADMIN_KEY
 from tests.dashboard.conftest import OUTPUT
 from tests.dashboard.test_admin import HOSTILE, no_overlap
@@ -99,7 +97,9 @@ class Tab:
         return rows.get_attribute("data-id")
 
     def ids(self) -> list[str]:
-        return self.page.locator("#self-rows tr").evaluate_all("rows => rows.map(r => r.dataset.id)")
+        return self.page.locator("#self-rows tr").evaluate_all(
+            "rows => rows.map(r => r.dataset.id)"
+        )
 
     def key(self) -> str:
         return self.page.evaluate("sessionStorage.getItem('metering.key')")
@@ -179,9 +179,7 @@ def test_a_user_manages_their_own_tokens_and_sees_their_own_spend_only(browser, 
     assert page.locator("#self-count").text_content().startswith("10 of 10 active tokens")
     page.click("#self-new")
     tab.submit(form, {"name": "one too many"}, ok=False)
-    assert tab.error(form) == (
-        f"user {user['id']} already has 10 active tokens: revoke one first"
-    )
+    assert tab.error(form) == (f"user {user['id']} already has 10 active tokens: revoke one first")
     page.click(f"{form} .self-cancel")
 
     # Spend with the first token through the SDK: the page shows it, and only the user's own.
@@ -191,8 +189,8 @@ def test_a_user_manages_their_own_tokens_and_sees_their_own_spend_only(browser, 
     page.wait_for_selector(READY)
     token_budget = api.ok("GET", f"/v1/tokens/{first}/budget")
     assert Decimal(token_budget["spent"]) > 0
-    assert tab.row(first).locator(".self-spent").get_attribute("data-spent") == (
-        token_budget["spent"]
+    assert (
+        tab.row(first).locator(".self-spent").get_attribute("data-spent") == (token_budget["spent"])
     )
     start = page.locator("body").get_attribute("data-start")
     own = api.ok("GET", "/v1/spend", params={"start": start, "user_id": user["id"]})
