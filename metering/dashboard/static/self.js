@@ -73,8 +73,11 @@
           return false;
         }
         keep(await response.json());
-        if (typeof state !== "undefined" && state.key === used) state.key = session.access;
-        sessionStorage.setItem(KEY_STORE, session.access);
+        // The page's key, unless another key was pasted since.
+        if (typeof state !== "undefined" && state.key === used) {
+          state.key = session.access;
+          sessionStorage.setItem(KEY_STORE, session.access);
+        }
         return true;
       })().finally(() => {
         session.renewing = null;
