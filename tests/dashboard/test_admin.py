@@ -89,13 +89,13 @@ def chat(site, secret: str):
     )
 
 
-def no_overlap(page) -> list:
-    """Pairs of the console's visible text boxes that overlap (none expected)."""
+def no_overlap(page, root: str = "#admin", extra: str = ".admin-name, .admin-id") -> list:
+    """Pairs of the visible text boxes within root (the console) that overlap (none expected)."""
+    kinds = f"button, input, select, h2, h3, th, .admin-field > span, {extra}".split(", ")
+    selector = ", ".join(f"{root} {kind}" for kind in kinds)
     return page.evaluate(
-        """() => {
-        const boxes = [...document.querySelectorAll(
-          '#admin button, #admin input, #admin select, #admin h2, #admin h3, #admin th,'
-          + ' #admin .admin-name, #admin .admin-id, #admin .admin-field > span')]
+        """(selector) => {
+        const boxes = [...document.querySelectorAll(selector)]
           .filter(e => e.offsetParent !== null).map(e => [e, e.getBoundingClientRect()])
           .filter(([, r]) => r.width > 0 && r.height > 0);
         const bad = [];
@@ -107,7 +107,8 @@ def no_overlap(page) -> list:
           if (w > 1 && h > 1) bad.push([a.outerHTML.slice(0, 60), b.outerHTML.slice(0, 60)]);
         }
         return bad;
-    }"""
+    }""",
+        selector,
     )
 
 

@@ -112,6 +112,8 @@ def test_the_page_and_its_files_are_served_to_anyone(site):
         "app.js",
         "charts.js",
         "money.js",
+        "self.css",
+        "self.js",
         "style.css",
     ]
     for name in assets:

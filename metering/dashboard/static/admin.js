@@ -113,6 +113,9 @@
     },
   };
 
+  // The self-service panel (self.js) builds its token forms from the same fields and checks.
+  Object.assign(kit, { field: input, collect, LIMITS });
+
   const view = {
     root: null,
     tab: "teams",
