@@ -262,7 +262,8 @@ async def patch_token(
     services: ServicesDep,
     session: SessionDep,
 ) -> TokenOut:
-    """A user's own credential may tighten its token's limits, not raise or remove them, and
+    """A user's own credential may tighten its token's limits (credit limit, rpm, tpm, parallel
+    requests, allowed models), not raise or remove them, may not change its reset interval, and
     may set or shorten its expiry (`expires_at`, `expires_in`), not extend or remove it: 403
     `forbidden` naming the field. The admin key may change anything."""
     await _own_token(session, principal, token_id)

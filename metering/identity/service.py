@@ -389,6 +389,29 @@ def check_tightening(token: ApiToken, fields: dict) -> None:
             )
 
 
+async def check_budget_tightening(session: AsyncSession, token_id: str, fields: dict) -> None:
+    """A user's own credential may lower its token's credit limit (or set one where there was
+    none), never raise or remove it, and may not change its reset interval (a shorter window
+    would reset the limit sooner)."""
+    if "credit_limit" not in fields and fields.get("reset_interval") is None:
+        return
+    budget = (await load(session, [token_id])).get(token_id)
+    if budget is None:
+        return
+    if "credit_limit" in fields and budget.credit_limit is not None:
+        new = fields["credit_limit"]
+        if new is None or _pico(new) > budget.credit_limit:
+            raise Forbidden(
+                "credit_limit: only the admin key may raise or remove a token's credit limit",
+                param="credit_limit",
+            )
+    if fields.get("reset_interval") not in (None, budget.reset_interval):
+        raise Forbidden(
+            "reset_interval: only the admin key may change a token's reset interval",
+            param="reset_interval",
+        )
+
+
 def check_shortening(token: ApiToken, fields: dict, now: datetime) -> None:
     """A user's own credential may give its token an expiry or bring it closer, never push it
     out or remove it (`expires_in` counts from now; null removes), as with its limits."""
@@ -422,6 +445,7 @@ async def update_token(
     if tighten_only:
         check_tightening(token, fields)
         check_shortening(token, fields, now)
+        await check_budget_tightening(session, token_id, fields)
     if fields.get("name") is not None:
         token.name = fields["name"]
     if "allowed_models" in fields:

@@ -334,3 +334,27 @@ def test_a_users_own_credential_may_tighten_its_tokens_limits_only(api):
         1000,
         ["gpt-sim"],
     )
+
+
+def test_a_users_own_credential_may_lower_its_tokens_credit_limit_only(api):
+    """The credit limit and its window are tightened like the rate limits: a user's own
+    credential lowers the limit or sets one, never raises or removes it, never changes the
+    reset interval (a shorter window would reset it sooner); the admin key may."""
+    _, _, token = api.principal()
+    own = token["token"]
+
+    def by_user(**fields) -> httpx.Response:
+        return api.request("PATCH", f"/v1/tokens/{token['id']}", key=own, json=fields)
+
+    assert by_user(credit_limit="2").status_code == 200  # a limit where there was none
+    assert by_user(credit_limit="1.5").status_code == 200
+    for loosened in ({"credit_limit": "1.6"}, {"credit_limit": None}, {"reset_interval": "1h"}):
+        refused = by_user(**loosened)
+        assert refused.status_code == 403, loosened
+        error = refused.json()["error"]
+        assert "only the admin key" in error["message"] and error["param"] in loosened
+    assert by_user(reset_interval="never").status_code == 200  # unchanged: allowed
+    budget = api.ok("GET", f"/v1/tokens/{token['id']}/budget")
+    assert (budget["credit_limit"], budget["reset_interval"]) == ("1.5", "never")
+    admin = api.request("PATCH", f"/v1/tokens/{token['id']}", json={"credit_limit": "9"})
+    assert admin.status_code == 200
