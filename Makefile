@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast lint bench postgres chromium lock reference docs docs-build
+.PHONY: demo test test-fast lint bench postgres chromium prometheus java lock reference docs docs-build
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -45,6 +45,16 @@ postgres:
 chromium:
 	@command -v chromium >/dev/null || { apt-get update && apt-get install -y chromium; }
 
+# Debian's prometheus (with promtool): the alert rules' unit tests and a live scrape
+# (tests/grafana/test_prometheus.py) run the real thing.
+prometheus:
+	@command -v promtool >/dev/null || { apt-get update && apt-get install -y prometheus; }
+
+# A Java runtime for OpenAPI Generator (tests/test_generated_client.py; its jar is in the
+# openapi-generator-cli wheel).
+java:
+	@command -v java >/dev/null || { apt-get update && apt-get install -y default-jre-headless; }
+
 # Most of the suite runs in four processes (pytest-xdist: most tests wait on servers and
 # sockets, not on the two cores; each process has its own servers and databases; an idle
 # process takes tests queued for another, `--dist worksteal`), then the tests marked serial
@@ -59,7 +69,7 @@ SERIAL_WORKERS ?= 2
 SERIAL_TESTS := $(shell grep -v '^\#' tests/serial.txt)
 ALONE_TESTS := $(shell grep -v '^\#' tests/alone.txt)
 
-test: $(BIN)/metering postgres chromium
+test: $(BIN)/metering postgres chromium prometheus java
 	rm -f test-output/junit-*.xml
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial and not alone" \
 		--junitxml=test-output/junit-parallel.xml; \

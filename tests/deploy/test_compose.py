@@ -77,6 +77,7 @@ def test_the_services_and_their_profiles():
         "metering",
         "grafana-reader",
         "grafana",
+        "prometheus",
         "sim",
         "demo-traffic",
     }
@@ -283,3 +284,34 @@ def test_the_image_installs_the_package_as_the_deployment_page_says(tmp_path):
         for p in [*ROOT.glob("metering/**/__init__.py"), *ROOT.glob("migrations/**/__init__.py")]
     }
     assert {f"{package}/__init__.py" for package in packages} <= names
+
+
+def test_prometheus_scrapes_the_service_with_the_key_and_loads_the_rules(tmp_path):
+    """The compose Prometheus: its config passes `promtool check config` (run where the paths
+    it names exist), scrapes the metering service's port with the metrics key compose hands it
+    as a secret, and loads the rules file compose mounts."""
+    prometheus = SERVICES["prometheus"]
+    mounts = dict(v.split(":")[:2] for v in prometheus["volumes"])
+    config_path = next(k for k, v in mounts.items() if v == "/etc/prometheus/prometheus.yml")
+    config = yaml.safe_load((ROOT / config_path).read_text())
+    [rules] = config["rule_files"]
+    assert (ROOT / next(k for k, v in mounts.items() if v == rules)).is_file()
+    [job] = config["scrape_configs"]
+    [target] = job["static_configs"][0]["targets"]
+    assert target == "metering:" + SERVICES["metering"]["ports"][0].split(":")[1]
+    assert job["authorization"]["credentials_file"] == "/run/secrets/metrics_key"
+    assert prometheus["secrets"] == ["metrics_key"]
+    assert COMPOSE["secrets"]["metrics_key"] == {"environment": "METERING_METRICS_KEY"}
+    assert "METERING_METRICS_KEY" in SERVICES["metering"]["environment"]
+    # promtool, with the container's paths made local.
+    local = dict(config, rule_files=[str(ROOT / "dashboards/prometheus/metering-alerts.yml")])
+    (tmp_path / "key").write_text("k")
+    local["scrape_configs"][0]["authorization"]["credentials_file"] = str(tmp_path / "key")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(local))
+    checked = subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
