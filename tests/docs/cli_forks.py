@@ -15,6 +15,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import traceback
 
 CLIENT = r"""
@@ -60,7 +61,7 @@ def run_one(conn: socket.socket) -> None:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
         os.chdir(cwd)
         os.environ.clear()
-        os.environ.update(item.split("=", 1) for item in env.split("\0") if "=" in item)
+        os.environ.update(item.partition("=")[::2] for item in env.split("\0") if "=" in item)
         sys.argv = ["metering", *argv]
         from metering.cli import main
 
@@ -83,9 +84,19 @@ def run_one(conn: socket.socket) -> None:
 
 
 def serve(path: str) -> None:
-    import httpx  # noqa: F401 (imported once, here, for every child)
+    # Imported once, here, for every child: the client, and what the local commands the pages
+    # run (reconcile, rerate, migrate) load. Nothing here starts a thread: the children are
+    # forked from a process of one.
+    import httpx  # noqa: F401
 
-    import metering.cli  # noqa: F401
+    import metering.billing.rerate
+    import metering.cli
+    import metering.db
+    import metering.migrate
+    import metering.reports.reconciliation
+    import metering.settings  # noqa: F401
+
+    assert threading.active_count() == 1, threading.enumerate()
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the children are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
