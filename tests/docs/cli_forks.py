@@ -5,12 +5,14 @@ importing them, and the pages run ~90 of them.
 `serve(path)` is that process (`python -m tests.docs.cli_forks SOCKET`): for each connection
 it forks a child that takes the caller's standard input, output and error (passed over the
 Unix socket), its arguments, environment and working directory, runs metering.cli.main as
-the `metering` script would, and sends back its exit status. CLIENT is the caller: run by
+the `metering` script would (or a page's Python block, as the interpreter would: the
+pages' SDK blocks import `openai`, a second of CPU each), and sends back its exit status. CLIENT is the caller: run by
 `python -I -S` (no site-packages: it starts in milliseconds), from a shell function named
 `metering`, so the pages' commands stay as printed (pipes, redirections, `$(...)`)."""
 
 import contextlib
 import os
+import runpy
 import signal
 import socket
 import struct
@@ -18,6 +20,7 @@ import sys
 import threading
 import traceback
 
+PYTHON = "--python"  # the first argument of a request to run a Python file
 CLIENT = r"""
 import os, socket, struct, sys
 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -47,7 +50,8 @@ def read_exactly(conn: socket.socket, size: int) -> bytes:
 
 
 def run_one(conn: socket.socket) -> None:
-    """In the forked child: become the caller's `metering` command, then exit."""
+    """In the forked child: become the caller's `metering` command (or, its arguments
+    starting with PYTHON, the interpreter running a page's block), then exit."""
     code = 1
     try:
         header, fds, _, _ = socket.recv_fds(conn, 4, 3)
@@ -62,11 +66,17 @@ def run_one(conn: socket.socket) -> None:
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(item.partition("=")[::2] for item in env.split("\0") if "=" in item)
-        sys.argv = ["metering", *argv]
-        from metering.cli import main
-
         try:
-            code = main(argv)
+            if argv[:1] == [PYTHON]:  # a page's SDK block, as `python block.py` runs it
+                sys.argv = argv[1:]
+                sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+                runpy.run_path(argv[1], run_name="__main__")
+                code = 0
+            else:
+                sys.argv = ["metering", *argv]
+                from metering.cli import main
+
+                code = main(argv)
         except SystemExit as exc:  # argparse's --help and usage errors
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             if not isinstance(exc.code, int | None):
@@ -88,6 +98,7 @@ def serve(path: str) -> None:
     # run (reconcile, rerate, migrate) load. Nothing here starts a thread: the children are
     # forked from a process of one.
     import httpx  # noqa: F401
+    import openai  # noqa: F401 (the SDK blocks': an import of a second of CPU)
 
     import metering.billing.rerate
     import metering.cli

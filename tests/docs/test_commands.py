@@ -50,7 +50,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ADMIN_KEY
-from tests.docs.cli_forks import CLIENT
+from tests.docs.cli_forks import CLIENT, PYTHON
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -321,10 +321,12 @@ def run_blocks(page: str, bodies: list[str], argv: list[str], env: dict[str, str
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("page", PYTHON_PAGES)
-def test_the_sdk_calls_of_a_page_run_as_printed(api, tmp_path, page):
-    env = environment(api, tmp_path)
+def test_the_sdk_calls_of_a_page_run_as_printed(api, cli_forks, tmp_path, page):
+    env = environment(api, tmp_path) | cli_forks
     bodies = runnable(ROOT / page, "python")
-    run_blocks(page, bodies, [sys.executable, "block.py"], env, tmp_path)
+    # This interpreter, forked from the process that has imported `openai` (cli_forks.py).
+    client = [sys.executable, "-I", "-S", "-c", CLIENT, PYTHON]
+    run_blocks(page, bodies, [*client, "block.py"], env, tmp_path)
 
 
 # Importing LiteLLM takes seconds: its blocks run in one interpreter, each alone in a fresh
