@@ -50,6 +50,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ADMIN_KEY
+from tests.docs.cli_forks import CLIENT, PYTHON
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -78,6 +79,8 @@ BLOCK = re.compile(
 )
 EXPECTED = re.compile(r"# -> (\d{3})")
 
+# `metering` is the CLI forked from a process that has imported it (tests/docs/cli_forks.py):
+# the same main() with the command's arguments, environment, directory and standard streams.
 # Each curl also writes its status to STATUS_FILE (the first thing its -w format writes, to
 # stderr), so the commands stay as a reader pastes them and print what a reader sees.
 PRELUDE = r"""
@@ -91,6 +94,7 @@ curl() {
   done
   command curl "${args[@]}" 2>>"$STATUS_FILE"
 }
+metering() { "$METERING_CLI_PYTHON" -I -S -c "$METERING_CLI_CLIENT" "$@"; }
 """
 
 
@@ -239,6 +243,24 @@ def litellm_python() -> Path:
     return python
 
 
+@pytest.fixture(scope="session")
+def cli_forks(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The process the pages' `metering` commands are forked from, and what the shell needs."""
+    path = tmp_path_factory.mktemp("cli") / "forks.sock"
+    argv = [sys.executable, "-m", "tests.docs.cli_forks", str(path)]
+    server = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n"
+        yield {
+            "METERING_CLI_FORKS": str(path),
+            "METERING_CLI_PYTHON": sys.executable,
+            "METERING_CLI_CLIENT": CLIENT,
+        }
+    finally:
+        server.kill()
+        server.wait()
+
+
 def environment(api, tmp_path: Path) -> dict[str, str]:
     """What a reader of the pages has: the server, the admin key, a team, user and token."""
     team, user, token = api.principal()
@@ -279,8 +301,8 @@ def run_shell(page: str, env: dict[str, str], cwd: Path) -> subprocess.Completed
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("page", SHELL_PAGES)
-def test_the_commands_of_a_page_run_as_printed_twice(api, tmp_path, page):
-    env = environment(api, tmp_path)
+def test_the_commands_of_a_page_run_as_printed_twice(api, cli_forks, tmp_path, page):
+    env = environment(api, tmp_path) | cli_forks
     for run in ("first", "second"):
         cwd = tmp_path / run
         cwd.mkdir()
@@ -299,10 +321,12 @@ def run_blocks(page: str, bodies: list[str], argv: list[str], env: dict[str, str
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize("page", PYTHON_PAGES)
-def test_the_sdk_calls_of_a_page_run_as_printed(api, tmp_path, page):
-    env = environment(api, tmp_path)
+def test_the_sdk_calls_of_a_page_run_as_printed(api, cli_forks, tmp_path, page):
+    env = environment(api, tmp_path) | cli_forks
     bodies = runnable(ROOT / page, "python")
-    run_blocks(page, bodies, [sys.executable, "block.py"], env, tmp_path)
+    # This interpreter, forked from the process that has imported `openai` (cli_forks.py).
+    client = [sys.executable, "-I", "-S", "-c", CLIENT, PYTHON]
+    run_blocks(page, bodies, [*client, "block.py"], env, tmp_path)
 
 
 # Importing LiteLLM takes seconds: its blocks run in one interpreter, each alone in a fresh
@@ -336,10 +360,10 @@ def test_the_node_calls_of_a_page_run_as_printed(api, node_modules, tmp_path, pa
     run_blocks(page, bodies, ["node", "block.mjs"], env, tmp_path)
 
 
-def test_the_walkthrough_does_what_it_says_each_time(api, tmp_path):
+def test_the_walkthrough_does_what_it_says_each_time(api, cli_forks, tmp_path):
     """Run twice: each run makes its own team, spends its token's budget down to a 402, and
     revokes the token; the second run's names do not collide with the first's."""
-    env = environment(api, tmp_path)
+    env = environment(api, tmp_path) | cli_forks
     teams = []
     for run in ("first", "second"):
         cwd = tmp_path / run
