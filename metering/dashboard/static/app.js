@@ -11,7 +11,11 @@ const RANGES = {
   "24h": { unit: "hour", count: 24 },
   "7d": { unit: "day", count: 7 },
   "30d": { unit: "day", count: 30 },
+  mtd: { unit: "day" }, // the 1st of this month (UTC) to now
+  custom: { unit: "day" }, // from one UTC day to another, both included (from, to in the URL)
 };
+const MAX_CUSTOM_DAYS = 366;
+const DAY_MS = 86_400_000;
 const TOP_TOKENS = 10;
 const RECENT = 25;
 const RECENT_ALERTS = 20;
@@ -42,7 +46,7 @@ const state = {
   data: null, // what the last refresh fetched
   timer: null,
   generation: 0,
-  prefs: { range: "24h", group: "team", refresh: 30, tz: "utc" },
+  prefs: { range: "24h", group: "team", refresh: 30, tz: "utc", from: null, to: null },
   // What the viewer narrowed the page to; every panel's calls carry it, and so does the URL.
   // end_user and tags (["key:value", ...], all must match) narrow what /v1/spend and /v1/usage
   // report; budgets, limits and refusals are kept by team, user and token only.
@@ -155,10 +159,34 @@ function tokenName(directory, id) {
   return token ? `${token.name} (${token.prefix}…)` : id;
 }
 
+/** A token as a row labelled by the API names it: its name and the start of its secret when the
+ * directory knows it, else its name and the start of its id (names are not unique). */
+function tokenLabel(directory, id, name) {
+  if (id === null || directory.tokens.has(id) || !name) return tokenName(directory, id);
+  return `${name} (${id.slice(0, 12)}…)`;
+}
+
+const STAMP = /\b\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:\d{2})/g;
+
+/** An API message as a person reads it: ids of teams, users and tokens as their names, RFC 3339
+ * times in the chosen zone. */
+function humanize(directory, message, known = {}) {
+  const names = (id) => {
+    if (directory.tokens.has(id)) return tokenName(directory, id);
+    if (directory.users.has(id)) return userName(directory, id);
+    if (directory.teams.has(id)) return teamName(directory, id);
+    return known[id] ?? null;
+  };
+  return String(message ?? "")
+    .replace(STAMP, (stamp) => fmtTime(stamp, { seconds: true }))
+    .replace(/[A-Za-z]+_[A-Za-z0-9]{8,}/g, (id) => names(id) ?? id);
+}
+
 // --- time --------------------------------------------------------------------------------------
 
 /** The range's start and its buckets, keyed as /v1/spend writes `hour` and `day` (UTC). */
 function rangeOf(name, now = new Date()) {
+  if (name === "mtd" || name === "custom") return spanOf(name, now);
   const { unit, count } = RANGES[name];
   const start = new Date(now);
   if (unit === "hour") {
@@ -185,7 +213,49 @@ function rangeOf(name, now = new Date()) {
       buckets.push({ key: day, label: day.slice(5), title: day });
     }
   }
-  return { name, unit, start: start.toISOString(), buckets };
+  return { name, unit, start: start.toISOString(), end: null, buckets };
+}
+
+/** A UTC day "YYYY-MM-DD" as a Date at its 00:00 UTC, or null. */
+function utcDay(text) {
+  if (typeof text !== "string" || !/^\d{4}-\d{2}-\d{2}$/.test(text)) return null;
+  const at = new Date(`${text}T00:00:00Z`);
+  return Number.isNaN(at.getTime()) || at.toISOString().slice(0, 10) !== text ? null : at;
+}
+
+/** Whether from and to make a custom range the page draws: both days, from <= to, at most a year. */
+function validSpan(from, to) {
+  const a = utcDay(from), b = utcDay(to);
+  return a !== null && b !== null && a <= b && (b - a) / DAY_MS < MAX_CUSTOM_DAYS;
+}
+
+/** Month to date (UTC), or the custom days from..to (both included): by day, by hour for one day. */
+function spanOf(name, now) {
+  let first, last;
+  if (name === "mtd") {
+    first = new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), 1));
+    last = new Date(Date.UTC(now.getUTCFullYear(), now.getUTCMonth(), now.getUTCDate()));
+  } else {
+    first = utcDay(state.prefs.from);
+    last = utcDay(state.prefs.to);
+  }
+  const days = Math.round((last - first) / DAY_MS) + 1;
+  const end = new Date(last.getTime() + DAY_MS);
+  const buckets = [];
+  const unit = days === 1 ? "hour" : "day";
+  if (unit === "hour") {
+    for (let i = 0; i < 24; i++) {
+      const at = new Date(first.getTime() + i * 3_600_000);
+      buckets.push({ key: `${at.toISOString().slice(0, 13)}:00:00Z`, label: fmtTime(at, { date: false }), title: fmtTime(at) });
+    }
+  } else {
+    for (let i = 0; i < days; i++) {
+      const day = new Date(first.getTime() + i * DAY_MS).toISOString().slice(0, 10);
+      buckets.push({ key: day, label: day.slice(5), title: day });
+    }
+  }
+  // Month to date ends now (open); a custom range ends at the 00:00 UTC after its last day.
+  return { name, unit, start: first.toISOString(), end: name === "custom" ? end.toISOString() : null, buckets };
 }
 
 /** The viewer's time zone: UTC unless they chose local time. */
@@ -247,7 +317,7 @@ function filterParams() {
 }
 
 function spend(range, groupBy, extra = {}) {
-  return api(`/v1/spend?${query({ start: range.start, group_by: groupBy, ...filterParams(), ...extra })}`);
+  return api(`/v1/spend?${query({ start: range.start, end: range.end, group_by: groupBy, ...filterParams(), ...extra })}`);
 }
 
 /** Whether a team, user or token falls within the filters (its own id, or its parents'). */
@@ -490,6 +560,19 @@ function drawGrouped(report, directory, group) {
       ]);
     }),
   );
+  // The chart view of the same rows: the largest ten, as bars (the stacked chart above draws them
+  // over time).
+  Charts.ranking($("grouped-chart"), {
+    name: "grouped",
+    title: `spend by ${groupName(group)}`,
+    items: rows.slice(0, TOP_TOKENS).map((r) => {
+      const key = r[groupField(group)];
+      return { key: key ?? "", label: groupLabel(directory, group, key), value: r.pico };
+    }),
+    format: Money.format,
+    plain: Money.plain,
+    empty: emptyText("nothing spent in this range"),
+  });
   $("grouped").dataset.rows = String(rows.length);
   $("grouped").dataset.total = report.error ? "" : Money.plain(total);
   const more = report.error ? 0 : report.row_count - rows.length;
@@ -590,6 +673,7 @@ function drawLimits(rows, refusals) {
       ]),
     ),
   );
+  stack($("limits"));
   $("limits").dataset.rows = String(rows.length);
   $("limits-empty").hidden = rows.length > 0;
   const line = $("refusals");
@@ -641,6 +725,7 @@ function drawAlerts(events, directory) {
     ]);
   });
   $("alerts-body").replaceChildren(...rows);
+  stack($("alerts"), 1);
   $("alerts").dataset.rows = String(rows.length);
   $("alerts-empty").hidden = rows.length > 0;
 }
@@ -707,7 +792,7 @@ function tagsCell(tags) {
 function whoCell(directory, row) {
   const team = row.team_name ?? teamName(directory, row.team_id);
   const user = row.user_email ?? userName(directory, row.user_id);
-  const token = tokenName(directory, row.token_id);
+  const token = tokenLabel(directory, row.token_id, row.token_name);
   const td = html("td", {}, [user, html("span", { class: "sub" }, [`${team} · ${token}`])]);
   td.dataset.csv = `${team} / ${user} / ${token}`;
   return td;
@@ -740,7 +825,7 @@ function drawDrill(level, report, directory) {
   const name = (r) => {
     if (level === "team") return r.team_name ?? teamName(directory, r.team_id);
     if (level === "user") return r.user_email ?? userName(directory, r.user_id);
-    if (level === "token") return r.token_id === null ? tokenName(directory, null) : `${r.token_name ?? tokenName(directory, r.token_id)}`;
+    if (level === "token") return tokenLabel(directory, r.token_id, r.token_name);
     return r.model;
   };
   const rows = [...report.rows]
@@ -808,6 +893,34 @@ const REASONS = {
   model: "model not allowed (403)",
 };
 
+/** A refusal's message with names and times as the page shows them (the API's own text in the
+ * tooltip). */
+function whyCell(directory, r) {
+  const known = {};
+  if (r.token_id && r.token_name) known[r.token_id] = tokenLabel(directory, r.token_id, r.token_name);
+  if (r.user_id && r.user_email) known[r.user_id] = r.user_email;
+  if (r.team_id && r.team_name) known[r.team_id] = r.team_name;
+  const text = humanize(directory, r.message, known);
+  return html("td", { class: "why", title: r.message }, [text]);
+}
+
+/** On a phone a table.stack's rows are cards: each cell says its column's name (data-label);
+ * the cells given first (by index) come first. */
+function stack(table, ...first) {
+  const names = [...table.querySelectorAll("thead th")].map((th) => th.textContent.trim());
+  for (const row of table.tBodies[0].rows) {
+    [...row.cells].forEach((td, i) => {
+      td.dataset.label = names[i] ?? "";
+      if (first.includes(i)) td.classList.add("first");
+      if (!td.querySelector(":scope > .v")) {
+        const value = html("span", { class: "v" });
+        value.append(...td.childNodes);
+        td.append(value);
+      }
+    });
+  }
+}
+
 function drawRefused(summary, page, directory) {
   const counts = summary.rows.map((r) => `${Money.count(r.refusals)} × ${REASONS[r.reason] ?? r.reason}`);
   $("refusal-counts").textContent = summary.total.refusals
@@ -823,10 +936,11 @@ function drawRefused(summary, page, directory) {
         cell(r.model),
         cell(`${REASONS[r.reason] ?? r.reason} · ${r.scope}`),
         cell(String(r.http_status), "bad"),
-        cell(r.message, "why"),
+        whyCell(directory, r),
       ]),
     ),
   );
+  stack($("refused"), 3, 4);
   $("refused").dataset.rows = String(page.data.length);
   $("refused-empty").hidden = page.data.length > 0;
 }
@@ -922,6 +1036,7 @@ function writeUrl() {
   for (const [name, fallback] of Object.entries(URL_PREFS)) {
     if (state.prefs[name] !== fallback) params[name] = state.prefs[name];
   }
+  if (state.prefs.range === "custom") Object.assign(params, { from: state.prefs.from, to: state.prefs.to });
   for (const name of Object.keys(FILTERS)) {
     if (state.filters[name]) params[name] = state.filters[name];
   }
@@ -933,7 +1048,11 @@ function writeUrl() {
 
 function readUrl() {
   const params = new URLSearchParams(location.search);
-  if (params.get("range") in RANGES) state.prefs.range = params.get("range");
+  if (params.get("range") === "custom") {
+    if (validSpan(params.get("from"), params.get("to"))) {
+      Object.assign(state.prefs, { range: "custom", from: params.get("from"), to: params.get("to") });
+    }
+  } else if (params.get("range") in RANGES) state.prefs.range = params.get("range");
   state.prefs.group = validGroup(params.get("group")) ?? state.prefs.group;
   if (["utc", "local"].includes(params.get("tz"))) state.prefs.tz = params.get("tz");
   for (const name of Object.keys(FILTERS)) {
@@ -1005,6 +1124,7 @@ function draw() {
     : `${userName(directory, me.user_id)}: own data only`;
   document.body.dataset.mode = state.who.mode;
   document.body.dataset.start = range.start;
+  document.body.dataset.end = range.end ?? "";
 }
 
 /** What the end-user, tag and tag-key inputs suggest: what the recent requests and the
@@ -1056,13 +1176,13 @@ async function refresh(force = false) {
         orError(spend(range, `${unit},${group}`)),
         spend(range, "model"),
         spend(range, "token"),
-        api(`/v1/usage?${query({ limit: RECENT, ...filters })}`),
+        api(`/v1/usage?${query({ limit: RECENT, ...(range.end ? { start: range.start, end: range.end } : {}), ...filters })}`),
         budgetRows(directory),
         limitRows(directory),
         limitRefusals(),
         spend(range, level, { labels: "true" }),
-        api(`/v1/refusals/summary?${query({ start: range.start, group_by: "reason", ...who })}`),
-        api(`/v1/refusals?${query({ start: range.start, limit: REFUSALS_SHOWN, labels: "true", ...who })}`),
+        api(`/v1/refusals/summary?${query({ start: range.start, end: range.end, group_by: "reason", ...who })}`),
+        api(`/v1/refusals?${query({ start: range.start, end: range.end, limit: REFUSALS_SHOWN, labels: "true", ...who })}`),
         api(`/v1/alerts?${query({ limit: RECENT_ALERTS })}`),
         isAttribution(group) ? orError(spend(range, group, { limit: GROUPED_ROWS })) : noGroup,
       ]);
@@ -1135,7 +1255,9 @@ function savePrefs() {
 function loadPrefs() {
   try {
     const saved = JSON.parse(sessionStorage.getItem(PREFS_STORE) ?? "{}");
-    if (saved.range in RANGES) state.prefs.range = saved.range;
+    if (saved.range === "custom" ? validSpan(saved.from, saved.to) : saved.range in RANGES) {
+      Object.assign(state.prefs, { range: saved.range, from: saved.from ?? null, to: saved.to ?? null });
+    }
     state.prefs.group = validGroup(saved.group) ?? state.prefs.group;
     if ([0, 10, 30, 60].includes(Number(saved.refresh))) state.prefs.refresh = Number(saved.refresh);
     if (["utc", "local"].includes(saved.tz)) state.prefs.tz = saved.tz;
@@ -1144,9 +1266,44 @@ function loadPrefs() {
   }
   readUrl(); // a shared link's view wins over this tab's last one
   $("tz").value = state.prefs.tz;
-  $("range").value = state.prefs.range;
+  showRange();
   showGroup();
   $("refresh-every").value = String(state.prefs.refresh);
+}
+
+/** The range controls as the preferences say: the select, and the dates of a custom range. */
+function showRange() {
+  $("range").value = state.prefs.range;
+  $("custom-range").hidden = state.prefs.range !== "custom";
+  $("range-from").value = state.prefs.from ?? "";
+  $("range-to").value = state.prefs.to ?? "";
+  const today = new Date().toISOString().slice(0, 10);
+  $("range-from").max = today;
+  $("range-to").max = today;
+}
+
+/** A range chosen: a named one, or custom dates (the last 7 UTC days until both are chosen). */
+function chooseRange(name) {
+  if (name === "custom") {
+    let from = $("range-from").value || state.prefs.from;
+    let to = $("range-to").value || state.prefs.to;
+    if (!from || !to) {
+      const today = new Date();
+      to = today.toISOString().slice(0, 10);
+      from = new Date(today.getTime() - 6 * DAY_MS).toISOString().slice(0, 10);
+    }
+    if (!validSpan(from, to)) {
+      status(`a custom range runs from a day to the same or a later one, at most ${MAX_CUSTOM_DAYS} days: not ${from} to ${to}`, "error");
+      showRange();
+      return;
+    }
+    Object.assign(state.prefs, { range: "custom", from, to });
+  } else {
+    state.prefs.range = name;
+  }
+  showRange();
+  savePrefs();
+  changed();
 }
 
 function groupBy(group) {
@@ -1180,7 +1337,11 @@ function start() {
   });
   $("sign-out").addEventListener("click", () => signOut());
   $("refresh-now").addEventListener("click", () => refresh(true));
-  for (const [id, pref] of [["range", "range"], ["refresh-every", "refresh"], ["tz", "tz"]]) {
+  $("range").addEventListener("change", (event) => chooseRange(event.target.value));
+  for (const id of ["range-from", "range-to"]) {
+    $(id).addEventListener("change", () => chooseRange("custom"));
+  }
+  for (const [id, pref] of [["refresh-every", "refresh"], ["tz", "tz"]]) {
     $(id).addEventListener("change", (event) => {
       state.prefs[pref] = pref === "refresh" ? Number(event.target.value) : event.target.value;
       savePrefs();

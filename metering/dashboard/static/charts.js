@@ -230,6 +230,18 @@ const Charts = (() => {
         ? `${Money.format(r.spent)} spent · no limit`
         : `${Money.format(r.spent)} of ${Money.format(r.limit)} · ${percent}`;
       const resets = r.resetsAt ? `resets ${opts.when(r.resetsAt)}` : "never resets";
+      // The mark of a budget past one of its alert thresholds: a part of a line of its own
+      // (the scope line beside the name, or the figures' line on a phone), never drawn over the
+      // reset time.
+      const mark = () => (r.passed
+        ? [" · ", svg("tspan", { class: "threshold-mark" }, [document.createTextNode(`▲ past ${r.passed}%`)])]
+        : []);
+      const line = (x, y, parts, cls) => {
+        const node = svg("text", { x, y, class: cls });
+        node.append(...parts.map((p) => (typeof p === "string" ? document.createTextNode(p) : p)));
+        return node;
+      };
+      const resetsText = () => svg("tspan", { class: "resets" }, [document.createTextNode(resets)]);
       const group = svg("g", {
         "data-scope": r.scope,
         "data-id": r.id,
@@ -244,24 +256,18 @@ const Charts = (() => {
         ...(narrow
           ? [
             text(0, yTop + 13, `${r.label} · ${r.scope} · ${r.interval}`, { class: "label" }),
-            text(0, yTop + 47, summary, { class: "sub" }),
-            text(0, yTop + 60, resets, { class: "sub" }),
+            line(0, yTop + 47, [summary, ...mark()], "sub"),
+            line(0, yTop + 60, [resetsText()], "sub"),
           ]
           : [
             text(0, yTop + 15, r.label, { class: "label" }),
-            text(0, yTop + 32, `${r.scope} · ${r.interval}`, { class: "sub" }),
-            text(labelW, yTop + 33, `${summary} · ${resets}`, { class: "sub" }),
+            line(0, yTop + 32, [`${r.scope} · ${r.interval}`, ...mark()], "sub"),
+            line(labelW, yTop + 33, [`${summary} · `, resetsText()], "sub"),
           ]),
         svg("rect", { x: labelW, y: yTop + bar, width: barW, height: 14, rx: 3, class: "track" }),
         svg("rect", { x: labelW, y: yTop + bar, width: spentW, height: 14, rx: 3, class: "spent" }),
         svg("rect", { x: labelW + spentW, y: yTop + bar, width: heldW, height: 14, class: "held" }),
       ]);
-      if (r.passed) {
-        // The mark of a budget past one of its alert thresholds.
-        group.append(text(labelW + barW, yTop + 33, `▲ past ${r.passed}%`, {
-          class: "threshold-mark", "text-anchor": "end",
-        }));
-      }
       group.append(tooltip(
         `${r.label}: spent ${Money.format(r.spent)}, reserved ${Money.format(r.reserved)}` +
         (r.limit === null ? ", no limit" : ` of ${Money.format(r.limit)}`) +
