@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast lint bench postgres chromium prometheus java lock reference docs docs-build
+.PHONY: demo test test-fast lint bench postgres chromium prometheus kubectl java lock reference docs docs-build
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -50,6 +50,11 @@ chromium:
 prometheus:
 	@command -v promtool >/dev/null || { apt-get update && apt-get install -y prometheus; }
 
+# kubectl for `kubectl kustomize` (offline): tests/deploy/test_kubernetes.py renders the
+# manifests of deploy/kubernetes with the real kustomize.
+kubectl:
+	@command -v kubectl >/dev/null || { apt-get update && apt-get install -y kubectl; }
+
 # A Java runtime for OpenAPI Generator (tests/test_generated_client.py; its jar is in the
 # openapi-generator-cli wheel).
 java:
@@ -69,7 +74,7 @@ SERIAL_WORKERS ?= 2
 SERIAL_TESTS := $(shell grep -v '^\#' tests/serial.txt)
 ALONE_TESTS := $(shell grep -v '^\#' tests/alone.txt)
 
-test: $(BIN)/metering postgres chromium prometheus java
+test: $(BIN)/metering postgres chromium prometheus kubectl java
 	rm -f test-output/junit-*.xml
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial and not alone" \
 		--junitxml=test-output/junit-parallel.xml; \

@@ -1,0 +1,60 @@
+"""The Kubernetes manifests (deploy/kubernetes) rendered by a real kustomize (`kubectl
+kustomize`, offline) and checked for what the deployment relies on."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+OVERLAYS = ["production", "small"]
+
+
+def render(overlay: str) -> dict[str, dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is missing: apt-get install -y kubectl")
+    out = subprocess.run(
+        [kubectl, "kustomize", str(ROOT / "overlays" / overlay)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(out) if doc}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_a_safe_deployment(overlay: str) -> None:
+    docs = render(overlay)
+    assert set(docs) >= {
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+        "NetworkPolicy",
+        "ServiceMonitor",
+        "ConfigMap",
+    }
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= 600
+    assert container["envFrom"] == [{"secretRef": {"name": "metering-secrets"}}]
+    # The catalog is a mounted directory (no subPath), so ConfigMap edits reach the pod.
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert "subPath" not in mounts["catalog"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["METERING_CONFIG"] == mounts["catalog"]["mountPath"] + "/metering.toml"
+    assert "metering.toml" in docs["ConfigMap"]["data"]
+    selector = docs["Service"]["spec"]["selector"]
+    labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= labels.items()
+    monitor = docs["ServiceMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
+    assert monitor["endpoints"][0]["port"] == docs["Service"]["spec"]["ports"][0]["name"]
