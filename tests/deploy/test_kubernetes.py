@@ -56,5 +56,7 @@ def test_overlay_renders_a_safe_deployment(overlay: str) -> None:
     labels = docs["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert selector.items() <= labels.items()
     monitor = docs["ServiceMonitor"]["spec"]
-    assert monitor["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
+    assert (
+        monitor["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
+    )
     assert monitor["endpoints"][0]["port"] == docs["Service"]["spec"]["ports"][0]["name"]
