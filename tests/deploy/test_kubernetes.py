@@ -1,10 +1,12 @@
 """The Kubernetes manifests (deploy/kubernetes) rendered by a real kustomize (`kubectl
-kustomize`, offline) and checked for what the deployment relies on."""
+kustomize`, offline), validated against Kubernetes' schemas and checked for what the deployment
+relies on."""
 
 import shutil
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -23,6 +25,17 @@ def render(overlay: str) -> dict[str, dict]:
         text=True,
     ).stdout
     return {doc["kind"]: doc for doc in yaml.safe_load_all(out) if doc}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_fits_the_kubernetes_schemas(overlay: str) -> None:
+    """Every object against the newest Kubernetes schemas kubernetes-validate ships, strictly
+    (no unknown field). The ServiceMonitor is a CRD with no schema there: the test below checks
+    that it selects the Service and scrapes its port."""
+    version = kubernetes_validate.latest_version()
+    for kind, doc in render(overlay).items():
+        if kind != "ServiceMonitor":
+            kubernetes_validate.validate(doc, version, strict=True)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
