@@ -177,9 +177,7 @@ def test_the_reading_side_at_desktop_and_phone_widths(browser, site):
             )
             spend = site.get("/v1/spend", start=begin.isoformat(), end=end.isoformat())
             assert tab.total() == Decimal(spend["total"]["cost"])
-            summary = site.get(
-                "/v1/refusals/summary", start=begin.isoformat(), end=end.isoformat()
-            )
+            summary = site.get("/v1/refusals/summary", start=begin.isoformat(), end=end.isoformat())
             counted = tab.page.locator("#refusal-counts").get_attribute("data-total")
             assert counted == str(summary["total"]["refusals"])
             if day == yesterday:
