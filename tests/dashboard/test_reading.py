@@ -184,10 +184,12 @@ def test_the_reading_side_at_desktop_and_phone_widths(browser, site):
                 assert tab.total() == 0
             else:
                 assert tab.total() > 0
-        # Choosing "custom dates…" keeps the dates in the URL (the last 7 UTC days at first).
+        # Back to 24 hours: no dates in the URL; "custom dates…" again: the last ones chosen.
+        tab.waiting(lambda: tab.page.select_option("#range", "24h"))
+        assert tab.query() == {}
+        assert tab.page.locator("#custom-range").is_hidden()
         tab.waiting(lambda: tab.page.select_option("#range", "custom"))
-        week = (now - timedelta(days=6)).strftime("%Y-%m-%d")
-        assert tab.query() == {"range": "custom", "from": week, "to": today}
+        assert tab.query() == {"range": "custom", "from": today, "to": today}
 
         # Spend by end user: the chart of the grouped rows, as the API reports them.
         tab.waiting(lambda: tab.page.select_option("#group", "end_user"))
