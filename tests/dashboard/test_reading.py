@@ -6,12 +6,14 @@ sideways scroll, month-to-date and custom ranges with the API's figures, the cha
 end user. Checked by the elements' boxes and text; screenshots in test-output/."""
 
 import re
+import uuid
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import openai
+import pytest
 
 from tests.dashboard.conftest import OUTPUT
 from tests.demo_site import ADMIN_KEY
@@ -75,46 +77,69 @@ class Tab:
         self.page.screenshot(path=str(path), full_page=True)
 
 
-def second_notebook(site) -> dict:
-    """A second token named "notebook" for the demo's alice, with some spend."""
+def two_of_a_name(site) -> dict:
+    """A user of its own in alice's team (the demo's users and tokens stay as the demo tests
+    expect them) with three tokens named "scratch": two with some spend, one whose daily budget
+    refuses its first request (a refusal with a reset time in its message)."""
     admin = {"authorization": f"Bearer {ADMIN_KEY}"}
     alice = next(u for u in site.get("/v1/users")["data"] if u["email"] == "alice@demo.example")
-    token = httpx.post(
-        f"{site.url}/v1/users/{alice['id']}/tokens", json={"name": "notebook"}, headers=admin
+    user = httpx.post(
+        f"{site.url}/v1/users",
+        json={
+            "team_id": alice["team_id"],
+            "email": f"reader-{uuid.uuid4().hex[:8]}@example.com",
+            "name": "Reader",
+        },
+        headers=admin,
     ).json()
-    client = openai.OpenAI(base_url=f"{site.url}/v1", api_key=token["token"], max_retries=0)
-    client.chat.completions.create(
-        model="gpt-sim", messages=[{"role": "user", "content": "sim:tokens=5"}]
+    spent, other, refused = (
+        httpx.post(
+            f"{site.url}/v1/users/{user['id']}/tokens",
+            json={"name": "scratch", **limit},
+            headers=admin,
+        ).json()
+        for limit in ({}, {}, {"credit_limit": "0.000000000001", "reset_interval": "daily"})
     )
-    return {"alice": alice, "token": token}
+    messages = [{"role": "user", "content": "sim:tokens=5"}]
+    clients = {
+        t["id"]: openai.OpenAI(base_url=f"{site.url}/v1", api_key=t["token"], max_retries=0)
+        for t in (spent, other, refused)
+    }
+    for token in (spent, other):
+        clients[token["id"]].chat.completions.create(model="gpt-sim", messages=messages)
+    with pytest.raises(openai.APIStatusError, match="402"):
+        clients[refused["id"]].chat.completions.create(model="gpt-sim", messages=messages)
+    return {"user": user, "token": spent, "refused": refused}
 
 
 def test_the_reading_side_at_desktop_and_phone_widths(browser, site):
-    made = second_notebook(site)
-    alice = made["alice"]
+    made = two_of_a_name(site)
+    user = made["user"]
     tab = Tab(browser, site)
     try:
-        tab.open(f"/dashboard?user={alice['id']}&team={alice['team_id']}")
+        tab.open(f"/dashboard?user={user['id']}&team={user['team_id']}")
         # Two tokens of one name: distinct labels in "Spend by token" and the token filter.
         labels = {
             el.get_attribute("data-key"): el.inner_text()
             for el in tab.page.locator("#drill-body button.drill").all()
         }
-        notebooks = [label for label in labels.values() if label.startswith("notebook")]
-        assert len(notebooks) >= 2 and len(set(notebooks)) == len(notebooks), labels
-        assert labels[made["token"]["id"]] == f"notebook ({made['token']['prefix']}…)"
+        scratch = [label for label in labels.values() if label.startswith("scratch")]
+        assert len(scratch) == 2 and len(set(scratch)) == 2, labels
+        assert labels[made["token"]["id"]] == f"scratch ({made['token']['prefix']}…)"
         options = tab.page.locator("#filter-token option").all_inner_texts()
-        assert len([o for o in options if o.startswith("notebook")]) >= 2
+        assert len([o for o in options if o.startswith("scratch")]) == 3
         assert len(set(options)) == len(options)
 
         # The refusals' why: the token's name, not its id; the reset time in the zone.
         tab.waiting(lambda: tab.page.click("#filters-clear"))
         start = tab.page.locator("body").get_attribute("data-start")
-        refusals = site.get("/v1/refusals", start=start, limit=10, labels="true")["data"]
+        refusals = site.get(
+            "/v1/refusals", start=start, token_id=made["refused"]["id"], labels="true"
+        )["data"]
         budget = next(r for r in refusals if r["reason"] == "budget" and r["scope"] == "token")
         why = tab.page.locator(f"#refused-body tr[data-id='{budget['id']}'] td.why").inner_text()
         assert budget["subject_id"] in budget["message"] and budget["subject_id"] not in why
-        assert "notebook (mtr_" in why
+        assert f"scratch ({made['refused']['prefix']}" in why
         raw = STAMP.search(budget["message"]).group(0)
         at = datetime.fromisoformat(raw.replace("Z", "+00:00"))
         assert at.strftime("%Y-%m-%d %H:%M:%S") in why and not STAMP.search(why)
