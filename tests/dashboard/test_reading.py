@@ -78,15 +78,17 @@ class Tab:
 
 
 def two_of_a_name(site) -> dict:
-    """A user of its own in alice's team (the demo's users and tokens stay as the demo tests
+    """A team and user of its own (the demo's teams, users and tokens stay as the demo tests
     expect them) with three tokens named "scratch": two with some spend, one whose daily budget
     refuses its first request (a refusal with a reset time in its message)."""
     admin = {"authorization": f"Bearer {ADMIN_KEY}"}
-    alice = next(u for u in site.get("/v1/users")["data"] if u["email"] == "alice@demo.example")
+    team = httpx.post(
+        f"{site.url}/v1/teams", json={"name": f"reading-{uuid.uuid4().hex[:8]}"}, headers=admin
+    ).json()
     user = httpx.post(
         f"{site.url}/v1/users",
         json={
-            "team_id": alice["team_id"],
+            "team_id": team["id"],
             "email": f"reader-{uuid.uuid4().hex[:8]}@example.com",
             "name": "Reader",
         },
