@@ -2,11 +2,14 @@
 
 A request the upstream dropped on a kept-alive connection before answering a byte is sent once
 more, on a new connection: that is the race of a server closing an idle connection just as it
-is reused, and the request was never read.
+is reused, and the request was never read. A connection refused or reset as it was being made
+is tried once more too: nothing went out, and a listener whose queue overflowed for an instant
+(a burst of connections at once) takes the next.
 """
 
 import asyncio
 import errno
+import logging
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
@@ -23,6 +26,8 @@ from metering.settings import Catalog, Provider
 if TYPE_CHECKING:
     from aiohttp.client_reqrep import ConnectionKey
     from aiohttp.tracing import Trace
+
+log = logging.getLogger("metering.proxy")
 
 KEEPALIVE_S = 5.0  # how long an idle connection stays in the pool (httpx's default)
 _DROPPED_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
@@ -165,8 +170,9 @@ class Upstreams:
         try:
             return _unbound(await self.clients[provider].send(request, stream=True))
         except (httpx.HTTPError, OSError) as exc:
-            if not (current.reused and dropped_unanswered(exc)):
+            if not (current.reused and dropped_unanswered(exc)) and not refused_at_connect(exc):
                 raise
+            log.warning("upstream %s: %r; sending once more on a new connection", provider, exc)
         finally:
             _SEND.reset(token)
         if provider not in self.fresh:
@@ -197,6 +203,17 @@ def dropped_unanswered(exc: BaseException) -> bool:
             return cause.errno in _DROPPED_ERRNOS
         # A ClientOSError with no errno ("Can not write request body") says what it is through
         # its cause: the connection closing as the request was written (a reset, above).
+    return False
+
+
+def refused_at_connect(exc: BaseException) -> bool:
+    """The connection could not be made, at once (refused, reset, no address): no request went
+    out. Not a connect timeout: the upstream's connect timeout is not to be paid twice."""
+    for cause in _chain(exc):
+        if isinstance(cause, aiohttp.ConnectionTimeoutError | aiohttp.ServerTimeoutError):
+            return False
+        if isinstance(cause, aiohttp.ClientConnectorError):
+            return True
     return False
 
 

@@ -5,6 +5,7 @@ connection, not a timeout)."""
 import asyncio
 import errno
 import json
+import socket
 import threading
 import uuid
 from decimal import Decimal
@@ -13,7 +14,13 @@ import aiohttp
 import httpx
 import pytest
 
-from metering.proxy.upstreams import dropped_unanswered, failure_kind
+from metering.proxy.upstreams import (
+    Upstreams,
+    dropped_unanswered,
+    failure_kind,
+    refused_at_connect,
+)
+from metering.settings import parse_catalog
 from tests.proxy.conftest import assert_error_shape, provider_entry, serving
 
 ANSWER = {
@@ -197,3 +204,47 @@ def test_a_connection_closing_as_the_request_is_written_counts_as_dropped_unansw
     unreachable = aiohttp.ClientOSError(errno.EHOSTUNREACH, "no route")
     assert not dropped_unanswered(_raised(httpx.ConnectError("no route"), unreachable))
     assert not dropped_unanswered(httpx.ConnectTimeout("plain timeout"))
+
+
+def test_a_refused_connection_is_made_once_more_then_reported_unreached(caplog):
+    """Nothing listens on the provider's port: the connection is refused at once, nothing went
+    out, so it is tried once more on a new connection (a burst can overflow a listener's queue
+    for an instant); refused again, it is a connect failure, the kind the next provider is
+    tried on. A connect timeout is not tried twice."""
+    port = _closed_port()
+    catalog = parse_catalog(
+        {
+            "providers": {"gone": provider_entry(f"http://127.0.0.1:{port}/v1", "openai")},
+            "models": [],
+        },
+        environ={},
+    )
+
+    async def send() -> BaseException:
+        upstreams = Upstreams(catalog, 4)
+        try:
+            request = upstreams.clients["gone"].build_request(
+                "POST", f"http://127.0.0.1:{port}/v1/chat/completions", content=b"{}"
+            )
+            with pytest.raises(httpx.HTTPError) as raised:
+                await upstreams.send("gone", request)
+            return raised.value
+        finally:
+            await upstreams.close()
+
+    with caplog.at_level("WARNING", logger="metering.proxy"):
+        exc = asyncio.run(send())
+    assert refused_at_connect(exc)
+    assert failure_kind(exc) == "unreached"
+    retries = [r for r in caplog.records if "once more on a new connection" in r.getMessage()]
+    assert len(retries) == 1
+    timeout = _raised(httpx.ConnectTimeout("slow"), aiohttp.ConnectionTimeoutError("slow"))
+    assert not refused_at_connect(timeout)
+    assert failure_kind(timeout) == "unreached"
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
