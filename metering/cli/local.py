@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metering.cli.options import command, subparsers
+from metering.cli.options import command, seconds, subparsers
 
 if TYPE_CHECKING:
     from metering.settings import Settings
@@ -49,7 +49,17 @@ def serve(args: argparse.Namespace) -> int:
     from metering import migrate
     from metering.server import server_config
 
-    migrate.upgrade(settings.database_url)
+    if not args.no_migrate:
+        migrate.upgrade(settings.database_url)
+    else:
+        state, revision, head = migrate.schema_state(settings.database_url)
+        if state == "pending":
+            print(
+                f"metering: the database's schema is at {revision or 'none'}, this release "
+                f"needs {head}: run `metering db upgrade` (the migration job) first",
+                file=sys.stderr,
+            )
+            return 2
     config = server_config(
         "metering.cli:serving_app",
         settings,
@@ -198,6 +208,28 @@ def db_upgrade(_: argparse.Namespace) -> int:
     return 0
 
 
+def db_check(_: argparse.Namespace) -> int:
+    settings = load_settings()
+    if settings is None:
+        return 2
+    from metering import migrate
+
+    state, revision, head = migrate.schema_state(settings.database_url)
+    print(f"schema {state}: database at {revision or 'none'}, this release's head {head}")
+    return 1 if state == "pending" else 0
+
+
+def db_wait(args: argparse.Namespace) -> int:
+    settings = load_settings()
+    if settings is None:
+        return 2
+    from metering import migrate
+
+    state, revision, head = migrate.wait_current(settings.database_url, args.timeout)
+    print(f"schema {state}: database at {revision or 'none'}, this release's head {head}")
+    return 1 if state == "pending" else 0
+
+
 def demo(args: argparse.Namespace) -> int:
     from metering.demo import run_demo
 
@@ -221,12 +253,35 @@ def add_commands(group: Any) -> None:
         choices=("critical", "error", "warning", "info", "debug", "trace"),
         help="the least severe log lines written",
     )
+    p.add_argument(
+        "--no-migrate",
+        action="store_true",
+        help="do not apply pending migrations (a job runs `metering db upgrade`); refuse to "
+        "start while the schema is behind this release (default: apply them at start)",
+    )
     p.set_defaults(func=serve)
 
     db = command(group, "db", "the database's schema")
-    command(subparsers(db, "db_command"), "upgrade", "apply pending migrations").set_defaults(
-        func=db_upgrade
+    db_commands = subparsers(db, "db_command")
+    command(db_commands, "upgrade", "apply pending migrations").set_defaults(func=db_upgrade)
+    command(
+        db_commands,
+        "check",
+        "exit 0 when the schema is this release's (or a newer release's), 1 when migrations "
+        "are pending",
+    ).set_defaults(func=db_check)
+    p = command(
+        db_commands,
+        "wait",
+        "wait until the schema is this release's (or newer): exit 0, or 1 at the timeout",
     )
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=600.0,
+        help="seconds to wait before giving up (at most a day)",
+    )
+    p.set_defaults(func=db_wait)
 
     p = command(
         group,

@@ -123,6 +123,14 @@ def positive(value: str) -> int:
     return number
 
 
+def seconds(value: str) -> float:
+    """A wait in seconds: more than 0, at most a day."""
+    number = float(value.strip())
+    if not 0 < number <= 86_400:
+        raise ValueError(value)
+    return number
+
+
 def names(value: str) -> list[str]:
     """Comma-separated names, in order, without empties."""
     return [item.strip() for item in value.split(",") if item.strip()]

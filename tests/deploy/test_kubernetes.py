@@ -49,6 +49,7 @@ def test_overlay_renders_a_safe_deployment(overlay: str) -> None:
         "NetworkPolicy",
         "ServiceMonitor",
         "ConfigMap",
+        "Job",
     }
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -73,3 +74,30 @@ def test_overlay_renders_a_safe_deployment(overlay: str) -> None:
         monitor["selector"]["matchLabels"].items() <= docs["Service"]["metadata"]["labels"].items()
     )
     assert monitor["endpoints"][0]["port"] == docs["Service"]["spec"]["ports"][0]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_migrations_run_as_a_job_the_new_pods_wait_for(overlay: str) -> None:
+    """The job migrates (under the advisory lock, `metering db upgrade`) with the Deployment's
+    image and secret; each pod's init container waits for the schema (`metering db wait`); the
+    server then migrates nothing (--no-migrate). The job's pod is neither served nor counted
+    by the Service and the PodDisruptionBudget."""
+    docs = render(overlay)
+    job = docs["Job"]
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    (migrator,) = job["spec"]["template"]["spec"]["containers"]
+    (waiter,) = pod["initContainers"]
+    (server,) = pod["containers"]
+    assert migrator["args"] == ["metering", "db", "upgrade"]
+    assert waiter["args"][:3] == ["metering", "db", "wait"]
+    assert "--no-migrate" in server["args"]
+    assert migrator["image"] == waiter["image"] == server["image"]
+    assert migrator["envFrom"] == waiter["envFrom"] == server["envFrom"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "OnFailure"
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0
+    job_labels = job["spec"]["template"]["metadata"]["labels"]
+    for selector in (
+        docs["Service"]["spec"]["selector"],
+        docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+    ):
+        assert not selector.items() <= job_labels.items()
