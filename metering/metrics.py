@@ -20,6 +20,8 @@ log = logging.getLogger("metering.metrics")
 # Read by prometheus_client when it is imported; set by `metering serve` for its workers.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 SECONDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# The proxy's own time, in milliseconds: what it adds to a request besides the upstream's.
+ADDED_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 ROUTE = ("model", "provider")
 # Served by the scrape, per team, user and token, behind METERING_METRICS_KEY only.
 BUDGET_USED_RATIO = "metering_budget_used_ratio"
@@ -82,6 +84,17 @@ TTFT = Histogram(
     list(ROUTE),
     buckets=SECONDS,
 )
+
+ADDED = Histogram(
+    "metering_proxy_added_seconds",
+    "The proxy's own time on a request that reached an upstream, by phase: `before_upstream`, "
+    "from its arrival to its sending (authentication, admission, the hold's commit); `settle`, "
+    "from the upstream answer's end to its ledger event's commit, before the client sees the "
+    "end",
+    ["phase"],
+    buckets=ADDED_SECONDS,
+)
+_BEFORE_UPSTREAM, _SETTLE = ADDED.labels("before_upstream"), ADDED.labels("settle")
 
 
 class _Route:
@@ -179,6 +192,14 @@ def observe_event(event: Counted) -> None:
             route.ttft.observe(event.ttft_ms / 1000)
     except Exception:
         log.exception("could not record metrics for event %s", getattr(event, "id", None))
+
+
+def before_upstream(seconds: float) -> None:
+    _BEFORE_UPSTREAM.observe(seconds)
+
+
+def settled(seconds: float) -> None:
+    _SETTLE.observe(seconds)
 
 
 def reserved(leased: bool) -> None:

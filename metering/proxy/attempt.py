@@ -138,6 +138,7 @@ class Attempt:
                 self.services.live_holds.discard(hold_id)
 
     async def _settle(self, outcome: Outcome) -> None:
+        started = time.perf_counter()
         billing, body = self.spec.billing, self.chat.body
         event = event_for(
             billing,
@@ -156,6 +157,7 @@ class Attempt:
             lambda: settle(self.services.budgets.settles, event, self.reservation),
         )
         if settled:
+            metrics.settled(time.perf_counter() - started)
             metrics.observe_event(event)
 
 

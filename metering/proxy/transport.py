@@ -15,6 +15,7 @@ import anyio
 import httpx
 from starlette.responses import Response
 
+from metering import metrics
 from metering.errors import MeteringError, error_body
 from metering.ledger.outcome import Outcome
 from metering.proxy.answer_bounds import (
@@ -61,6 +62,7 @@ async def open_upstream(attempt: Attempt) -> httpx.Response:
     try:
         async with timer:
             attempt.sent = True
+            metrics.before_upstream(time.perf_counter() - attempt.t0)
             response = await services.upstreams.send(provider.name, request)
             if response.status_code == 202 and attempt.dialect.polls:
                 response = await _poll(attempt, response)

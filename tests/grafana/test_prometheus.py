@@ -26,6 +26,7 @@ SERIES = {
     "metering_cost_usd_total": {"model", "provider"},
     "metering_upstream_latency_seconds_bucket": {"model", "provider", "le"},
     "metering_time_to_first_token_seconds_bucket": {"model", "provider", "le"},
+    "metering_proxy_added_seconds_bucket": {"phase", "le"},
     "metering_reservations_total": {"path"},
     "metering_budget_rejections_total": {"scope"},
     "metering_open_holds": set(),

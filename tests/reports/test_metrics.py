@@ -23,7 +23,7 @@ from tests.reports.test_spend import own_pg  # noqa: F401 (a fixture)
 SIM_KEYS = {"SIM_OPENAI_KEY": "sim-key", "SIM_EXASCALE_KEY": "sim-key"}
 KINDS = ("prompt", "cached", "completion", "reasoning")
 # The labels of the open scrape: routes, kinds and reasons; `scope` is token, user or team.
-AGGREGATE_LABELS = {"model", "provider", "status", "kind", "scope", "reason", "path", "le"}
+AGGREGATE_LABELS = {"model", "provider", "status", "kind", "scope", "reason", "path", "phase", "le"}
 
 
 def scrape(url: str, key: str | None = None) -> dict:
@@ -98,6 +98,13 @@ def test_counters_equal_the_traffic(api):
     _, _, token = api.principal()
     before = scrape(api.url)
     traffic(api, token["token"])
+    # The proxy's own time: once before each upstream call and once for each settle, in the
+    # millisecond buckets.
+    after = scrape(api.url)
+    for phase in ("before_upstream", "settle"):
+        assert delta(before, after, "metering_proxy_added_seconds_count", phase=phase) == 5
+        assert delta(before, after, "metering_proxy_added_seconds_sum", phase=phase) > 0
+    assert ("metering_proxy_added_seconds_bucket", (("le", "0.001"), ("phase", "settle"))) in after
     after = scrape(api.url)
     assert_counts_equal_the_ledger(api, before, after, token["id"])
 
