@@ -306,9 +306,7 @@ async def try_route(
         raise unknown_run(run) from None
     spec = door.spec
     metrics.reserved(reservation.claim is not None)
-    async with Attempt(
-        services, spec, reservation, chat, provider, dialect, t0, trace
-    ) as attempt:
+    async with Attempt(services, spec, reservation, chat, provider, dialect, t0, trace) as attempt:
         if spec.rates is not None:
             attempt.headers.update(spec.rates.headers)
         # Built inside: a body that cannot be sent gives its hold back too.

@@ -18,12 +18,13 @@ global provider are left as the operator set them.
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from metering.auth.principal import Principal
 from metering.money import format_usd
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from metering.ledger.event import Event
     from metering.proxy.request import ChatRequest
-    from metering.proxy.runtime import Answer, Message, Receive, Send
+    from metering.proxy.runtime import Answer
     from metering.settings import ModelRoute, Provider
 
 log = logging.getLogger("metering.proxy")
@@ -242,10 +243,10 @@ class TracedAnswer(Response):
         self.status_code = getattr(answer, "status_code", 200)
         self.background = None
 
-    async def __call__(self, scope: MutableMapping[str, Any], receive: "Receive", send: "Send"):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = self.request
 
-        async def watched(message: "Message") -> None:
+        async def watched(message: Message) -> None:
             if message["type"] == "http.response.start":
                 request.answered(message["status"])
             await send(message)
