@@ -1,5 +1,5 @@
 """OpenTelemetry traces of proxied chat completions, exported over OTLP/HTTP: off unless the
-operator configures an OTLP exporter with the standard OTEL_* variables (docs/operations/
+operator configures an OTLP exporter with the standard OTEL_* variables (docs/operator/
 tracing.md).
 
 When it is off there is no Tracing (the container's `tracing` is None): the proxy's path checks
