@@ -6,6 +6,7 @@ traceparent is continued and the upstream gets the trace. Without the variables,
 traced and no traceparent goes upstream."""
 
 import gzip
+import json
 import secrets
 import threading
 import time
@@ -268,6 +269,32 @@ def test_a_refused_request_says_which_budget_refused_it(traced, sim, receiver):
     hold = spans["hold"]
     assert hold.parent_span_id == root.span_id
     assert hold.status.code == Status.STATUS_CODE_ERROR
+
+
+def test_a_compressed_request_taking_the_general_stack_is_traced_too(traced, receiver):
+    token = traced.principal()[2]
+    header, trace_id, client_span = traceparent()
+    body = json.dumps({"model": "gpt-sim", "messages": user("Hi sim:tokens=2")}).encode()
+    answer = traced.request(
+        "POST",
+        "/v1/chat/completions",
+        key=token["token"],
+        content=gzip.compress(body),
+        headers={
+            "content-type": "application/json",
+            "content-encoding": "gzip",
+            "traceparent": header,
+        },
+    )
+    assert answer.status_code == 200, answer.text
+    spans = receiver.trace(trace_id)
+    root = spans["chat gpt-sim"]
+    assert root.parent_span_id.hex() == client_span
+    assert_steps(spans, root)
+    got = attributes(root.attributes)
+    assert got["metering.request_id"] == answer.headers["x-request-id"]
+    assert got["http.response.status_code"] == 200
+    assert got["gen_ai.usage.output_tokens"] == answer.json()["usage"]["completion_tokens"] == 2
 
 
 def test_without_otel_variables_nothing_is_traced_and_no_traceparent_goes_up(api, sim):
