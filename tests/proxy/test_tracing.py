@@ -7,7 +7,10 @@ traced and no traceparent goes upstream."""
 
 import gzip
 import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from decimal import Decimal
@@ -324,3 +327,20 @@ def test_without_otel_variables_nothing_is_traced_and_no_traceparent_goes_up(api
 )
 def test_traces_are_on_only_when_an_otlp_exporter_is_configured(environ, on):
     assert configured(environ) is on
+
+
+def test_without_otel_variables_the_sdk_is_not_even_loaded(tmp_path):
+    script = (
+        "import sys\n"
+        "from metering.app import create_app\n"
+        "from metering.settings import Settings\n"
+        f"app = create_app(Settings(_env_file=None, database_url='sqlite:///{tmp_path}/m.db'))\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk'))\n"
+        "print(loaded)\n"
+    )
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=environ, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
