@@ -21,7 +21,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from metering.proxy.tracing import configured
+from metering.proxy.tracing import Tracing, configured
 from tests.proxy.conftest import (
     event_by_id,
     provider_entry,
@@ -344,3 +344,25 @@ def test_without_otel_variables_the_sdk_is_not_even_loaded(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("environ", "service"),
+    [
+        ({}, "metering"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes,team=llm"}, "from-attributes"),
+        ({"OTEL_SERVICE_NAME": "named", "OTEL_RESOURCE_ATTRIBUTES": "team=llm"}, "named"),
+    ],
+)
+def test_the_service_name_is_the_operators_else_metering(monkeypatch, environ, service):
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    tracing = Tracing.from_environ()
+    assert tracing is not None
+    try:
+        assert tracing.provider.resource.attributes["service.name"] == service
+    finally:
+        tracing.shutdown()
