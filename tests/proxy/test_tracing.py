@@ -22,6 +22,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from metering.proxy.tracing import Tracing, configured
+from metering.testing import free_port
 from tests.proxy.conftest import (
     event_by_id,
     provider_entry,
@@ -71,17 +72,22 @@ class Receiver:
                 for scope_spans in resource_spans.scope_spans:
                     self.spans.extend((resource, span) for span in scope_spans.spans)
 
-    def trace(self, trace_id: str, timeout: float = 10.0) -> dict[str, Span]:
-        """The spans of one trace by name, once its request's span (the last to end) came."""
+    def spans_of(self, trace_id: str, timeout: float = 10.0) -> list[Span]:
+        """The spans of one trace, once its request's span (the last to end) came."""
         deadline = time.monotonic() + timeout
         while True:
             with self.lock:
                 spans = [s for _, s in self.spans if s.trace_id.hex() == trace_id]
             if any(s.name.startswith("chat") for s in spans) or time.monotonic() > deadline:
-                by_name = {s.name: s for s in spans}
-                assert len(by_name) == len(spans), [s.name for s in spans]
-                return by_name
+                return spans
             time.sleep(0.02)
+
+    def trace(self, trace_id: str) -> dict[str, Span]:
+        """The spans of one trace by name (each name once)."""
+        spans = self.spans_of(trace_id)
+        by_name = {s.name: s for s in spans}
+        assert len(by_name) == len(spans), [s.name for s in spans]
+        return by_name
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -115,17 +121,24 @@ def receiver():
 @pytest.fixture(scope="module")
 def traced(api, sim, receiver):
     """A metering server whose OTEL_* variables send its traces to the receiver."""
+    model = {"input_usd_per_mtok": "0.15", "output_usd_per_mtok": "0.60", "max_output_tokens": 4096}
     catalog = {
-        "providers": {"sim-openai": provider_entry(sim.base_url("openai"), "openai")},
+        "providers": {
+            "sim-openai": provider_entry(sim.base_url("openai"), "openai"),
+            # Nothing listens there: its requests fail before going out.
+            "down": provider_entry(f"http://127.0.0.1:{free_port()}/v1", "openai"),
+        },
         "models": [
+            {**model, "name": "gpt-sim", "provider": "sim-openai", "upstream_model": "sim/gpt"},
+            # Tried first (the cheaper), then the next.
+            {**model, "name": "fallover", "provider": "down", "upstream_model": "down/m"},
             {
-                "name": "gpt-sim",
+                **model,
+                "name": "fallover",
                 "provider": "sim-openai",
-                "upstream_model": "sim/gpt",
-                "input_usd_per_mtok": "0.15",
-                "output_usd_per_mtok": "0.60",
-                "max_output_tokens": 4096,
-            }
+                "upstream_model": "sim/fallover",
+                "output_usd_per_mtok": "0.70",
+            },
         ],
     }
     with pytest.MonkeyPatch.context() as env:
@@ -298,6 +311,41 @@ def test_a_compressed_request_taking_the_general_stack_is_traced_too(traced, rec
     assert got["metering.request_id"] == answer.headers["x-request-id"]
     assert got["http.response.status_code"] == 200
     assert got["gen_ai.usage.output_tokens"] == answer.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_request_that_falls_over_has_the_steps_of_each_attempt(traced, receiver):
+    token = traced.principal()[2]
+    header, trace_id, _ = traceparent()
+    raw = traced.openai(token["token"]).chat.completions.with_raw_response.create(
+        model="fallover", messages=user("Hi sim:tokens=2"), extra_headers={"traceparent": header}
+    )
+    spans = receiver.spans_of(trace_id)
+    [root] = [s for s in spans if s.name == "chat fallover"]
+    steps = sorted((s for s in spans if s is not root), key=lambda s: s.start_time_unix_nano)
+    assert all(s.parent_span_id == root.span_id for s in steps)
+    # The first provider could not be reached: its hold released; the second answered.
+    assert [s.name for s in steps] == [
+        "admission",
+        "hold",
+        "upstream",
+        "release",
+        "admission",
+        "hold",
+        "upstream",
+        "settle",
+    ]
+    first, second = steps[2], steps[6]
+    assert first.status.code == Status.STATUS_CODE_ERROR
+    assert attributes(first.attributes)["error.type"] == "unreached"
+    assert attributes(first.attributes)["metering.provider"] == "down"
+    assert attributes(second.attributes)["metering.provider"] == "sim-openai"
+    assert second.status.code == Status.STATUS_CODE_UNSET
+    got = attributes(root.attributes)
+    assert got["metering.provider"] == "sim-openai"
+    assert got["gen_ai.response.model"] == "sim/fallover"
+    assert got["metering.request_id"] == raw.headers["x-request-id"]
+    assert got["metering.request_id"].endswith("_2")
+    assert root.status.code == Status.STATUS_CODE_UNSET
 
 
 def test_without_otel_variables_nothing_is_traced_and_no_traceparent_goes_up(api, sim):
