@@ -61,6 +61,7 @@ MODES = (
     "floor-commits",
     "floor-grouped",
     "pg",
+    "pg-traced",
     "pg-base",
     "pg-nosync",
     "pg-limits",
@@ -72,6 +73,7 @@ MODES = (
 )
 SERVER_OF = {
     "pg": "pg",
+    "pg-traced": "pg-traced",
     "pg-base": "pg-base",
     "pg-nosync": "pg-nosync",
     "pg-limits": "pg",
@@ -126,7 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default="direct,floor,floor-commits,pg,sqlite",
-        help="subset of direct,floor,floor-commits,floor-grouped,pg,pg-limits,pg-end-users,"
+        help="subset of direct,floor,floor-commits,floor-grouped,pg,pg-traced,pg-limits,"
+        "pg-end-users,"
         "pg-end-user-budgets,pg-off,sqlite (floor-commits: the floor with a hold committed "
         "before the upstream call and an event before the answer ends; floor-grouped: the same "
         "written in groups, as ours writes them; pg-off: ours on PostgreSQL, budgets off; "
@@ -139,6 +142,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also ours on PostgreSQL with rpm_limit, tpm_limit and max_parallel_requests set "
         "on the token, its user and its team, far above the load (the pg-limits mode)",
+    )
+    p.add_argument(
+        "--traced",
+        action="store_true",
+        help="also ours on PostgreSQL with OpenTelemetry traces on, exported over OTLP/HTTP to "
+        "a local receiver (bench/otlp_sink.py; the pg-traced mode)",
     )
     p.add_argument("--no-sqlite", action="store_true", help="leave out ours on SQLite")
     p.add_argument("--kinds", default="json,stream", help="subset of json,stream")
@@ -218,6 +227,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         modes.add("pg-limits")
     if args.nosync:
         modes.add("pg-nosync")
+    if args.traced:
+        modes.add("pg-traced")
     if args.no_sqlite:
         modes.discard("sqlite")
     if args.baseline is not None:
@@ -430,10 +441,12 @@ def start_ours(
     stack,
     source: Path | None = None,
     nosync: bool = False,
+    traces_to: str | None = None,
 ) -> Server:
     """Ours on `backend` ("pg" or "sqlite"); `source`: run another checkout's code (its
     metering package first on the path) instead of the installed one; `nosync`: on a database
-    whose commits return before their WAL is flushed (pg-nosync)."""
+    whose commits return before their WAL is flushed (pg-nosync); `traces_to`: an OTLP/HTTP
+    endpoint its traces are exported to (pg-traced; the others trace nothing)."""
     admin_key = "bench-admin-" + uuid.uuid4().hex
     pg = None
     workers = 1
@@ -453,17 +466,28 @@ def start_ours(
     config = tmp / "metering.toml"
     config.write_text(catalog_toml(sim_port))
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
         "METERING_DATABASE_URL": database_url,
         "METERING_ADMIN_KEY": admin_key,
         "METERING_CONFIG": str(config),
         SIM_KEY_ENV: SIM_KEY,
     }
+    if traces_to is not None:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = traces_to
+        env["OTEL_SERVICE_NAME"] = "metering-bench"
     command = metering_command()
     if source is not None:
         env["PYTHONPATH"] = str(source.resolve())
         command = [sys.executable, "-m", "metering.cli"]
-    name = "pg-base" if source is not None else "pg-nosync" if nosync else backend
+    name = (
+        "pg-base"
+        if source is not None
+        else "pg-nosync"
+        if nosync
+        else "pg-traced"
+        if traces_to
+        else backend
+    )
     # Ready when it knows this run's admin key: the port was free when chosen, but another
     # process may bind it first (and would answer /healthz as well); ours then exits, and is
     # started again on another port.
@@ -850,6 +874,43 @@ def check_end_users(server: Server, label: str, events: list[dict]) -> list[tupl
     return checks
 
 
+def start_sink(tmp: Path, stack) -> str:
+    """The OTLP/HTTP receiver of pg-traced's spans (bench/otlp_sink.py): its base URL."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    argv = [sys.executable, "-m", "bench.otlp_sink", "--port", str(port)]
+    process = Process("otlp-sink", argv, env, tmp, tmp)
+    stack.callback(process.stop)
+    base = f"http://127.0.0.1:{port}"
+    process.wait_http(f"{base}/stats")
+    return base
+
+
+def check_traces(server: Server, sink: str, wait_s: float = 30.0) -> list[tuple[bool, str]]:
+    """Every answer of the traced server exported as its five spans (the last batch may wait
+    for the batch processor's next export, every 5 s)."""
+    answered = len(server.request_ids)
+    deadline = time.monotonic() + wait_s
+    while True:
+        stats = httpx.get(f"{sink}/stats", timeout=5).json()
+        if stats["requests"] >= answered or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    ok = stats["requests"] == answered and stats["spans"] == 5 * answered
+    return [
+        (
+            ok,
+            f"ours on PostgreSQL, traced: {stats['requests']} request spans and "
+            f"{stats['spans']} spans in all for {answered} proxied 2xx answers (5 each: the "
+            f"request, admission, hold, upstream, settle), in {stats['exports']} OTLP exports "
+            f"of {stats['bytes'] / 1e6:.1f} MB",
+        )
+    ]
+
+
 def check(server: Server) -> list[tuple[bool, str]]:
     """The ledger against what the load generator saw, and every hold released."""
     label = report.SERVER_LABEL.get(server.name, server.name)
@@ -982,6 +1043,14 @@ def run(args, meta: dict) -> dict:
             nosync_tmp = tmp / "pg-nosync"
             nosync_tmp.mkdir()
             servers["pg-nosync"] = start_ours(args, "pg", sim_port, nosync_tmp, stack, nosync=True)
+        sink = None
+        if "pg-traced" in args.modes:
+            traced_tmp = tmp / "pg-traced"
+            traced_tmp.mkdir()
+            sink = start_sink(traced_tmp, stack)
+            servers["pg-traced"] = start_ours(
+                args, "pg", sim_port, traced_tmp, stack, traces_to=sink
+            )
         if "sqlite" in args.modes:
             sqlite_tmp = tmp / "sqlite"
             sqlite_tmp.mkdir()
@@ -1041,6 +1110,7 @@ def run(args, meta: dict) -> dict:
                     "pg-end-user-budgets",
                     "pg-base",
                     "pg-nosync",
+                    "pg-traced",
                 )
             ]
             targets = {
@@ -1061,6 +1131,8 @@ def run(args, meta: dict) -> dict:
                 checks += check(server)
             elif server.pg is not None:
                 checks += check_floor_commits(server)
+        if sink is not None:
+            checks += check_traces(servers["pg-traced"], sink)
         proxied = {n: len(s.request_ids) for n, s in servers.items() if s.admin is not None}
     return {"rows": rows, "memory": memory, "checks": checks, "proxied": proxied}
 

@@ -43,6 +43,7 @@ from metering.proxy.dispatch import DirectChat
 from metering.proxy.endpoints import router as proxy_router
 from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers
+from metering.proxy.tracing import Tracing
 from metering.proxy.upstreams import Upstreams
 from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reports_router
@@ -164,6 +165,8 @@ def create_app(
         catalog = load_catalog(config_path)
         describe_catalog(catalog, config_path)
     store = CatalogStore(catalog, config_path)
+    # Read once, here: traces are on when the OTEL_* variables configure an OTLP exporter.
+    tracing = Tracing.from_environ()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -195,6 +198,7 @@ def create_app(
             budgets=budgets,
             catalog=catalog,
             refusals=RefusalLog(db, metrics.refusal_dropped),
+            tracing=tracing,
             clock=clock,
             after_commit=credentials.committed,
         )
@@ -255,6 +259,9 @@ def create_app(
             await budgets.close()
             await services.credentials.stop()
             await db.dispose()
+            if tracing is not None:
+                # The spans not yet exported are sent (the exporter's timeout bounds it).
+                await asyncio.to_thread(tracing.shutdown)
 
     openapi = settings.openapi_enabled
     app = Application(

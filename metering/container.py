@@ -48,6 +48,8 @@ class Services:
     # budgets': requests refused before anything was reserved (402, 429, 403), written in
     # groups.
     refusals: Any
+    # The proxy's: the traces of proxied requests (metering.proxy.tracing), None when off.
+    tracing: Any = None
     # alerts': the webhook delivery worker of this process (None when background work is off).
     outbox: Any = None
     # The time of windows, rate minutes, expiries and holds' TTL (metering.clock).

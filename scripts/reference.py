@@ -40,6 +40,8 @@ means the behaviour its meaning describes for no value.
 
 The providers, models and prices are not settings: they are the TOML catalog that
 `METERING_CONFIG` names (see [the catalog](catalog.md)).
+Neither are traces: the standard `OTEL_*` variables turn them on and say where they go (see
+[tracing](tracing.md)).
 
 | variable | type | default |
 | --- | --- | --- |

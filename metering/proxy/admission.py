@@ -7,13 +7,14 @@ from dataclasses import replace
 from metering import metrics
 from metering.auth.principal import Principal
 from metering.budgets import rates
-from metering.budgets.rates import RateLimited
+from metering.budgets.rates import RateClaim, RateLimited
 from metering.budgets.refusals import Refused
 from metering.budgets.reserve import HoldSpec, Reservation, reserve
 from metering.db import utcnow
 from metering.errors import MeteringError
 from metering.limits import Limits
 from metering.proxy.runtime import ProxyServices
+from metering.proxy.tracing import RequestTrace
 
 
 class RateLimitExceeded(MeteringError):
@@ -91,21 +92,51 @@ class Admission:
     `spec`: the hold's spec, as reserved once hold() has returned (carrying the claim, and the
     output allowance a tpm_limit leaves)."""
 
-    __slots__ = ("services", "limits", "spec")
+    __slots__ = ("services", "limits", "spec", "trace")
 
-    def __init__(self, services: ProxyServices, limits: Limits | None, spec: HoldSpec) -> None:
+    def __init__(
+        self,
+        services: ProxyServices,
+        limits: Limits | None,
+        spec: HoldSpec,
+        trace: RequestTrace | None = None,
+    ) -> None:
         self.services = services
         self.limits = limits
         self.spec = spec
+        self.trace = trace  # the request's spans, when tracing is on
 
     async def hold(self, prompt_bound: int, choices: int) -> Reservation:
         """Admit, then reserve: the reservation, with the claim handed over to its hold."""
-        budgets = self.services.budgets
-        ttl_s = self.services.settings.hold_ttl_s
+        if self.trace is not None:
+            return await self._traced_hold(self.trace, prompt_bound, choices)
+        return await self._hold(prompt_bound, choices)
+
+    async def _traced_hold(
+        self, trace: RequestTrace, prompt_bound: int, choices: int
+    ) -> Reservation:
+        """hold(), its two steps in spans of their own: `admission` (the rate and parallel
+        limits) and `hold` (the budget reservation)."""
+        with trace.step("admission") as span:
+            rated = self.limits is not None and self.limits.rated
+            span.set_attribute("metering.limits.rated", rated)
+            claim = await self._admit(prompt_bound, choices) if rated else None
+        with trace.step("hold") as span:
+            reservation = await self._reserve(claim)
+            trace.allowed(span)
+            return reservation
+
+    async def _hold(self, prompt_bound: int, choices: int) -> Reservation:
         limits = self.limits
         if limits is None or not limits.rated:
-            return await reserve(budgets, self.spec, ttl_s, budgets.leases)
-        spec = self.spec
+            return await self._reserve(None)
+        return await self._reserve(await self._admit(prompt_bound, choices))
+
+    async def _admit(self, prompt_bound: int, choices: int) -> RateClaim:
+        """Count the request against its rate and parallel limits (429 past one): the claim,
+        written on the spec with the output allowance a tpm_limit leaves."""
+        limits, spec = self.limits, self.spec
+        assert limits is not None
         allowance = spec.model_max_output
         tpm = limits.tightest_tpm()
         if tpm is not None and spec.max_tokens is None:
@@ -115,13 +146,24 @@ class Admission:
                 allowance = fits
         wanted = spec.max_tokens if spec.max_tokens is not None else allowance
         try:
-            claim = await budgets.admissions.admit(limits, prompt_bound + wanted * choices)
+            claim = await self.services.budgets.admissions.admit(
+                limits, prompt_bound + wanted * choices
+            )
         except RateLimited as exc:
             raise rate_limited(exc) from None
-        spec = self.spec = replace(spec, model_max_output=allowance, rates=claim)
+        self.spec = replace(spec, model_max_output=allowance, rates=claim)
+        return claim
+
+    async def _reserve(self, claim: RateClaim | None) -> Reservation:
+        """The hold, reserved; the rate claim (if one was taken) given back when it fails."""
+        budgets = self.services.budgets
+        ttl_s = self.services.settings.hold_ttl_s
+        if claim is None:
+            return await reserve(budgets, self.spec, ttl_s, budgets.leases)
         try:
-            return await reserve(budgets, spec, ttl_s, budgets.leases)
+            return await reserve(budgets, self.spec, ttl_s, budgets.leases)
         except BaseException:
             # No hold carries the claim: given back, whatever ended the request.
-            await rates.release_claim(self.services.db, claim, limits)
+            assert self.limits is not None
+            await rates.release_claim(self.services.db, claim, self.limits)
             raise

@@ -16,6 +16,7 @@ from datetime import datetime
 from types import TracebackType
 
 import anyio
+from opentelemetry.trace import Span, StatusCode
 from sqlalchemy import exc as sa_exc
 
 from metering import metrics
@@ -30,6 +31,7 @@ from metering.proxy.dialects import Dialect
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
 from metering.proxy.request import ChatRequest
 from metering.proxy.runtime import ProxyServices
+from metering.proxy.tracing import RequestTrace
 from metering.settings import Provider
 
 log = logging.getLogger("metering.proxy")
@@ -51,6 +53,8 @@ class Attempt:
         "headers",
         "outcome",
         "sent",
+        "trace",
+        "upstream_span",
         "_handed_over",
         "_ended",
     )
@@ -64,6 +68,7 @@ class Attempt:
         provider: Provider,
         dialect: Dialect,
         t0: float,
+        trace: RequestTrace | None = None,
     ) -> None:
         self.services = services
         self.spec = spec
@@ -83,6 +88,9 @@ class Attempt:
         # Set just before the request is handed to the upstream's client: from then on the
         # upstream may have done (and billed) the work, whatever happens here.
         self.sent = False
+        # The request's spans when tracing is on, and the upstream call's once it is made.
+        self.trace = trace
+        self.upstream_span: Span | None = None
         self._handed_over = False
         self._ended = False
 
@@ -122,6 +130,28 @@ class Attempt:
         if self._ended:
             return
         self._ended = True
+        if self.trace is not None:
+            await self._traced_end(self.trace)
+        else:
+            await self._end()
+
+    async def _traced_end(self, trace: RequestTrace) -> None:
+        """end(), in a span of its own (`settle`, or `release` when nothing went out), the
+        upstream call's span ended first (the answer has been read, or the call failed)."""
+        span, outcome = self.upstream_span, self.outcome
+        if span is not None:
+            # No outcome: the request never reached the provider.
+            error = "unreached" if outcome is None else outcome.status
+            if outcome is not None and outcome.http_status is not None:
+                span.set_attribute("http.response.status_code", outcome.http_status)
+            if error != "ok":
+                span.set_attribute("error.type", error)
+                span.set_status(StatusCode.ERROR)
+            span.end()
+        with trace.step("release" if self.outcome is None else "settle"):
+            await self._end()
+
+    async def _end(self) -> None:
         hold_id = self.spec.hold_id
         with anyio.CancelScope(shield=True):
             try:
@@ -159,6 +189,8 @@ class Attempt:
         if settled:
             metrics.settled(time.perf_counter() - started)
             metrics.observe_event(event)
+        if self.trace is not None:
+            self.trace.settled(event)
 
 
 INTERRUPTED = "interrupted"

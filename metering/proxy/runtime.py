@@ -3,7 +3,7 @@ typed with the budgets' and auth's it reads: the proxy's functions take the cont
 ProxyServices, which it satisfies."""
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from metering.auth.runtime import AuthServices
 from metering.budgets.refusals import RefusalLog
@@ -12,6 +12,9 @@ from metering.proxy.live import LiveHolds
 from metering.proxy.routing import Breakers
 from metering.proxy.upstreams import Upstreams
 from metering.settings import Catalog
+
+if TYPE_CHECKING:
+    from metering.proxy.tracing import Tracing
 
 
 class ProxyServices(AuthServices, Protocol):
@@ -27,6 +30,8 @@ class ProxyServices(AuthServices, Protocol):
     def budgets(self) -> BudgetRuntime: ...
     @property
     def refusals(self) -> RefusalLog: ...
+    @property
+    def tracing(self) -> "Tracing | None": ...
 
 
 # ASGI's shapes, as the proxy's answers are called with them.

@@ -31,6 +31,7 @@ from metering.proxy.forward import forward
 from metering.proxy.request import ChatRequest, attribution, parse_json, validate
 from metering.proxy.routing import Target, candidates, parse_model
 from metering.proxy.runtime import Answer, ProxyServices
+from metering.proxy.tracing import RequestTrace
 from metering.proxy.transport import FailedBeforeAnswer
 from metering.settings import Catalog, ModelRoute
 from metering.timefmt import rfc3339
@@ -116,10 +117,32 @@ async def chat_completion(
     """POST /v1/chat/completions for an authenticated user, from its headers, the request's
     state (its `request_id`, set to the attempt that answered) and its body as read within its
     bound: validated, then served; a refusal by a limit or a budget is recorded before it is
-    raised. `t0`: when the request arrived (time.perf_counter)."""
+    raised. `t0`: when the request arrived (time.perf_counter). Traced when tracing is on
+    (metering.proxy.tracing)."""
+    tracing = services.tracing
+    if tracing is not None:
+        return await tracing.traced(
+            headers,
+            principal,
+            lambda trace: _chat_completion(headers, state, raw, principal, services, t0, trace),
+        )
+    return await _chat_completion(headers, state, raw, principal, services, t0, None)
+
+
+async def _chat_completion(
+    headers: Mapping[str, str],
+    state: dict[str, Any],
+    raw: bytes,
+    principal: Principal,
+    services: ProxyServices,
+    t0: float,
+    trace: RequestTrace | None,
+) -> Answer:
     chat = validate(parse_json(raw), len(raw))
+    if trace is not None:
+        trace.requested(chat)
     try:
-        return await serve(headers, state, principal, services, chat, t0)
+        return await serve(headers, state, principal, services, chat, t0, trace)
     except REFUSALS as exc:
         if exc.refused is not None:
             await services.refusals.record(
@@ -141,6 +164,7 @@ async def serve(
     services: ProxyServices,
     chat: ChatRequest,
     t0: float,
+    trace: RequestTrace | None = None,
 ) -> Answer:
     """The request's routes tried in turn (the next one when an attempt fails before any byte
     reached the client)."""
@@ -171,6 +195,7 @@ async def serve(
                 run,
                 end_user=end_user,
                 tags=tags,
+                trace=trace,
             )
         except FailedBeforeAnswer as failure:
             services.breakers.failed(route.provider)
@@ -231,10 +256,12 @@ async def try_route(
     *,
     end_user: str | None = None,
     tags: str = NO_TAGS,
+    trace: RequestTrace | None = None,
 ) -> Answer:
     """One provider: admit and hold at its prices, forward, and end the attempt (settle or
     release). Raises FailedBeforeAnswer when the next provider may be tried. `end_user` and
-    `tags`: the request's (metering.proxy.request.attribution), kept on its hold and event."""
+    `tags`: the request's (metering.proxy.request.attribution), kept on its hold and event;
+    `trace`: the request's spans, when tracing is on."""
     provider = catalog.providers[route.provider]
     dialect = dialect_for(provider.dialect)
     if target.endpoint:
@@ -267,7 +294,9 @@ async def try_route(
         run=run,
     )
     # The rate claim is the door's until the hold carries it (given back there otherwise).
-    door = admission.Admission(services, principal.limits, spec)
+    if trace is not None:
+        trace.attempt(attempt_id, route, dialect.name)
+    door = admission.Admission(services, principal.limits, spec, trace)
     try:
         reservation = await door.hold(billing.prompt_bound, chat.choices)
     except BudgetShortfall as exc:
@@ -277,7 +306,7 @@ async def try_route(
         raise unknown_run(run) from None
     spec = door.spec
     metrics.reserved(reservation.claim is not None)
-    async with Attempt(services, spec, reservation, chat, provider, dialect, t0) as attempt:
+    async with Attempt(services, spec, reservation, chat, provider, dialect, t0, trace) as attempt:
         if spec.rates is not None:
             attempt.headers.update(spec.rates.headers)
         # Built inside: a body that cannot be sent gives its hold back too.

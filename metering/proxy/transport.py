@@ -57,6 +57,9 @@ async def open_upstream(attempt: Attempt) -> httpx.Response:
     """Send the request; on a failure before any answer, record it (if it went out) and raise."""
     services, provider = attempt.services, attempt.provider
     request = services.upstreams.chat_request(provider, attempt.dialect, attempt.upstream_body)
+    if attempt.trace is not None:
+        # Ended when the attempt ends; the upstream continues the trace from it.
+        attempt.upstream_span = attempt.trace.upstream(provider, request.headers)
     response = None
     timer = asyncio.timeout_at(attempt.deadline(services.settings.max_response_s))
     try:

@@ -1,4 +1,5 @@
-"""bench.run's command line: --baseline adds a second ours on PostgreSQL from another checkout,
+"""bench.run's command line: --baseline adds a second ours on PostgreSQL from another checkout
+(--nosync and --traced: one on this checkout with commits not waiting, or traces exported),
 and is refused where it cannot work."""
 
 from pathlib import Path
@@ -34,3 +35,8 @@ def test_nosync_adds_ours_without_the_flush_wait_and_is_not_written(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--nosync", "--write"])
     assert "not for BENCHMARKS.md" in capsys.readouterr().err
+
+
+def test_traced_adds_ours_with_traces_exported():
+    args = parse_args(["--traced", "--modes", "floor,pg", "--no-sqlite"])
+    assert args.modes == ["floor", "pg", "pg-traced"]
