@@ -217,8 +217,9 @@ async def list_alerts(
         names = await _end_users(session, {e.subject_id for e in events if e.scope == "end_user"})
     out = [json.loads(body_of(e)) for e in events]
     for event in out:
-        if event["data"].get("scope") == "end_user":
-            event["data"]["end_user"] = names.get(event["data"]["subject_id"])
+        data = event["data"]
+        if data.get("scope") == "end_user" and not data.get("end_user"):
+            data["end_user"] = names.get(data["subject_id"])
     return out
 
 
