@@ -62,19 +62,23 @@ def search(page: Console, text: str) -> list[str]:
 
 
 def shown(page: Console) -> list[str]:
-    return page.page.eval_on_selector_all("#admin-rows tr[data-id]", "rows => rows.map(r => r.dataset.id)")
+    return page.page.eval_on_selector_all(
+        "#admin-rows tr[data-id]", "rows => rows.map(r => r.dataset.id)"
+    )
 
 
-def test_the_search_box_finds_a_row_past_the_first_page_and_pages_the_matches(
-    console, own_site
-):
+def test_the_search_box_finds_a_row_past_the_first_page_and_pages_the_matches(console, own_site):
     tag = uuid.uuid4().hex[:8]
     team = post(own_site, "/v1/teams", {"name": f"searched {tag}"})
     made = [
         post(
             own_site,
             "/v1/users",
-            {"name": f"member {tag} {n:02d}", "email": f"m{n:02d}-{tag}@example.com", "team_id": team["id"]},
+            {
+                "name": f"member {tag} {n:02d}",
+                "email": f"m{n:02d}-{tag}@example.com",
+                "team_id": team["id"],
+            },
         )
         for n in range(PAGE + 1)
     ]
@@ -109,7 +113,10 @@ def test_the_search_box_finds_a_row_past_the_first_page_and_pages_the_matches(
     page.page.wait_for_selector(READY)
     page.page.wait_for_selector(CONSOLE)
     assert page.page.input_value("#admin-search") == target["email"]
-    assert page.page.get_attribute("#admin .admin-tabs button[data-tab=users]", "aria-pressed") == "true"
+    assert (
+        page.page.get_attribute("#admin .admin-tabs button[data-tab=users]", "aria-pressed")
+        == "true"
+    )
     assert shown(page) == [target["id"]]
     # Emptied, the box lists every user again, the search gone from the URL.
     assert search(page, "")[:PAGE] == sorted(first_page)

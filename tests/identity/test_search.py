@@ -18,9 +18,7 @@ def team(api, name: str) -> dict:
 
 def user(api, team_id: str, name: str, email: str | None = None) -> dict:
     email = email or f"u{tag()}@example.com"
-    return api.ok(
-        "POST", "/v1/users", 201, json={"name": name, "email": email, "team_id": team_id}
-    )
+    return api.ok("POST", "/v1/users", 201, json={"name": name, "email": email, "team_id": team_id})
 
 
 def token(api, user_id: str, name: str) -> dict:
