@@ -18,6 +18,7 @@ UNMODELED_INDEXES = frozenset({"ix_teams_name_search", "ix_users_search"})
 def include_object(obj, name, type_, reflected, compare_to) -> bool:
     return not (type_ == "index" and name in UNMODELED_INDEXES)
 
+
 url = config.get_main_option("sqlalchemy.url") or sync_url(Settings().database_url)
 
 
