@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import asyncpg
-from sqlalchemy import BigInteger, DateTime, MetaData, Table, event
+from sqlalchemy import BigInteger, DateTime, MetaData, Table, event, func, literal
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -65,6 +65,19 @@ class UTCDateTime(TypeDecorator):
 def utcnow() -> datetime:
     """Now, on the current clock (metering.clock): the app's, or the system's outside one."""
     return clock.now()
+
+
+# Search text (the `q` of a list): at most this many characters.
+SEARCH_CHARS = 200
+_LIKE_SPECIAL = re.compile(r"([\\%_])")
+
+
+def contains(column: Any, text: str) -> Any:
+    """`column` holds `text` anywhere, without case: LIKE with `%`, `_` and `\\` of the text
+    escaped, so each matches itself on SQLite and PostgreSQL alike. Both sides lowered by the
+    database (PostgreSQL folds any letter; SQLite's lower() folds ASCII letters only)."""
+    pattern = "%" + _LIKE_SPECIAL.sub(r"\\\1", text) + "%"
+    return func.lower(column).like(func.lower(literal(pattern)), escape="\\")
 
 
 def async_url(url: str) -> str:

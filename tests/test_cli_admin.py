@@ -149,6 +149,22 @@ def test_listing_pages_through_the_api_up_to_the_limit(api, cli):
     assert {u["id"] for u in listed + rest} == users
 
 
+def test_search_lists_only_the_matching_teams_users_and_tokens(api, cli):
+    word = uuid.uuid4().hex[:10]
+    team = api.ok("POST", "/v1/teams", 201, json={"name": f"Search {word}"})
+    api.team()  # another team: not found
+    [found] = cli.json("teams", "list", "--search", word.upper())["data"]
+    assert found["id"] == team["id"]
+    user = api.user(team["id"])
+    api.user(team["id"])
+    [found] = cli.json("users", "list", "--search", user["email"])["data"]
+    assert found["id"] == user["id"]
+    token = api.token(user["id"])
+    api.token(user["id"])
+    listed = cli.json("tokens", "list", "--user", user["id"], "--search", token["prefix"])
+    assert [t["id"] for t in listed["data"]] == [token["id"]]
+
+
 def test_a_webhook_is_created_tested_listed_and_deleted(api, cli, monkeypatch):
     # .invalid never resolves: the server's deliveries fail, the API's answers are what is tested
     target = f"https://{name('hooks')}.example.invalid/metering"

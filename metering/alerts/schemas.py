@@ -113,6 +113,14 @@ class AlertData(BaseModel):
     remaining: str | None = None
     threshold: int | None = None
     resets_at: str | None = None
+    # Only in the events of scope end_user: a webhook's body and the same event listed here
+    # stay alike for every other scope.
+    end_user: str | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="Scope end_user only: the end user's own id, as the client sent it "
+        "(subject_id is its budget's id)",
+    )
 
 
 class AlertOut(BaseModel):

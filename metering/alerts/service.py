@@ -15,7 +15,16 @@ from metering.alerts.outbox.delivery import body_of, delivery_row
 from metering.alerts.targets import Reach, is_loopback, literal
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest, NotFound
-from metering.models import AlertEvent, ApiToken, Budget, Team, User, Webhook, WebhookAttempt
+from metering.models import (
+    AlertEvent,
+    ApiToken,
+    Budget,
+    EndUserBudget,
+    Team,
+    User,
+    Webhook,
+    WebhookAttempt,
+)
 from metering.models import WebhookDelivery as Delivery
 from metering.timefmt import rfc3339
 
@@ -205,7 +214,26 @@ async def list_alerts(
     query = query.order_by(AlertEvent.created_at.desc(), AlertEvent.id.desc()).limit(limit)
     async with db.reads() as session:
         events = list(await session.scalars(query))
-    return [json.loads(body_of(e)) for e in events]
+        names = await _end_users(session, {e.subject_id for e in events if e.scope == "end_user"})
+    out = [json.loads(body_of(e)) for e in events]
+    for event in out:
+        data = event["data"]
+        if data.get("scope") == "end_user" and not data.get("end_user"):
+            data["end_user"] = names.get(data["subject_id"])
+    return out
+
+
+async def _end_users(session: AsyncSession, subject_ids: set[str]) -> dict[str, str]:
+    """The end user's own id (as its client sent it) of each end-user budget's subject id:
+    an alert stores the subject id, a hash no reader can place."""
+    if not subject_ids:
+        return {}
+    rows = await session.execute(
+        select(EndUserBudget.subject_id, EndUserBudget.end_user).where(
+            EndUserBudget.subject_id.in_(subject_ids)
+        )
+    )
+    return {row.subject_id: row.end_user for row in rows}
 
 
 async def expiring_tokens(db: Database) -> int:

@@ -361,7 +361,9 @@ async def record_exhausted(
         budget.reserved,
         budget.resets_at,
     )
-    row = record.event_row(record.EXHAUSTED, key, figures.data(), utcnow(), user_id=user_id)
+    # An end user by its own id too: a first request refused leaves no row that would name it.
+    named = {"end_user": billing.end_user} if budget.scope == end_users.SCOPE else {}
+    row = record.event_row(record.EXHAUSTED, key, figures.data(**named), utcnow(), user_id=user_id)
     try:
         async with db.begin() as conn:
             await record.write(conn, [row])

@@ -190,12 +190,14 @@ def body_of(kind: Kind, args: argparse.Namespace) -> dict[str, Any]:
 def list_objects(kind: Kind) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         with Api.of(args) as api:
+            search = {"q": args.search} if args.search else {}
             if kind is TOKENS:
                 params = {"include_revoked": "true"} if args.include_revoked else {}
                 path = f"/v1/users/{quote(args.user_id, safe='')}/tokens"
-                rows = api.json("GET", path, params=params)["data"]
+                rows = api.json("GET", path, params={**params, **search})["data"]
             else:
                 params = {"team_id": args.team_id} if getattr(args, "team_id", None) else {}
+                params.update(search)
                 if args.after:
                     params["after"] = args.after
                 rows = api.pages(kind.path(), args.limit, params)
@@ -287,8 +289,17 @@ def leaf(group: Any, name: str, help: str, run: Callable[[argparse.Namespace], i
     return parser
 
 
+SEARCHED = {"team": "name", "user": "name or email", "token": "name or prefix"}
+
+
 def add_kind(group: Any, kind: Kind) -> None:
     listing = leaf(group, "list", f"list {kind.plural}", list_objects(kind))
+    listing.add_argument(
+        "--search",
+        metavar="TEXT",
+        help=f"only the {kind.plural} whose id is TEXT or whose {SEARCHED[kind.one]} holds it, "
+        "in any case (the API's q; default: all)",
+    )
     if kind is TOKENS:
         listing.add_argument(
             "--user", dest="user_id", required=True, help="the user whose tokens to list"

@@ -1,5 +1,7 @@
 """The identity API: teams, users and API tokens (their budgets: metering.budgets.endpoints)."""
 
+from typing import Any
+
 from fastapi import APIRouter, Query, Response
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -7,6 +9,7 @@ from metering.auth.principal import RULE_ERRORS, AdminPrincipal, Principal, Self
 from metering.auth.schemas import PrincipalOut
 from metering.budgets import end_user_terms
 from metering.container import Services, ServicesDep, SessionDep
+from metering.db import SEARCH_CHARS
 from metering.errors import InvalidRequest, error_responses
 from metering.identity import service
 from metering.identity.schemas import (
@@ -29,6 +32,16 @@ router = APIRouter(prefix="/v1")
 
 ADMIN = RULE_ERRORS["admin"]
 SELF = RULE_ERRORS["self"]
+
+
+def _search(fields: str) -> Any:
+    """The `q` of a list: its bound (SEARCH_CHARS) both checked and declared in /openapi.json."""
+    return Query(
+        None,
+        max_length=SEARCH_CHARS,
+        description=f"Only the rows whose id is this, or whose {fields} holds it (any case; "
+        "`%`, `_` and `\\` match themselves); with limit and after, the matches are paged",
+    )
 
 
 def _limits(body, services: Services) -> dict:
@@ -95,8 +108,9 @@ async def list_teams(
     session: SessionDep,
     limit: int = Query(100, ge=1, le=1000),
     after: str | None = Query(None, max_length=40),
+    q: str | None = _search("name"),
 ) -> TeamList:
-    teams = await service.list_teams(session, limit=limit, after=after)
+    teams = await service.list_teams(session, limit=limit, after=after, q=q)
     return TeamList(data=await _teams(session, teams))
 
 
@@ -169,8 +183,9 @@ async def list_users(
     team_id: str | None = Query(None, max_length=40),
     limit: int = Query(100, ge=1, le=1000),
     after: str | None = Query(None, max_length=40),
+    q: str | None = _search("name or email"),
 ) -> UserList:
-    users = await service.list_users(session, team_id=team_id, limit=limit, after=after)
+    users = await service.list_users(session, team_id=team_id, limit=limit, after=after, q=q)
     return UserList(data=await _users(session, users))
 
 
@@ -236,9 +251,10 @@ async def list_tokens(
     principal: SelfPrincipal,
     session: SessionDep,
     include_revoked: bool = False,
+    q: str | None = _search("name or prefix"),
 ) -> TokenList:
     principal.ensure_user(user_id)
-    tokens = await service.list_tokens(session, user_id, include_revoked=include_revoked)
+    tokens = await service.list_tokens(session, user_id, include_revoked=include_revoked, q=q)
     return TokenList(data=await _tokens(session, tokens))
 
 

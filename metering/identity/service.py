@@ -5,14 +5,14 @@ import uuid
 from datetime import datetime, timedelta
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth import invalidation
 from metering.auth.tokens import digest, new_api_token
 from metering.budgets.views import load, new_budget, roll
 from metering.budgets.windows import parse_interval, window_for
-from metering.db import utcnow
+from metering.db import contains, utcnow
 from metering.errors import Forbidden, InvalidRequest, MeteringError, NotFound
 from metering.limits import allows, dump_models, parse_models
 from metering.models import ApiToken, Budget, Team, User
@@ -118,31 +118,48 @@ async def budgets_of(session: AsyncSession, ids: list[str]) -> dict[str, Budget]
     return {b.subject_id: b for b in found}
 
 
-async def list_teams(session: AsyncSession, *, limit: int, after: str | None) -> list[Team]:
+def _search(query, id_column, q: str | None, *columns):
+    """Rows whose id is `q`, or one of whose `columns` holds it without case (q empty: all)."""
+    if not q:
+        return query
+    return query.where(or_(id_column == q, *(contains(c, q) for c in columns)))
+
+
+async def list_teams(
+    session: AsyncSession, *, limit: int, after: str | None, q: str | None = None
+) -> list[Team]:
     query = select(Team).where(Team.deleted_at.is_(None)).order_by(Team.id).limit(limit)
     if after:
         query = query.where(Team.id > after)
+    query = _search(query, Team.id, q, Team.name)
     return list(await session.scalars(query))
 
 
 async def list_users(
-    session: AsyncSession, *, team_id: str | None, limit: int, after: str | None
+    session: AsyncSession,
+    *,
+    team_id: str | None,
+    limit: int,
+    after: str | None,
+    q: str | None = None,
 ) -> list[User]:
     query = select(User).where(User.deleted_at.is_(None)).order_by(User.id).limit(limit)
     if team_id:
         query = query.where(User.team_id == team_id)
     if after:
         query = query.where(User.id > after)
+    query = _search(query, User.id, q, User.name, User.email)
     return list(await session.scalars(query))
 
 
 async def list_tokens(
-    session: AsyncSession, user_id: str, *, include_revoked: bool
+    session: AsyncSession, user_id: str, *, include_revoked: bool, q: str | None = None
 ) -> list[ApiToken]:
     await get_user(session, user_id)
     query = select(ApiToken).where(ApiToken.user_id == user_id).order_by(ApiToken.created_at)
     if not include_revoked:
         query = query.where(ApiToken.revoked_at.is_(None))
+    query = _search(query, ApiToken.id, q, ApiToken.name, ApiToken.prefix)
     return list(await session.scalars(query))
 
 

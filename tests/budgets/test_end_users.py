@@ -266,6 +266,11 @@ def test_an_end_user_crossing_a_threshold_raises_an_alert(api):
     assert kinds == [("budget.exhausted", None), ("budget.threshold_crossed", 50)]
     for event in found["data"]:
         assert (event["data"]["scope"], event["data"]["team_id"]) == ("end_user", team["id"])
+        # The end user as its client named it, next to its budget's id.
+        assert (event["data"]["subject_id"], event["data"]["end_user"]) == (subject, "ivy")
+    # Another scope's events carry no end_user.
+    others = api.ok("GET", "/v1/alerts", params={"scope": "token", "limit": 5})["data"]
+    assert all("end_user" not in e["data"] for e in others)
     ivy = end_user_budget(api, team["id"], "ivy")
     crossed = next(e for e in found["data"] if e["type"] == "budget.threshold_crossed")
     assert crossed["data"]["spent"] == ivy["spent"]

@@ -7,6 +7,11 @@
 
 (() => {
   const PAGE = 50;
+  const SEARCH_WAIT_MS = 250; // the server is asked once typing has paused this long
+  const MAX_SEARCH = 200; // the API's bound of q
+  // This console's parameters in the page's URL (app.js keeps them when it writes its own).
+  const URL_SEARCH = "q";
+  const URL_TAB = "manage";
   const INTERVALS = ["never", "hourly", "daily", "weekly", "monthly", "1h", "1d", "7d", "30d"];
   const USD = /^(0|[1-9][0-9]{0,11})(\.[0-9]{1,12})?$/;
   const WHOLE = /^(0|[1-9][0-9]{0,11})$/;
@@ -77,6 +82,7 @@
   const KINDS = {
     teams: {
       title: "team",
+      searched: "name or id",
       list: () => "/v1/teams",
       path: (id) => `/v1/teams/${encodeURIComponent(id)}`,
       fields: [
@@ -89,6 +95,7 @@
     },
     users: {
       title: "user",
+      searched: "name, email or id",
       list: () => "/v1/users",
       path: (id) => `/v1/users/${encodeURIComponent(id)}`,
       fields: [
@@ -102,6 +109,7 @@
     },
     tokens: {
       title: "token",
+      searched: "name, prefix or id",
       list: (user) => `/v1/users/${encodeURIComponent(user)}/tokens`,
       path: (id) => `/v1/tokens/${encodeURIComponent(id)}`,
       fields: [
@@ -119,8 +127,9 @@
   const view = {
     root: null,
     tab: "teams",
-    search: "",
+    search: "", // the q of every list call: the server searches, then pages the matches
     after: [], // the cursors of the pages before this one
+    loads: 0, // how many loads began: only the latest one draws
     rows: [],
     user: "", // the user whose tokens are listed
     teams: [],
@@ -329,8 +338,7 @@
   function draw() {
     const body = view.root.querySelector("#admin-rows");
     body.replaceChildren();
-    const needle = view.search.toLowerCase();
-    const rows = view.rows.filter((r) => !needle || `${r.name} ${r.email || ""} ${r.id}`.toLowerCase().includes(needle));
+    const rows = view.rows;
     for (const row of rows) {
       const edit = el("button", { type: "button", class: "admin-edit", text: "edit" });
       const drop = el("button", { type: "button", class: "admin-delete", text: view.tab === "tokens" ? "revoke" : "delete" });
@@ -343,7 +351,13 @@
         el("td", { text: limitText(row) }),
         el("td", { class: "admin-actions" }, edit, drop)));
     }
-    view.root.querySelector("#admin-table").dataset.rows = String(rows.length);
+    if (!rows.length && view.search) {
+      body.append(el("tr", { class: "admin-empty" },
+        el("td", { colspan: "4", text: `no ${KINDS[view.tab].title} matches “${view.search}”` })));
+    }
+    const table = view.root.querySelector("#admin-table");
+    table.dataset.rows = String(rows.length);
+    table.dataset.q = view.search; // the search these rows answer
     view.root.querySelector("#admin-prev").disabled = view.after.length === 0;
     view.root.querySelector("#admin-next").disabled = view.rows.length < PAGE;
   }
@@ -366,25 +380,55 @@
     view.root.dataset.state = "ready";
   }
 
+  /** The tab and the search in the page's URL, so that a reload or a shared link shows them. */
+  function writeUrl() {
+    const params = new URLSearchParams(location.search);
+    if (view.search) params.set(URL_SEARCH, view.search);
+    else params.delete(URL_SEARCH);
+    if (view.tab !== "teams" && KINDS[view.tab]) params.set(URL_TAB, view.tab);
+    else params.delete(URL_TAB);
+    const search = params.toString();
+    history.replaceState(null, "", `${location.pathname}${search ? "?" + search : ""}`);
+  }
+
+  function readUrl() {
+    const params = new URLSearchParams(location.search);
+    const tab = params.get(URL_TAB);
+    if (tab && Object.hasOwn(KINDS, tab)) view.tab = tab;
+    view.search = clean(params.get(URL_SEARCH) || "");
+  }
+
+  /** Search text as the API takes it: no control characters, at most MAX_SEARCH of them. */
+  function clean(text) {
+    return text.replace(/[\u0000-\u001f\u007f]/g, " ").trim().slice(0, MAX_SEARCH);
+  }
+
   async function load() {
     const spec = KINDS[view.tab];
     if (!spec) return openPanel(kit.panels.find((p) => p.name === view.tab));
+    const mine = ++view.loads;
     listShown(true);
-    view.teams = (await send("GET", "/v1/teams?limit=1000")).data;
+    view.root.querySelector("#admin-search").placeholder = `search by ${spec.searched}`;
+    const teams = (await send("GET", "/v1/teams?limit=1000")).data;
     const cursor = view.after.length ? view.after[view.after.length - 1] : null;
     const params = new URLSearchParams({ limit: String(PAGE) });
     if (cursor) params.set("after", cursor);
+    if (view.search) params.set("q", view.search);
     const picker = view.root.querySelector("#admin-user");
     picker.hidden = view.tab !== "tokens";
+    let rows;
     if (view.tab === "tokens") {
       view.users = (await send("GET", "/v1/users?limit=1000")).data;
       picker.replaceChildren(...view.users.map((u) => el("option", { value: u.id, text: `${u.name} (${u.email})` })));
       if (!view.users.some((u) => u.id === view.user)) view.user = view.users.length ? view.users[0].id : "";
       picker.value = view.user;
-      view.rows = view.user ? (await send("GET", `${spec.list(view.user)}?${params}`)).data : [];
+      rows = view.user ? (await send("GET", `${spec.list(view.user)}?${params}`)).data : [];
     } else {
-      view.rows = (await send("GET", `${spec.list()}?${params}`)).data;
+      rows = (await send("GET", `${spec.list()}?${params}`)).data;
     }
+    if (mine !== view.loads) return; // a later search or page asked since: it draws
+    view.teams = teams;
+    view.rows = rows;
     view.root.querySelector("#admin-new").disabled = view.tab === "tokens" && !view.user;
     view.root.dataset.tab = view.tab;
     draw();
@@ -398,6 +442,7 @@
       button.addEventListener("click", () => {
         view.tab = kind;
         view.after = [];
+        writeUrl();
         view.root.querySelector("#admin-form-area").replaceChildren();
         tabs.querySelectorAll("button").forEach((b) => b.setAttribute("aria-pressed", String(b === button)));
         load().catch((e) => note(e.message, true));
@@ -408,15 +453,29 @@
       const button = el("button", { type: "button", "data-tab": panel.name, text: panel.name });
       button.addEventListener("click", () => {
         view.tab = panel.name;
+        writeUrl();
         tabs.querySelectorAll("button").forEach((b) => b.setAttribute("aria-pressed", String(b === button)));
         openPanel(panel).catch((e) => note(e.message, true));
       });
       tabs.append(button);
     }
-    const search = el("input", { id: "admin-search", type: "search", placeholder: "search by name", "aria-label": "search" });
+    const search = el("input", {
+      id: "admin-search", type: "search", placeholder: "search", "aria-label": "search", maxlength: String(MAX_SEARCH),
+    });
+    search.value = view.search;
+    // The server searches every row, not only the page shown: asked once typing pauses, from
+    // the first page of the matches.
+    let typing = null;
     search.addEventListener("input", () => {
-      view.search = search.value;
-      draw();
+      clearTimeout(typing);
+      typing = setTimeout(() => {
+        const text = clean(search.value);
+        if (text === view.search) return;
+        view.search = text;
+        view.after = [];
+        writeUrl();
+        load().catch((e) => note(e.message, true));
+      }, SEARCH_WAIT_MS);
     });
     const user = el("select", { id: "admin-user", "aria-label": "user", hidden: true });
     user.addEventListener("change", () => {
@@ -454,7 +513,7 @@
       el("div", { id: "admin-panel", hidden: true }),
       dialog,
     );
-    tabs.querySelector("button").setAttribute("aria-pressed", "true");
+    tabs.querySelector(`button[data-tab="${view.tab}"]`).setAttribute("aria-pressed", "true");
   }
 
   function sync() {
@@ -469,6 +528,7 @@
     }
     if (document.body.dataset.state !== "ready" || view.root) return;
     view.root = root;
+    readUrl();
     build(root);
     root.hidden = false;
     load().catch((e) => note(e.message, true));

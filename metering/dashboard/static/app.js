@@ -701,10 +701,16 @@ const ALERT_NAMES = {
   "reconciliation.differs": "reconciliation differs",
 };
 
-function subjectName(directory, scope, id) {
+/** An alert's subject by name: an end user by its own id as its client sent it (the API's
+ * data.end_user), not its budget's internal id. */
+function subjectName(directory, data) {
+  const { scope, subject_id: id } = data;
   if (scope === "team") return teamName(directory, id);
   if (scope === "user") return userName(directory, id);
   if (scope === "token") return tokenName(directory, id);
+  if (scope === "end_user" && data.end_user) {
+    return data.team_id ? `${data.end_user} (${teamName(directory, data.team_id)})` : data.end_user;
+  }
   return id;
 }
 
@@ -718,7 +724,7 @@ function drawAlerts(events, directory) {
       cell(fmtTime(e.created_at)),
       cell(ALERT_NAMES[e.type] ?? e.type, bad ? "bad" : ""),
       cell(d.scope),
-      cell(subjectName(directory, d.scope, d.subject_id)),
+      cell(subjectName(directory, d)),
       cell(d.threshold === null || d.threshold === undefined ? "" : `${d.threshold}%`, "num"),
       cell(money(d.spent), "num"),
       cell(money(d.credit_limit), "num"),
@@ -1006,6 +1012,8 @@ function changed() {
 }
 
 const URL_PREFS = { range: "24h", group: "team", tz: "utc" };
+// The admin console's own parameters (admin.js: its tab and its search), kept as they are.
+const CONSOLE_PARAMS = ["manage", "q"];
 
 /** A group the page knows: team, model, provider, end_user or tag:<key>; else null. */
 function validGroup(value) {
@@ -1042,6 +1050,8 @@ function writeUrl() {
   }
   if (state.filters.end_user) params.end_user = state.filters.end_user;
   if (state.filters.tags.length) params.tag = state.filters.tags;
+  const current = new URLSearchParams(location.search);
+  for (const name of CONSOLE_PARAMS) if (current.has(name)) params[name] = current.get(name);
   const search = query(params);
   history.replaceState(null, "", `${location.pathname}${search ? "?" + search : ""}`);
 }
