@@ -251,10 +251,14 @@ async def list_tokens(
     principal: SelfPrincipal,
     session: SessionDep,
     include_revoked: bool = False,
+    limit: int = Query(100, ge=1, le=1000),
+    after: str | None = Query(None, max_length=40),
     q: str | None = _search("name or prefix"),
 ) -> TokenList:
     principal.ensure_user(user_id)
-    tokens = await service.list_tokens(session, user_id, include_revoked=include_revoked, q=q)
+    tokens = await service.list_tokens(
+        session, user_id, include_revoked=include_revoked, limit=limit, after=after, q=q
+    )
     return TokenList(data=await _tokens(session, tokens))
 
 

@@ -5,7 +5,7 @@ import uuid
 from datetime import datetime, timedelta
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import func, or_, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth import invalidation
@@ -153,10 +153,32 @@ async def list_users(
 
 
 async def list_tokens(
-    session: AsyncSession, user_id: str, *, include_revoked: bool, q: str | None = None
+    session: AsyncSession,
+    user_id: str,
+    *,
+    include_revoked: bool,
+    limit: int = 100,
+    after: str | None = None,
+    q: str | None = None,
 ) -> list[ApiToken]:
+    """A user's tokens in the order they were made, `limit` of them after the token `after`
+    (a token of another user, or none, starts nowhere: an empty page)."""
     await get_user(session, user_id)
-    query = select(ApiToken).where(ApiToken.user_id == user_id).order_by(ApiToken.created_at)
+    query = (
+        select(ApiToken)
+        .where(ApiToken.user_id == user_id)
+        .order_by(ApiToken.created_at, ApiToken.id)
+        .limit(limit)
+    )
+    if after:
+        mark = (
+            select(ApiToken.created_at, ApiToken.id)
+            .where(ApiToken.id == after, ApiToken.user_id == user_id)
+            .subquery()
+        )
+        query = query.join(
+            mark, tuple_(ApiToken.created_at, ApiToken.id) > tuple_(mark.c.created_at, mark.c.id)
+        )
     if not include_revoked:
         query = query.where(ApiToken.revoked_at.is_(None))
     query = _search(query, ApiToken.id, q, ApiToken.name, ApiToken.prefix)

@@ -117,6 +117,38 @@ def test_q_finds_tokens_by_name_or_prefix_and_a_user_only_its_own(api):
     assert ids(api, mine, q=f"phone {t}", include_revoked="true") == [phone["id"]]
 
 
+def test_a_users_tokens_are_paged_in_the_order_they_were_made(api):
+    """Past the 10 live tokens, revoked ones included: `limit` and `after` walk them all once,
+    in creation order, with or without q; an `after` of another user's token starts nowhere."""
+    t = tag()
+    owner = team(api, f"paging {t}")
+    alice, bob = user(api, owner["id"], "Alice"), user(api, owner["id"], "Bob")
+    made = []
+    for n in range(14):
+        made.append(token(api, alice["id"], f"t{n:02d} {t}")["id"])
+        if n < 6:  # revoked, so that 14 fit the cap of 10 live ones
+            api.ok("DELETE", f"/v1/tokens/{made[-1]}", 204)
+    mine = f"/v1/users/{alice['id']}/tokens"
+    walked, after = [], None
+    for _ in range(10):
+        page = ids(
+            api, mine, include_revoked="true", limit=4, **({"after": after} if after else {})
+        )
+        if not page:
+            break
+        assert len(page) <= 4
+        walked += page
+        after = page[-1]
+    assert walked == made
+    assert ids(api, mine, limit=3) == made[6:9]
+    assert ids(api, mine, limit=3, after=made[8]) == made[9:12]
+    assert ids(api, mine, include_revoked="true", q="t1", limit=2, after=made[10]) == made[11:13]
+    theirs = token(api, bob["id"], "bob's")["id"]
+    assert ids(api, mine, after=theirs) == []
+    bad = api.request("GET", mine, params={"limit": "0"})
+    assert bad.status_code == 400, bad.text
+
+
 @pytest.mark.parametrize("path", ["/v1/teams", "/v1/users", "/v1/users/{user}/tokens"])
 @pytest.mark.parametrize(
     ("q", "problem"),
