@@ -8,7 +8,9 @@ and tags). Requests without an end user, or without the tag key grouped on, are 
 null row: for whole days, the sums of the coarsest rollup with the other keys (spend_daily_token,
 spend_daily) minus the end-user or tag rollup's rows. Whatever no rollup answers (the partial
 days at a range's edges, a report by hour, an end user together with tags, two tag keys, the
-model or provider of an end user's spend) is read from the ledger and its archive.
+model or provider of an end user's spend) is read from the ledger and its archive, but for
+the whole hours of a report by one tag key (by team at most): spend_hourly_tag answers them
+as spend_daily_tag answers whole days.
 """
 
 from dataclasses import dataclass
@@ -38,11 +40,14 @@ from metering.ledger.rollup import (
     END_USER_DAILY,
     PENDING,
     ROLLUPS,
+    TAG_HOURLY,
     TAGS,
     Rollup,
     ceil_day,
+    ceil_hour,
     day_value,
     floor_day,
+    floor_hour,
     hour_value,
 )
 from metering.ledger.tables import LedgerEvent, LedgerEventArchive
@@ -126,6 +131,18 @@ class Attributes:
         if tag_keys and not by_end_user and len(tag_keys) == 1 and len(self.tags) <= 1:
             return coarsest(TAGS, {k for k in keys if k in PLAIN} | set(filters))
         return None
+
+    def hourly(self, keys: list[str], filters: dict[str, Any]) -> Rollup | None:
+        """The hourly rollup that answers the report's whole hours outside its whole days (all
+        of them, by hour), or None: the ledger does. By one tag key, and of the plain keys the
+        team only (TAG_HOURLY's)."""
+        tag_keys = set(self.tag_keys) | {key for key, _ in self.tags}
+        if END_USER in keys or self.end_user is not None:
+            return None
+        if len(tag_keys) != 1 or len(self.tags) > 1:
+            return None
+        needed = {k for k in keys if k in PLAIN} | set(filters)
+        return TAG_HOURLY if needed <= set(TAG_HOURLY.keys) else None
 
 
 def tag_value(column: ColumnElement[Any], key: str, dialect: str) -> ColumnElement[Any]:
@@ -243,31 +260,32 @@ def _rollup_part(
     return select(*columns, *_figures(t)).where(*where)
 
 
-def coarsest(rollups: tuple[Rollup, ...], needed: set[str]) -> Rollup:
-    """The daily rollup among `rollups` with the fewest keys that has every key `needed`
+def coarsest(rollups: tuple[Rollup, ...], needed: set[str], grain: str = "day") -> Rollup:
+    """The rollup of `grain` among `rollups` with the fewest keys that has every key `needed`
     (the first of them when none has: whatever it lacks is then not filtered on)."""
-    fitting = [r for r in rollups if r.grain == "day" and needed <= set(r.keys)] or [rollups[0]]
+    fitting = [r for r in rollups if r.grain == grain and needed <= set(r.keys)] or [rollups[0]]
     return min(fitting, key=lambda r: len(r.keys))
 
 
-def base(needed: set[str]) -> Rollup:
-    """The coarsest daily rollup of every event with the keys `needed`."""
-    return coarsest(ROLLUPS, needed)
+def base(needed: set[str], grain: str = "day") -> Rollup:
+    """The coarsest rollup of `grain` of every event with the keys `needed`."""
+    return coarsest(ROLLUPS, needed, grain)
 
 
 def _days(
     rollup: Rollup, dialect: str, keys: list[str], filters: dict, attrs: Attributes, a, b
 ) -> list[Select[Any]]:
-    """The whole days [a, b): the attributed rollup's rows and the pending increments, and
-    unless the report filters on the end user or tag (then every event has one), the null row:
-    the coarsest rollup with the other keys minus the attributed rollup's rows."""
+    """The whole days (or hours, by an hourly rollup) [a, b): the attributed rollup's rows and
+    the pending increments, and unless the report filters on the end user or tag (then every
+    event has one), the null row: the coarsest rollup of the same grain with the other keys
+    minus the attributed rollup's rows."""
     parts = [
         _rollup_part(rollup, dialect, keys, filters, attrs, a, b),
         _rollup_part(PENDING, dialect, keys, filters, attrs, a, b),
     ]
     filtered = attrs.end_user is not None if rollup is END_USER_DAILY else bool(attrs.tags)
     if not filtered:
-        whole = base({k for k in keys if k in PLAIN} | set(filters))
+        whole = base({k for k in keys if k in PLAIN} | set(filters), rollup.grain)
         parts += [
             _rollup_part(whole, dialect, keys, filters, attrs, a, b, valued=False),
             _rollup_part(rollup, dialect, keys, filters, attrs, a, b, sign=-1, valued=False),
@@ -280,17 +298,22 @@ def parts(
 ) -> list[Select[Any]]:
     """The report's sources over [start, end), rows to be summed per group: whole days from
     the attributed rollup the report's keys fit, the rest from the ledger and its archive."""
-    rollup = attrs.plan(keys, filters)
+    rollup, hourly = attrs.plan(keys, filters), attrs.hourly(keys, filters)
     days_start, days_end = ceil_day(start), floor_day(end)
-    ledger = [(start, end)]
+    spans = [(start, end)]
     out: list[Select[Any]] = []
     if rollup is not None and days_start < days_end:
         out += _days(rollup, dialect, keys, filters, attrs, days_start, days_end)
-        ledger = [(start, days_start), (days_end, end)]
-    for a, b in ledger:
-        if a < b:
-            for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
-                out.append(_ledger_part(table, dialect, keys, filters, attrs, a, b))
+        spans = [(start, days_start), (days_end, end)]
+    for a, b in spans:
+        ledger = [(a, b)]
+        if hourly is not None and ceil_hour(a) < floor_hour(b):
+            out += _days(hourly, dialect, keys, filters, attrs, ceil_hour(a), floor_hour(b))
+            ledger = [(a, ceil_hour(a)), (floor_hour(b), b)]
+        for x, y in ledger:
+            if x < y:
+                for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
+                    out.append(_ledger_part(table, dialect, keys, filters, attrs, x, y))
     return out
 
 
