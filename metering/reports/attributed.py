@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Select,
     String,
@@ -40,6 +41,7 @@ from metering.ledger.rollup import (
     END_USER_DAILY,
     PENDING,
     ROLLUPS,
+    SATURATED,
     TAG_HOURLY,
     TAGS,
     Rollup,
@@ -229,8 +231,9 @@ def _rollup_part(
 ) -> Select[Any]:
     """A rollup's rows in [a, b) (rollup_pending's: as increments of the end user and tags
     they carry), keyed as the report groups them; `valued=False`: with a NULL end user or tag
-    value (the null row's part), `sign=-1`: subtracted, summed here by the other keys (one row
-    for each of the report's null rows, not one for each of the rollup's)."""
+    value (the null row's part), `sign=-1`: subtracted, a daily rollup's summed here by the
+    day and its other keys (one row for each row of the coarsest rollup, not one for each of
+    its own)."""
     t = rollup.table
     at = t.c[rollup.grain]
     columns = _plain(t, keys)
@@ -254,10 +257,22 @@ def _rollup_part(
         [key] = {*attrs.tag_keys, *(k for k, _ in attrs.tags)}
         where.append(t.c.tag_key == key)
         where += [t.c.tag_value == value for _, value in attrs.tags]
-    if sign < 0:
-        sums = [(-func.sum(t.c[m])).label(m) for m in METRICS]
+    if sign < 0 and rollup.grain == "day":
+        # Summed by the day and every plain key of the rollup too: each sum is then a part of
+        # one row of spend_daily_token or spend_daily_model (kept within a bigint), so it stays
+        # a bigint and the report sums integers, not numerics (a union takes the widest type).
+        group += [at, *(t.c[k] for k in t.c.keys() if k in PLAIN and k not in keys)]
+        sums = [cast(-_capped(func.sum(t.c[m]), m), BigInteger).label(m) for m in METRICS]
         return select(*columns, *sums).where(*where).group_by(*group)
+    if sign < 0:  # an hourly rollup's rows by team: each subtracted as it is
+        return select(*columns, *((-t.c[m]).label(m) for m in METRICS)).where(*where)
     return select(*columns, *_figures(t)).where(*where)
+
+
+def _capped(total: ColumnElement[Any], metric: str) -> ColumnElement[Any]:
+    """A sum of rollup rows within the most its metric may hold (uncharged saturates)."""
+    most = SATURATED.get(metric)
+    return func.least(total, most) if most is not None else total
 
 
 def coarsest(rollups: tuple[Rollup, ...], needed: set[str], grain: str = "day") -> Rollup:
