@@ -231,7 +231,9 @@ def test_0021_backfills_the_hourly_tag_rollup_less_the_pending_increments(backen
         try:
             with engine.begin() as conn:
                 conn.execute(insert(LedgerEvent.__table__), [e.params() for e in folded[:40]])
-                conn.execute(insert(LedgerEventArchive.__table__), [e.params() for e in folded[40:]])
+                conn.execute(
+                    insert(LedgerEventArchive.__table__), [e.params() for e in folded[40:]]
+                )
                 conn.execute(insert(LedgerEvent.__table__), [e.params() for e in pending])
                 increments = rollup.summed(rollup.PENDING, [rollup.row_for(e) for e in pending])
                 conn.execute(insert(RollupPending.__table__), increments)

@@ -31,6 +31,7 @@ from sqlalchemy import (
     select,
     type_coerce,
     union,
+    union_all,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -261,7 +262,7 @@ def _rollup_part(
         # Summed by the day and every plain key of the rollup too: each sum is then a part of
         # one row of spend_daily_token or spend_daily_model (kept within a bigint), so it stays
         # a bigint and the report sums integers, not numerics (a union takes the widest type).
-        group += [at, *(t.c[k] for k in t.c.keys() if k in PLAIN and k not in keys)]
+        group += [at, *(t.c[k] for k in rollup.keys if k in PLAIN and k not in keys)]
         sums = [cast(-_capped(func.sum(t.c[m]), m), BigInteger).label(m) for m in METRICS]
         return select(*columns, *sums).where(*where).group_by(*group)
     if sign < 0:  # an hourly rollup's rows by team: each subtracted as it is
@@ -335,8 +336,10 @@ def parts(
 # --- the report's bound ------------------------------------------------------------------
 
 
-def _distinct(selects: list[Select[Any]]) -> Select[Any]:
-    found = union(*selects).subquery()
+def _distinct(selects: list[Select[Any]], upper: bool = False) -> Select[Any]:
+    """How many distinct rows the selects give together; `upper`: how many rows (at least as
+    many: a count of index entries, without the hash that finds the distinct ones)."""
+    found = (union_all(*selects) if upper else union(*selects)).subquery()
     return select(func.count()).select_from(found)
 
 
@@ -365,11 +368,18 @@ def _valued_rows(
 
 
 def bound_query(
-    dialect: str, keys: list[str], filters: dict, attrs: Attributes, start: datetime, end
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    attrs: Attributes,
+    start: datetime,
+    end,
+    upper: bool = False,
 ) -> Select[Any] | None:
     """The distinct groups of the end user or tag grouped on, with the other keys when its
     rollup has them all (one count: the report's bound but for time), else the distinct values
-    of each (to be multiplied with the other keys' counts); None when neither is grouped."""
+    of each (to be multiplied with the other keys' counts); None when neither is grouped.
+    `upper`: each count's upper bound, the rows it would find distinct ones among."""
     grouped = [k for k in keys if k == END_USER or k.startswith("tag_")]
     if not grouped:
         return None
@@ -382,7 +392,7 @@ def bound_query(
     for key in grouped:
         columns = plain if joint else []
         selects = _valued_rows(rollup_of[key], dialect, columns, filters, attrs, key, a, end)
-        counts.append(_distinct(selects).scalar_subquery())
+        counts.append(_distinct(selects, upper).scalar_subquery())
     return select(literal(joint), *counts)
 
 
