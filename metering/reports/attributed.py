@@ -263,17 +263,23 @@ def _rollup_part(
         # one row of spend_daily_token or spend_daily_model (kept within a bigint), so it stays
         # a bigint and the report sums integers, not numerics (a union takes the widest type).
         group += [at, *(t.c[k] for k in rollup.keys if k in PLAIN and k not in keys)]
-        sums = [cast(-_capped(func.sum(t.c[m]), m), BigInteger).label(m) for m in METRICS]
+        sums = [_negated_sum(t.c[m], m, dialect).label(m) for m in METRICS]
         return select(*columns, *sums).where(*where).group_by(*group)
     if sign < 0:  # an hourly rollup's rows by team: each subtracted as it is
         return select(*columns, *((-t.c[m]).label(m) for m in METRICS)).where(*where)
     return select(*columns, *_figures(t)).where(*where)
 
 
-def _capped(total: ColumnElement[Any], metric: str) -> ColumnElement[Any]:
-    """A sum of rollup rows within the most its metric may hold (uncharged saturates)."""
+def _negated_sum(column: ColumnElement[Any], metric: str, dialect: str) -> ColumnElement[Any]:
+    """Minus the sum of a metric's column, on PostgreSQL a bigint (its sum is a numeric) within
+    the most the metric may hold (uncharged saturates); SQLite's integers are one type."""
+    if dialect != "postgresql":
+        return -func.sum(column)
+    total: ColumnElement[Any] = func.sum(column)
     most = SATURATED.get(metric)
-    return func.least(total, most) if most is not None else total
+    if most is not None:
+        total = func.least(total, most)
+    return cast(-total, BigInteger)
 
 
 def coarsest(rollups: tuple[Rollup, ...], needed: set[str], grain: str = "day") -> Rollup:
