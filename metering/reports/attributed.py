@@ -232,9 +232,8 @@ def _rollup_part(
 ) -> Select[Any]:
     """A rollup's rows in [a, b) (rollup_pending's: as increments of the end user and tags
     they carry), keyed as the report groups them; `valued=False`: with a NULL end user or tag
-    value (the null row's part), `sign=-1`: subtracted, a daily rollup's summed here by the
-    day and its other keys (one row for each row of the coarsest rollup, not one for each of
-    its own)."""
+    value (the null row's part), `sign=-1`: subtracted (the end-user rollup's summed here by
+    the day, team, user and token: one row for each of spend_daily_token's)."""
     t = rollup.table
     at = t.c[rollup.grain]
     columns = _plain(t, keys)
@@ -258,14 +257,15 @@ def _rollup_part(
         [key] = {*attrs.tag_keys, *(k for k, _ in attrs.tags)}
         where.append(t.c.tag_key == key)
         where += [t.c.tag_value == value for _, value in attrs.tags]
-    if sign < 0 and rollup.grain == "day":
-        # Summed by the day and every plain key of the rollup too: each sum is then a part of
-        # one row of spend_daily_token or spend_daily_model (kept within a bigint), so it stays
-        # a bigint and the report sums integers, not numerics (a union takes the widest type).
+    if sign < 0 and rollup is END_USER_DAILY:
+        # Summed by the day and the team, user and token too: each sum is then a part of one
+        # row of spend_daily_token (kept within a bigint), so it stays a bigint and the report
+        # sums integers, not numerics (a union takes the widest type of its parts), and there
+        # is one row for each of spend_daily_token's, not one for each end user's.
         group += [at, *(t.c[k] for k in rollup.keys if k in PLAIN and k not in keys)]
         sums = [_negated_sum(t.c[m], m, dialect).label(m) for m in METRICS]
         return select(*columns, *sums).where(*where).group_by(*group)
-    if sign < 0:  # an hourly rollup's rows by team: each subtracted as it is
+    if sign < 0:  # a tag rollup's rows, one for each row of the coarser rollup or near it
         return select(*columns, *((-t.c[m]).label(m) for m in METRICS)).where(*where)
     return select(*columns, *_figures(t)).where(*where)
 
