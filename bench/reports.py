@@ -709,6 +709,7 @@ def run(args) -> tuple[dict, str]:
         )
         # The reports are asked about the generated range: `now` is where it ends.
         month = {"start": rfc(now - SPAN), "end": rfc(now)}
+        load = os.getloadavg()
         timed = {}
         for section, reports in (
             ("named", named_reports(now)),
@@ -756,6 +757,7 @@ def run(args) -> tuple[dict, str]:
             "latency": latency,
             "plans": plans,
             "revision": revision(),
+            "load": load,
         }, server.log_tail()
     finally:
         if server is not None:
@@ -838,7 +840,13 @@ def markdown(result: dict, command: str, repeat: int) -> str:
         f"{org.get('end_users', 0):,} end users on 9 events in 10, tags `project` (20 values, "
         f"one a token) and `feature` (4) on 6 in 7); {rollups} "
         f"({made}). Each figure: the median of {repeat} requests after one warm-up, through "
-        "HTTP, the whole body read.",
+        "HTTP, the whole body read."
+        + (
+            " Load average {:.2f} {:.2f} {:.2f} as the timings began (2 CPUs shared: compare "
+            "rows of one run, not runs).".format(*result["load"])
+            if result.get("load")
+            else ""
+        ),
         "",
         "### Reports the README and the issue name",
         "",
