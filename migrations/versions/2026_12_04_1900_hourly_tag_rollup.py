@@ -60,9 +60,10 @@ def _backfill(dialect: str) -> None:
     """The events' sums per hour, team and tag pair, less the pending increments' (each of
     those is added by the fold, as to every rollup): equal to the ledger once they are."""
     pairs = PAIRS[dialect]
+    figures = ", ".join(f"{f} AS {s}" for f, s in zip(FIGURES, SUMS, strict=True))
     events = " UNION ALL ".join(
         f"SELECT {HOUR[dialect]} AS hour, e.team_id, pair.key AS tag_key, "
-        f"pair.value AS tag_value, {', '.join(f'{f} AS {s}' for f, s in zip(FIGURES, SUMS))} "
+        f"pair.value AS tag_value, {figures} "
         f"FROM {table} AS e {pairs.format(t='e')} WHERE e.tags <> '{{}}'"
         for table in EVENTS
     )
