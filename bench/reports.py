@@ -38,7 +38,7 @@ from sqlalchemy.dialects import postgresql
 from bench.procs import Process, free_port, metering_command, revision, rss_kib
 from bench.rollups import attributed_statements, derive_statement, rebuild_statement
 from metering import migrate
-from metering.db import sync_url
+from metering.db import REPORT_SETTINGS, sync_url
 from metering.ledger.rollup import DERIVED
 from metering.ledger.tables import LedgerEvent
 from metering.reports.attributed import Attributes, parse_tags, values_query
@@ -456,7 +456,7 @@ def _plan_facts(lines: list[str]) -> dict:
 
 def explain(url: str, now: datetime) -> dict[str, dict]:
     """EXPLAIN (ANALYZE, BUFFERS) of each named report's statement, run as the server runs it
-    (a warm cache: the reports were just timed)."""
+    (its report settings; a warm cache: the reports were just timed)."""
     dialect = postgresql.psycopg.dialect()
     reports = {label: p for label, p in named_reports(now).items() if p.get("format") != "csv"}
     month = {"start": rfc(now - SPAN), "end": rfc(now)}
@@ -466,6 +466,8 @@ def explain(url: str, now: datetime) -> dict[str, dict]:
     reports[label] = {**dashboard_reports(now)[label], "end": rfc(now)}
     out = {}
     with psycopg.connect(url, autocommit=True) as conn:
+        for name, value in REPORT_SETTINGS.items():  # as a report's transaction plans
+            conn.execute(f"SET {name} = '{value}'")
         for label, params in reports.items():
             compiled = report_statement(params).compile(dialect=dialect)
             rows = conn.execute(
@@ -707,6 +709,7 @@ def run(args) -> tuple[dict, str]:
         )
         # The reports are asked about the generated range: `now` is where it ends.
         month = {"start": rfc(now - SPAN), "end": rfc(now)}
+        load = os.getloadavg()
         timed = {}
         for section, reports in (
             ("named", named_reports(now)),
@@ -754,6 +757,7 @@ def run(args) -> tuple[dict, str]:
             "latency": latency,
             "plans": plans,
             "revision": revision(),
+            "load": load,
         }, server.log_tail()
     finally:
         if server is not None:
@@ -836,7 +840,13 @@ def markdown(result: dict, command: str, repeat: int) -> str:
         f"{org.get('end_users', 0):,} end users on 9 events in 10, tags `project` (20 values, "
         f"one a token) and `feature` (4) on 6 in 7); {rollups} "
         f"({made}). Each figure: the median of {repeat} requests after one warm-up, through "
-        "HTTP, the whole body read.",
+        "HTTP, the whole body read."
+        + (
+            " Load average {:.2f} {:.2f} {:.2f} as the timings began (2 CPUs shared: compare "
+            "rows of one run, not runs).".format(*result["load"])
+            if result.get("load")
+            else ""
+        ),
         "",
         "### Reports the README and the issue name",
         "",

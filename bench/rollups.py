@@ -115,9 +115,11 @@ _FIGURES_SQL = (
 
 
 def attributed_statements() -> list[str]:
-    """On PostgreSQL, INSERT INTO spend_daily_end_user, spend_daily_tag and
-    spend_daily_tag_model the sums of ledger_events (as migration 0020 backfills them)."""
+    """On PostgreSQL, INSERT INTO spend_daily_end_user, spend_daily_tag,
+    spend_daily_tag_model and spend_hourly_tag the sums of ledger_events (as migrations 0020
+    and 0021 backfill them)."""
     day = "date_trunc('day', e.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
+    hour = "date_trunc('hour', e.created_at AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
     who = "e.team_id, e.user_id, COALESCE(e.token_id, '')"
     figures = ", ".join(FIGURES)
     tag = f"{who}, e.model, e.provider, pair.key, pair.value"
@@ -133,4 +135,8 @@ def attributed_statements() -> list[str]:
         f"{figures}) SELECT day, team_id, model, provider, tag_key, tag_value, "
         f"{', '.join(f'SUM({f})' for f in FIGURES)} FROM spend_daily_tag "
         "GROUP BY day, team_id, model, provider, tag_key, tag_value",
+        f"INSERT INTO spend_hourly_tag (hour, team_id, tag_key, tag_value, {figures}) "
+        f"SELECT {hour}, e.team_id, pair.key, pair.value, {_FIGURES_SQL} FROM ledger_events e "
+        "CROSS JOIN LATERAL jsonb_each_text(CAST(e.tags AS jsonb)) AS pair "
+        f"WHERE e.tags <> '{{}}' GROUP BY {hour}, e.team_id, pair.key, pair.value",
     ]

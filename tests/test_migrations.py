@@ -174,3 +174,85 @@ def test_0020_backfills_the_end_user_and_tag_rollups_from_the_events(backend, tm
                     assert got
         finally:
             engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_0021_backfills_the_hourly_tag_rollup_less_the_pending_increments(backend, tmp_path):
+    """Events already folded (no pending increment) and events still pending: after the
+    upgrade and a fold, spend_hourly_tag holds each event once per tag pair, by hour and team."""
+    import asyncio
+    import json
+    import random
+    from collections import defaultdict
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import insert, select
+
+    from metering.db import Database
+    from metering.ledger import rollup
+    from metering.ledger.tables import LedgerEvent, LedgerEventArchive, RollupPending
+    from tests.reports.test_spend_attributed import adjustment, make_event
+
+    rng = random.Random(21)
+    base = datetime(2024, 3, 4, tzinfo=UTC)
+    people = [("team_a", "usr_a", "tok_a"), ("team_a", "usr_a", None), ("team_b", "usr_b", "tok_b")]
+    events = [
+        make_event(rng, rng.choice(people), base + timedelta(seconds=rng.randrange(5 * 3600)))
+        for _ in range(80)
+    ]
+    events += [adjustment(rng, e) for e in events[:6]]
+    rng.shuffle(events)
+    folded, pending = events[:50], events[50:]
+    wanted: dict = defaultdict(lambda: [0] * len(rollup.FIGURES))
+    for event in events:
+        row = rollup.row_for(event)
+        for key, value in json.loads(event.tags).items():
+            sums = wanted[(row["hour"], row["team_id"], key, value)]
+            for i, figure in enumerate(rollup.FIGURES):
+                sums[i] += row[figure]
+    table = rollup.TAG_HOURLY.table
+
+    def rows(conn) -> dict:
+        found = conn.execute(select(table)).mappings().all()
+        return {
+            tuple(r[k] for k in rollup.TAG_HOURLY.key): [int(r[f]) for f in rollup.FIGURES]
+            for r in found
+            if any(int(r[f]) for f in rollup.FIGURES)
+        }
+
+    with contextlib.ExitStack() as stack:
+        if backend == "postgresql":
+            url = stack.enter_context(new_pg_database())
+        else:
+            url = f"sqlite:///{tmp_path / 'hourly_tag.db'}"
+        config = migrate.alembic_config(url)
+        command.upgrade(config, "0020")
+        engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+        try:
+            with engine.begin() as conn:
+                conn.execute(insert(LedgerEvent.__table__), [e.params() for e in folded[:40]])
+                conn.execute(
+                    insert(LedgerEventArchive.__table__), [e.params() for e in folded[40:]]
+                )
+                conn.execute(insert(LedgerEvent.__table__), [e.params() for e in pending])
+                increments = rollup.summed(rollup.PENDING, [rollup.row_for(e) for e in pending])
+                conn.execute(insert(RollupPending.__table__), increments)
+            command.upgrade(config, "head")
+            with engine.connect() as conn:
+                before = rows(conn)
+            assert before  # the folded events' pairs, backfilled
+
+            async def fold() -> None:
+                db = Database(url, pool_size=1)
+                try:
+                    await rollup.fold(db)
+                finally:
+                    await db.dispose()
+
+            asyncio.run(fold())
+            with engine.connect() as conn:
+                after = rows(conn)
+            assert after == dict(wanted)
+            assert before != after  # the pending increments were not counted by the backfill
+        finally:
+            engine.dispose()

@@ -14,8 +14,9 @@ both (PENDING) in one statement, whole days and hours from the coarsest rollup t
 keys and only the partial hours at a range's edges from the ledger.
 
 Three daily rollups keep the sums below the token (ATTRIBUTED): by end user (the increments
-that have one) and by tag pair (one increment per pair of an event's tags), filled by the same
-fold from the end user and tags each pending increment carries.
+that have one) and by tag pair (one increment per pair of an event's tags), and one hourly by
+team and tag pair (TAG_HOURLY), filled by the same fold from the end user and tags each pending
+increment carries.
 """
 
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from metering.ledger.tables import (
     SpendDailyToken,
     SpendHourly,
     SpendHourlyModel,
+    SpendHourlyTag,
     SpendHourlyToken,
 )
 from metering.money import COUNTER_CEILING
@@ -117,7 +119,9 @@ TAG_DAILY = _rollup(SpendDailyTag, "day", "tag")
 TAG_MODEL_DAILY = _rollup(SpendDailyTagModel, "day", "tag")  # by team, model and provider only
 TAGS = (TAG_DAILY, TAG_MODEL_DAILY)
 ATTRIBUTED = (END_USER_DAILY, *TAGS)
-FOLDED = (*ROLLUPS, *ATTRIBUTED)  # every rollup the fold adds the increments to
+# By team and tag pair per UTC hour: the whole hours a range of whole days leaves at its edges.
+TAG_HOURLY = _rollup(SpendHourlyTag, "hour", "tag")
+FOLDED = (*ROLLUPS, *ATTRIBUTED, TAG_HOURLY)  # every rollup the fold adds the increments to
 
 
 def floor_hour(value: datetime) -> datetime:

@@ -223,3 +223,16 @@ class SpendDailyTagModel(Base):
         (*WHAT, "tag_key", "tag_value"),
         (("tag_key", "tag_value"), ("team_id", "tag_key")),
     )
+
+
+class SpendHourlyTag(Base):
+    """spend_daily_tag's sums per UTC hour by team and one tag pair only (migration 0021): the
+    whole hours at the edges of a range of whole days (a rolling 30 days), or a report by tag
+    and hour, read from it instead of the ledger."""
+
+    __table__ = _rollup_table(
+        "spend_hourly_tag",
+        "hour",
+        ("team_id", "tag_key", "tag_value"),
+        (("tag_key", "tag_value"),),
+    )

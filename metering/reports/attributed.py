@@ -8,7 +8,9 @@ and tags). Requests without an end user, or without the tag key grouped on, are 
 null row: for whole days, the sums of the coarsest rollup with the other keys (spend_daily_token,
 spend_daily) minus the end-user or tag rollup's rows. Whatever no rollup answers (the partial
 days at a range's edges, a report by hour, an end user together with tags, two tag keys, the
-model or provider of an end user's spend) is read from the ledger and its archive.
+model or provider of an end user's spend) is read from the ledger and its archive, but for
+the whole hours of a report by one tag key (by team at most): spend_hourly_tag answers them
+as spend_daily_tag answers whole days.
 """
 
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Select,
     String,
@@ -28,6 +31,7 @@ from sqlalchemy import (
     select,
     type_coerce,
     union,
+    union_all,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -38,11 +42,15 @@ from metering.ledger.rollup import (
     END_USER_DAILY,
     PENDING,
     ROLLUPS,
+    SATURATED,
+    TAG_HOURLY,
     TAGS,
     Rollup,
     ceil_day,
+    ceil_hour,
     day_value,
     floor_day,
+    floor_hour,
     hour_value,
 )
 from metering.ledger.tables import LedgerEvent, LedgerEventArchive
@@ -126,6 +134,18 @@ class Attributes:
         if tag_keys and not by_end_user and len(tag_keys) == 1 and len(self.tags) <= 1:
             return coarsest(TAGS, {k for k in keys if k in PLAIN} | set(filters))
         return None
+
+    def hourly(self, keys: list[str], filters: dict[str, Any]) -> Rollup | None:
+        """The hourly rollup that answers the report's whole hours outside its whole days (all
+        of them, by hour), or None: the ledger does. By one tag key, and of the plain keys the
+        team only (TAG_HOURLY's)."""
+        tag_keys = set(self.tag_keys) | {key for key, _ in self.tags}
+        if END_USER in keys or self.end_user is not None:
+            return None
+        if len(tag_keys) != 1 or len(self.tags) > 1:
+            return None
+        needed = {k for k in keys if k in PLAIN} | set(filters)
+        return TAG_HOURLY if needed <= set(TAG_HOURLY.keys) else None
 
 
 def tag_value(column: ColumnElement[Any], key: str, dialect: str) -> ColumnElement[Any]:
@@ -212,8 +232,8 @@ def _rollup_part(
 ) -> Select[Any]:
     """A rollup's rows in [a, b) (rollup_pending's: as increments of the end user and tags
     they carry), keyed as the report groups them; `valued=False`: with a NULL end user or tag
-    value (the null row's part), `sign=-1`: subtracted, summed here by the other keys (one row
-    for each of the report's null rows, not one for each of the rollup's)."""
+    value (the null row's part), `sign=-1`: subtracted (the end-user rollup's summed here by
+    the day, team, user and token: one row for each of spend_daily_token's)."""
     t = rollup.table
     at = t.c[rollup.grain]
     columns = _plain(t, keys)
@@ -237,37 +257,57 @@ def _rollup_part(
         [key] = {*attrs.tag_keys, *(k for k, _ in attrs.tags)}
         where.append(t.c.tag_key == key)
         where += [t.c.tag_value == value for _, value in attrs.tags]
-    if sign < 0:
-        sums = [(-func.sum(t.c[m])).label(m) for m in METRICS]
+    if sign < 0 and rollup is END_USER_DAILY:
+        # Summed by the day and the team, user and token too: each sum is then a part of one
+        # row of spend_daily_token (kept within a bigint), so it stays a bigint and the report
+        # sums integers, not numerics (a union takes the widest type of its parts), and there
+        # is one row for each of spend_daily_token's, not one for each end user's.
+        group += [at, *(t.c[k] for k in rollup.keys if k in PLAIN and k not in keys)]
+        sums = [_negated_sum(t.c[m], m, dialect).label(m) for m in METRICS]
         return select(*columns, *sums).where(*where).group_by(*group)
+    if sign < 0:  # a tag rollup's rows, one for each row of the coarser rollup or near it
+        return select(*columns, *((-t.c[m]).label(m) for m in METRICS)).where(*where)
     return select(*columns, *_figures(t)).where(*where)
 
 
-def coarsest(rollups: tuple[Rollup, ...], needed: set[str]) -> Rollup:
-    """The daily rollup among `rollups` with the fewest keys that has every key `needed`
+def _negated_sum(column: ColumnElement[Any], metric: str, dialect: str) -> ColumnElement[Any]:
+    """Minus the sum of a metric's column, on PostgreSQL a bigint (its sum is a numeric) within
+    the most the metric may hold (uncharged saturates); SQLite's integers are one type."""
+    if dialect != "postgresql":
+        return -func.sum(column)
+    total: ColumnElement[Any] = func.sum(column)
+    most = SATURATED.get(metric)
+    if most is not None:
+        total = func.least(total, most)
+    return cast(-total, BigInteger)
+
+
+def coarsest(rollups: tuple[Rollup, ...], needed: set[str], grain: str = "day") -> Rollup:
+    """The rollup of `grain` among `rollups` with the fewest keys that has every key `needed`
     (the first of them when none has: whatever it lacks is then not filtered on)."""
-    fitting = [r for r in rollups if r.grain == "day" and needed <= set(r.keys)] or [rollups[0]]
+    fitting = [r for r in rollups if r.grain == grain and needed <= set(r.keys)] or [rollups[0]]
     return min(fitting, key=lambda r: len(r.keys))
 
 
-def base(needed: set[str]) -> Rollup:
-    """The coarsest daily rollup of every event with the keys `needed`."""
-    return coarsest(ROLLUPS, needed)
+def base(needed: set[str], grain: str = "day") -> Rollup:
+    """The coarsest rollup of `grain` of every event with the keys `needed`."""
+    return coarsest(ROLLUPS, needed, grain)
 
 
 def _days(
     rollup: Rollup, dialect: str, keys: list[str], filters: dict, attrs: Attributes, a, b
 ) -> list[Select[Any]]:
-    """The whole days [a, b): the attributed rollup's rows and the pending increments, and
-    unless the report filters on the end user or tag (then every event has one), the null row:
-    the coarsest rollup with the other keys minus the attributed rollup's rows."""
+    """The whole days (or hours, by an hourly rollup) [a, b): the attributed rollup's rows and
+    the pending increments, and unless the report filters on the end user or tag (then every
+    event has one), the null row: the coarsest rollup of the same grain with the other keys
+    minus the attributed rollup's rows."""
     parts = [
         _rollup_part(rollup, dialect, keys, filters, attrs, a, b),
         _rollup_part(PENDING, dialect, keys, filters, attrs, a, b),
     ]
     filtered = attrs.end_user is not None if rollup is END_USER_DAILY else bool(attrs.tags)
     if not filtered:
-        whole = base({k for k in keys if k in PLAIN} | set(filters))
+        whole = base({k for k in keys if k in PLAIN} | set(filters), rollup.grain)
         parts += [
             _rollup_part(whole, dialect, keys, filters, attrs, a, b, valued=False),
             _rollup_part(rollup, dialect, keys, filters, attrs, a, b, sign=-1, valued=False),
@@ -280,25 +320,32 @@ def parts(
 ) -> list[Select[Any]]:
     """The report's sources over [start, end), rows to be summed per group: whole days from
     the attributed rollup the report's keys fit, the rest from the ledger and its archive."""
-    rollup = attrs.plan(keys, filters)
+    rollup, hourly = attrs.plan(keys, filters), attrs.hourly(keys, filters)
     days_start, days_end = ceil_day(start), floor_day(end)
-    ledger = [(start, end)]
+    spans = [(start, end)]
     out: list[Select[Any]] = []
     if rollup is not None and days_start < days_end:
         out += _days(rollup, dialect, keys, filters, attrs, days_start, days_end)
-        ledger = [(start, days_start), (days_end, end)]
-    for a, b in ledger:
-        if a < b:
-            for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
-                out.append(_ledger_part(table, dialect, keys, filters, attrs, a, b))
+        spans = [(start, days_start), (days_end, end)]
+    for a, b in spans:
+        ledger = [(a, b)]
+        if hourly is not None and ceil_hour(a) < floor_hour(b):
+            out += _days(hourly, dialect, keys, filters, attrs, ceil_hour(a), floor_hour(b))
+            ledger = [(a, ceil_hour(a)), (floor_hour(b), b)]
+        for x, y in ledger:
+            if x < y:
+                for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
+                    out.append(_ledger_part(table, dialect, keys, filters, attrs, x, y))
     return out
 
 
 # --- the report's bound ------------------------------------------------------------------
 
 
-def _distinct(selects: list[Select[Any]]) -> Select[Any]:
-    found = union(*selects).subquery()
+def _distinct(selects: list[Select[Any]], upper: bool = False) -> Select[Any]:
+    """How many distinct rows the selects give together; `upper`: how many rows (at least as
+    many: a count of index entries, without the hash that finds the distinct ones)."""
+    found = (union_all(*selects) if upper else union(*selects)).subquery()
     return select(func.count()).select_from(found)
 
 
@@ -327,11 +374,18 @@ def _valued_rows(
 
 
 def bound_query(
-    dialect: str, keys: list[str], filters: dict, attrs: Attributes, start: datetime, end
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    attrs: Attributes,
+    start: datetime,
+    end,
+    upper: bool = False,
 ) -> Select[Any] | None:
     """The distinct groups of the end user or tag grouped on, with the other keys when its
     rollup has them all (one count: the report's bound but for time), else the distinct values
-    of each (to be multiplied with the other keys' counts); None when neither is grouped."""
+    of each (to be multiplied with the other keys' counts); None when neither is grouped.
+    `upper`: each count's upper bound, the rows it would find distinct ones among."""
     grouped = [k for k in keys if k == END_USER or k.startswith("tag_")]
     if not grouped:
         return None
@@ -344,7 +398,7 @@ def bound_query(
     for key in grouped:
         columns = plain if joint else []
         selects = _valued_rows(rollup_of[key], dialect, columns, filters, attrs, key, a, end)
-        counts.append(_distinct(selects).scalar_subquery())
+        counts.append(_distinct(selects, upper).scalar_subquery())
     return select(literal(joint), *counts)
 
 

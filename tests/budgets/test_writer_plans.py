@@ -63,9 +63,12 @@ async def test_the_settle_statement_finds_holds_by_key_outside_reports(fresh_pg)
         async with db.reads() as report:
             conn = await _report_driver(report)
             assert await conn.fetchval("SHOW enable_seqscan") == "on"
+            assert await conn.fetchval("SHOW work_mem") == "64MB"
+            assert await conn.fetchval("SHOW jit") == "off"
             other = await _generic_plan(conn, settle.sql, empty)
         async with db.single() as after:  # SET LOCAL: the report's transaction only
             assert await (await _driver(after)).fetchval("SHOW enable_seqscan") == "off"
+            assert await (await _driver(after)).fetchval("SHOW work_mem") != "64MB"
         # Planned with the defaults, the empty table is read whole...
         assert ("Seq Scan", "holds") in other
         # ...on the writers' connection every read of holds (the hold taken, the holds seen) is by

@@ -350,6 +350,7 @@ def test_a_grouping_too_wide_is_refused(traffic):
 DIRECT = [
     ["end_user"],
     ["tag:project", "day"],
+    ["tag:project", "hour"],  # spend_hourly_tag, whole hours
     ["end_user", "team", "day"],
     ["tag:feature", "model"],
     ["end_user", "tag:project"],
@@ -475,3 +476,22 @@ def test_spend_by_end_user_and_tag_through_the_proxy_equals_the_ledger(api):
         ("bob", None),
         (None, None),
     }
+
+
+def test_a_report_by_tag_reads_whole_hours_from_the_hourly_tag_rollup():
+    """A rolling range by one tag key (at most by team) reads the events of its partial hours
+    only: its whole hours come from spend_hourly_tag; by user, the edge days from the events."""
+    start = datetime(2024, 5, 6, 7, 30, tzinfo=UTC)
+    end = start + timedelta(days=3)
+    by_tag = Attributes(("project",))
+
+    def tables(keys, filters=None, attrs=by_tag) -> set[str]:
+        query = spend_module.spend_query("postgresql", keys, filters or {}, start, end, attrs)
+        return set(str(query.compile()).split())
+
+    for keys, filters in ((["tag_0"], {}), (["team_id", "tag_0"], {}), (["tag_0", "hour"], {})):
+        assert "spend_hourly_tag" in tables(keys, filters), keys
+    filtered = Attributes((), None, (("project", "alpha"),))
+    assert "spend_hourly_tag" in tables(["team_id"], {"team_id": "team_a"}, filtered)
+    assert "spend_hourly_tag" not in tables(["user_id", "tag_0"])
+    assert "spend_hourly_tag" not in tables(["tag_0"], {"model": "gpt-sim"})
