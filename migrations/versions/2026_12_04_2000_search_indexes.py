@@ -4,7 +4,7 @@ of every row. Nothing on SQLite, nor where the extension cannot be had: the sear
 the rows, as it would without the indexes.
 
 Revision ID: 0022
-Revises: 0020
+Revises: 0021
 """
 
 from collections.abc import Sequence
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0022"
-down_revision: str | None = "0020"
+down_revision: str | None = "0021"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
