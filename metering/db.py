@@ -23,6 +23,7 @@ from sqlalchemy.types import TypeDecorator
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from metering import clock
+from metering.dburl import hosts_in_query
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -68,7 +69,7 @@ def utcnow() -> datetime:
 
 
 def async_url(url: str) -> str:
-    parsed = make_url(url)
+    parsed = make_url(hosts_in_query(url))
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return str(parsed.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False))
@@ -78,7 +79,7 @@ def async_url(url: str) -> str:
 
 
 def sync_url(url: str) -> str:
-    parsed = make_url(url)
+    parsed = make_url(hosts_in_query(url))
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return parsed.set(drivername="sqlite").render_as_string(hide_password=False)
@@ -94,7 +95,23 @@ def dialect_name(executor) -> str:
 
 
 def is_sqlite(url: str) -> bool:
-    return make_url(url).get_backend_name() == "sqlite"
+    return make_url(hosts_in_query(url)).get_backend_name() == "sqlite"
+
+
+def asyncpg_dsn(url: str) -> str:
+    """The URL as asyncpg.connect() takes it, for a connection of its own outside the pool.
+    Several hosts (`?host=a:5432&host=b:5432`, dburl) go back into libpq's `a:5432,b:5432`:
+    asyncpg reads one `host` parameter only, the last. Its other parameters (such as
+    `target_session_attrs`) stay in the query."""
+    parsed = make_url(hosts_in_query(url)).set(drivername="postgresql")
+    hosts = parsed.query.get("host")
+    if not isinstance(hosts, tuple):
+        return parsed.render_as_string(hide_password=False)
+    rendered = parsed.difference_update_query(["host"]).render_as_string(hide_password=False)
+    # With no host of its own the URL renders as scheme://[userinfo@]/db?...
+    scheme, _, tail = rendered.partition("://")
+    userinfo, slash, rest = tail.partition("/")
+    return f"{scheme}://{userinfo}{','.join(hosts)}{slash}{rest}"
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
