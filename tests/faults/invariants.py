@@ -51,7 +51,13 @@ def check(database_url: str, sim, tag: str, results: list[Result], hold_ttl_s: i
         rec["received"]["messages"][-1]["content"].split()[1] for rec in sim_records(sim, tag)
     )
     assert [m for m, n in received.items() if n > 1] == [], "a request reached the upstream twice"
-    assert len(events) == sum(received.values()), (len(events), sum(received.values()))
+    by_id = {r.request_id: r for r in results}
+    extra = [
+        (row[0], row[1], by_id.get(row[0]))
+        for row in events
+        if by_id.get(row[0]) is None or by_id[row[0]].marker not in received
+    ]
+    assert len(events) == sum(received.values()), (len(events), sum(received.values()), extra)
 
     over = query(
         database_url,
