@@ -110,3 +110,28 @@ class Load:
         """2xx answers to requests sent at or after `since` (time.monotonic())."""
         assert self._thread is not None and self._thread.is_alive(), "the clients stopped"
         return sum(200 <= r.status < 300 and r.started >= since for r in self.snapshot())
+
+
+def one(url: str, key: str, marker: str) -> Result:
+    """One request, not streamed, by the official SDK (no retries): its outcome."""
+    started = time.monotonic()
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+    try:
+        raw = client.chat.completions.with_raw_response.create(
+            model="gpt-sim",
+            messages=[{"role": "user", "content": f"fault {marker} sim:tokens=6"}],
+            max_tokens=6,
+        )
+        raw.parse()
+        return Result(
+            marker, url, started, time.monotonic(), raw.status_code,
+            raw.headers.get("x-request-id"),
+        )  # fmt: skip
+    except openai.APIStatusError as exc:
+        error = exc.body if isinstance(exc.body, dict) else {}
+        return Result(
+            marker, url, started, time.monotonic(), exc.status_code,
+            exc.response.headers.get("x-request-id"), error.get("code"),
+        )  # fmt: skip
+    finally:
+        client.close()
