@@ -284,6 +284,15 @@ KEPT_FOR_S = 1800.0
 _CONNECTION_GONE = ("08", "57P")
 
 
+def refused_by_server(exc: BaseException) -> bool:
+    """The server refused a statement with an error of its own: its transaction rolled back and
+    nothing of it committed. Any other failure of a write (the connection lost, a timeout, a
+    cancellation) may have come after the server committed it."""
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = getattr(orig, "sqlstate", None) or ""
+    return bool(sqlstate) and not sqlstate.startswith(_CONNECTION_GONE)
+
+
 class AttrRecord(asyncpg.Record):
     """An asyncpg row whose columns are also attributes, as SQLAlchemy's rows."""
 

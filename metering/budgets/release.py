@@ -16,8 +16,9 @@ from metering.models import Budget, Hold
 _RELEASE = add_to_budgets(reserved=Budget.reserved - bindparam("amount"))
 
 
-async def release(db: Database, hold_id: str, reservation: Reservation | None = None) -> None:
-    """Give a hold back untouched: the request never reached an upstream."""
+async def release(db: Database, hold_id: str, reservation: Reservation | None = None) -> bool:
+    """Give a hold back untouched: the request never reached an upstream. False when there was
+    no such hold (never written, or settled or swept already)."""
     claim = reservation.claim if reservation is not None else None
     released = False
     try:
@@ -38,6 +39,7 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
         if claim is not None:
             # A hold not found was swept (charged whole): its lease lost the whole hold.
             claim.end(released=released)
+    return released
 
 
 async def extend(db: Database, hold_ids: list[str], ttl_s: int) -> None:
