@@ -68,14 +68,16 @@ def check(database_url: str, sim, tag: str, results: list[Result], hold_ttl_s: i
     )
     assert over == [], f"budgets above their limits: {over}"
 
-    # Each budget's spent is what its events cost: nothing charged that is not in the ledger.
+    # Each token's spent (its live window's and its closed windows') is what its events cost:
+    # nothing charged that is not in the ledger.
     unbalanced = query(
         database_url,
-        "SELECT b.subject_id, b.spent, coalesce(sum(e.cost), 0) FROM budgets b "
-        "LEFT JOIN ledger_events e ON e.token_id = b.subject_id "
-        "WHERE b.scope = 'token' GROUP BY b.subject_id, b.spent "
-        "HAVING b.spent <> coalesce(sum(e.cost), 0)",
+        "SELECT b.subject_id, b.spent + coalesce((SELECT sum(w.spent) FROM budget_windows w "
+        "WHERE w.subject_id = b.subject_id), 0) AS charged, coalesce((SELECT sum(e.cost) "
+        "FROM ledger_events e WHERE e.token_id = b.subject_id), 0) AS cost FROM budgets b "
+        "WHERE b.scope = 'token'",
     )
+    unbalanced = [row for row in unbalanced if row[1] != row[2]]
     assert unbalanced == [], f"tokens whose spent is not their events' cost: {unbalanced}"
     return {
         "events": len(events),
