@@ -20,6 +20,7 @@ class Result:
     status: int
     request_id: str | None
     code: str | None = None
+    retry_after: str | None = None
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Load:
             return Result(
                 marker, url, started, time.monotonic(), exc.status_code,
                 exc.response.headers.get("x-request-id"), error.get("code"),
+                exc.response.headers.get("retry-after"),
             )  # fmt: skip
         except openai.APIConnectionError as exc:
             return Result(marker, url, started, time.monotonic(), 0, None, repr(exc))

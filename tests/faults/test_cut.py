@@ -64,6 +64,7 @@ def test_a_replica_cut_from_the_database_mid_request(serve, sim):
     during = [r for r in results if down <= r.started < up]
     refused = [r for r in during if r.status == 503]
     assert refused and all(r.url == cut.url for r in refused)  # only the cut replica refused
+    assert {r.retry_after for r in refused} == {"1"}
     assert any(r.status == 200 and r.url == other.url for r in during)  # the other served on
     first_ok = min(r.ended for r in results if r.url == cut.url and r.started >= up)
     report(
