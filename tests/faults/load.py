@@ -67,6 +67,8 @@ class Load:
             )  # fmt: skip
         except openai.APIConnectionError as exc:
             return Result(marker, url, started, time.monotonic(), 0, None, repr(exc))
+        except Exception as exc:  # a stream broken after its 200, or anything else unexpected
+            return Result(marker, url, started, time.monotonic(), -1, None, repr(exc)[:300])
 
     async def _worker(self, client: openai.AsyncOpenAI, url: str) -> None:
         while not self._stop.is_set():
