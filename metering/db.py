@@ -211,6 +211,26 @@ def _plan_freely(session, transaction, connection) -> None:
         connection.exec_driver_sql(REPORT_SETTING)
 
 
+class NoWritableHost(ConnectionError):
+    """Every host of the URL answered, none accepting writes (`target_session_attrs=read-write`
+    while a standby is being promoted): the database is unreachable, as when none answers."""
+
+
+def no_writable_host(exc: BaseException) -> bool:
+    """asyncpg's TargetServerAttributeNotMatched, however SQLAlchemy wrapped it."""
+    orig = getattr(exc, "orig", None) or exc
+    return type(orig).__name__ in ("TargetServerAttributeNotMatched", "InternalClientError") and (
+        "target attribute" in str(orig)
+    )
+
+
+def _writable_host_gone(context: Any) -> None:
+    # Seen as a lost connection (the pool discarded, the request answered 503, a settle
+    # retried), not as an error of the statement.
+    if no_writable_host(context.original_exception):
+        context.is_disconnect = True
+
+
 def create_engine(
     url: str, pool_size: int = 20, server_settings: dict[str, str] | None = None
 ) -> AsyncEngine:
@@ -220,7 +240,7 @@ def create_engine(
         engine = create_async_engine(async_url(url), pool_size=1, max_overflow=0, pool_timeout=60)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(
+    engine = create_async_engine(
         async_url(url),
         pool_size=pool_size,
         max_overflow=pool_size,
@@ -231,6 +251,8 @@ def create_engine(
         pool_use_lifo=True,
         connect_args={"server_settings": server_settings} if server_settings else {},
     )
+    event.listen(engine.sync_engine, "handle_error", _writable_host_gone)
+    return engine
 
 
 def _sqlite_query_only(dbapi_connection, _record) -> None:
@@ -348,7 +370,12 @@ class Database:
         if self._kept:
             pooled, since = self._kept.pop()
         else:
-            pooled, since = await self.engine.raw_connection(), time.monotonic()
+            try:
+                pooled, since = await self.engine.raw_connection(), time.monotonic()
+            except Exception as exc:
+                if no_writable_host(exc):
+                    raise NoWritableHost(str(exc)) from exc
+                raise
         sound = False
         try:
             yield pooled.driver_connection

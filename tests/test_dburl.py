@@ -2,6 +2,7 @@
 connection (the pool, the raw asyncpg ones, the credential listener's, the migrations') reaches
 the host that accepts writes, past a host that refuses connections."""
 
+import re
 import uuid
 
 import asyncpg
@@ -9,9 +10,10 @@ import psycopg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from metering import migrate
-from metering.db import Database, async_url, asyncpg_dsn, is_sqlite, sync_url
+from metering.db import Database, NoWritableHost, async_url, asyncpg_dsn, is_sqlite, sync_url
 from metering.dburl import hosts_in_query
 from metering.settings import Settings
 from metering.testing import free_port
@@ -97,3 +99,22 @@ async def test_every_connection_reaches_the_writable_host(two_hosts_url):
         assert await listener.fetchval("SELECT inet_server_port()") == 5432
     finally:
         await listener.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.anyio
+async def test_no_writable_host_is_an_unreachable_database(two_hosts_url):
+    # Every host answers, none as asked (a standby not yet promoted, here the primary asked
+    # to be read-only): a lost connection, as when none answers, never a statement's error.
+    live_only = re.sub(r"@[^/]*/", "@127.0.0.1:5432/", two_hosts_url)
+    db = Database(live_only.replace("read-write", "read-only"), 2)
+    try:
+        with pytest.raises(DBAPIError) as caught:
+            async with db.begin() as conn:
+                await conn.execute(text("SELECT 1"))
+        assert caught.value.connection_invalidated
+        with pytest.raises(NoWritableHost):
+            async with db.raw():
+                pass
+    finally:
+        await db.dispose()
