@@ -1,5 +1,6 @@
 """Engines, sessions and the declarative Base (one naming convention for every constraint)."""
 
+import asyncio
 import contextlib
 import re
 import time
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import asyncpg
 from sqlalchemy import BigInteger, DateTime, MetaData, Table, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -308,11 +310,26 @@ _CONNECTION_GONE = ("08", "57P")
 
 def refused_by_server(exc: BaseException) -> bool:
     """The server refused a statement with an error of its own: its transaction rolled back and
-    nothing of it committed. Any other failure of a write (the connection lost, a timeout, a
-    cancellation) may have come after the server committed it."""
+    nothing of it committed."""
     orig = getattr(exc, "orig", None) or exc
     sqlstate = getattr(orig, "sqlstate", None) or ""
     return bool(sqlstate) and not sqlstate.startswith(_CONNECTION_GONE)
+
+
+def write_in_doubt(exc: BaseException) -> bool:
+    """A write that failed on its way to the database or back (the connection lost, a timeout,
+    a cancellation), not refused by the server: it may have committed all the same."""
+    if refused_by_server(exc):
+        return False
+    return isinstance(
+        exc,
+        DBAPIError
+        | OSError
+        | asyncpg.PostgresError
+        | asyncpg.InterfaceError
+        | asyncpg.exceptions.InternalClientError
+        | asyncio.CancelledError,
+    )
 
 
 class AttrRecord(asyncpg.Record):

@@ -10,7 +10,7 @@ from metering.budgets import rates
 from metering.budgets.rates import RateLimited
 from metering.budgets.refusals import Refused
 from metering.budgets.reserve import HoldSpec, Reservation, reserve
-from metering.db import refused_by_server, utcnow
+from metering.db import utcnow, write_in_doubt
 from metering.errors import MeteringError
 from metering.limits import Limits
 from metering.proxy.runtime import ProxyServices
@@ -101,9 +101,14 @@ class Admission:
     async def hold(self, prompt_bound: int, choices: int) -> Reservation:
         """Admit, then reserve: the reservation, with the claim handed over to its hold."""
         budgets = self.services.budgets
+        ttl_s = self.services.settings.hold_ttl_s
         limits = self.limits
         if limits is None or not limits.rated:
-            return await self._reserve(self.spec)
+            try:
+                return await reserve(budgets, self.spec, ttl_s, budgets.leases)
+            except BaseException as exc:
+                self._doubt(exc, rates_too=False)
+                raise
         spec = self.spec
         allowance = spec.model_max_output
         tpm = limits.tightest_tpm()
@@ -119,26 +124,16 @@ class Admission:
             raise rate_limited(exc) from None
         spec = self.spec = replace(spec, model_max_output=allowance, rates=claim)
         try:
-            return await self._reserve(spec)
+            return await reserve(budgets, spec, ttl_s, budgets.leases)
         except BaseException as exc:
-            # No hold carries the claim: given back, whatever ended the request; unless its
-            # hold may have been written, and carries it (it stays counted then).
-            if not _may_have_written(exc):
-                await rates.release_claim(self.services.db, claim, limits)
+            # No hold carries the claim: given back, whatever ended the request.
+            given_back = await rates.release_claim(self.services.db, claim, limits)
+            self._doubt(exc, rates_too=not given_back)
             raise
 
-    async def _reserve(self, spec: HoldSpec) -> Reservation:
-        budgets = self.services.budgets
-        try:
-            return await reserve(budgets, spec, self.services.settings.hold_ttl_s, budgets.leases)
-        except BaseException as exc:
-            if _may_have_written(exc):
-                # The request is answered without it (503): released once the database answers.
-                self.services.live_holds.doubt(spec.hold_id)
-            raise
-
-
-def _may_have_written(exc: BaseException) -> bool:
-    """A failure of the hold's write after which it may still have committed (the connection
-    lost mid-commit): not an answer of ours, nor a statement the server refused."""
-    return not isinstance(exc, MeteringError | RateLimited) and not refused_by_server(exc)
+    def _doubt(self, exc: BaseException, rates_too: bool) -> None:
+        """The hold's write failed in a way after which it may have committed (the connection
+        lost mid-commit): the request is answered without it (503), and the hold released once
+        the database answers (metering.proxy.live); `rates_too`: with its rate claim."""
+        if write_in_doubt(exc):
+            self.services.live_holds.doubt(self.spec.hold_id, rates_too)

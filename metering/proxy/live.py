@@ -8,7 +8,7 @@ The same task releases the holds in doubt: a hold whose write failed in a way th
 committed it (the connection lost mid-commit, a primary killed, a network cut). Its request was
 answered 503 and sent nowhere, so the hold, if it was written, is released as soon as the
 database answers again (every second until then), instead of being swept at its expiry and
-charged as `unsettled`. Its rate claim is not given back: the request stays counted.
+charged as `unsettled`; with its rate claim, unless that was given back already.
 """
 
 import logging
@@ -27,7 +27,8 @@ RETRY_S = 1.0  # after a failed refresh (the database restarting), try again thi
 class LiveHolds:
     def __init__(self) -> None:
         self._ids: set[str] = set()
-        self._doubtful: set[str] = set()
+        # hold id -> whether its rate claim is still to be given back with it
+        self._doubtful: dict[str, bool] = {}
 
     def add(self, hold_id: str) -> None:
         self._ids.add(hold_id)
@@ -41,10 +42,11 @@ class LiveHolds:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def doubt(self, hold_id: str) -> None:
+    def doubt(self, hold_id: str, rates_too: bool) -> None:
         """A hold that may have been written for a request answered without it: released by
-        keep_alive once the database answers (see the module's docstring)."""
-        self._doubtful.add(hold_id)
+        keep_alive once the database answers (see the module's docstring). `rates_too`: its
+        rate claim was not given back, and goes with it."""
+        self._doubtful[hold_id] = rates_too
 
     @property
     def doubtful(self) -> int:
@@ -53,9 +55,9 @@ class LiveHolds:
     async def release_doubtful(self, db: Database) -> int:
         """Release the holds in doubt (each found or not); returns how many were found."""
         found = 0
-        for hold_id in list(self._doubtful):
-            found += await release(db, hold_id)
-            self._doubtful.discard(hold_id)
+        for hold_id, rates_too in list(self._doubtful.items()):
+            found += await release(db, hold_id, rates_too=rates_too)
+            del self._doubtful[hold_id]
         return found
 
     async def refresh(self, db: Database, ttl_s: int) -> int:

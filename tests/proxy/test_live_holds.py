@@ -230,8 +230,8 @@ async def test_holds_in_doubt_are_released_and_nothing_is_charged(fresh_db):  # 
             reserved = set(await session.scalars(select(Budget.reserved)))
         assert reserved == {written.amount}
         live = LiveHolds()
-        live.doubt(written.hold_id)
-        live.doubt(hold_spec(subjects).hold_id)
+        live.doubt(written.hold_id, rates_too=True)
+        live.doubt(hold_spec(subjects).hold_id, rates_too=True)
         assert live.doubtful == 2
         assert await live.release_doubtful(db) == 1
         assert live.doubtful == 0
