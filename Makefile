@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast lint bench postgres chromium prometheus kubectl java lock reference docs docs-build
+.PHONY: demo test test-fast test-faults lint bench postgres chromium prometheus kubectl java faketime lock reference docs docs-build
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -85,6 +85,18 @@ test: $(BIN)/metering postgres chromium prometheus kubectl java
 		$(BIN)/pytest -q -m alone $(ALONE_TESTS) --junitxml=test-output/junit-alone.xml; \
 		alone=$$?; \
 		test $$parallel -eq 0 -a $$serial -eq 0 -a $$alone -eq 0
+
+# libfaketime, for the fault suite's replicas with skewed clocks (tests/faults/test_skew.py).
+faketime:
+	@test -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1 || { apt-get update && apt-get install -y faketime; }
+
+# The fault suite (tests/faults/, docs/operator/high-availability.md), on its own: a primary
+# killed under load and its synchronous standby promoted, a replica cut from the database
+# mid-request, two replicas with clocks 30 s apart; the three invariants checked after each.
+# One process (each test runs its own clusters, replicas and 100 clients), a few minutes; the
+# figures land in test-output/faults.json.
+test-faults: $(BIN)/metering postgres faketime
+	METERING_FAULT_SUITE=1 $(BIN)/pytest -q -s -n 0 tests/faults
 
 # The unit tests alone (tests/conftest.py marks each test unit or e2e: a unit test starts no
 # server and no database), in two processes: no PostgreSQL, no browser, under a minute.

@@ -37,7 +37,12 @@ from metering.dashboard.apidocs import router as apidocs_router
 from metering.dashboard.endpoints import router as dashboard_router
 from metering.db import Database
 from metering.encoding import ContentEncoding
-from metering.errors import error_response, error_responses, install_error_handlers
+from metering.errors import (
+    LEDGER_RETRY_AFTER,
+    error_response,
+    error_responses,
+    install_error_handlers,
+)
 from metering.identity.endpoints import router as identity_router
 from metering.proxy.dispatch import DirectChat
 from metering.proxy.endpoints import router as proxy_router
@@ -71,7 +76,10 @@ class Ready(BaseModel):
 def _ledger_unavailable(request: Request, exc: Exception) -> JSONResponse:
     log.error("database unreachable: %s", exc)
     return error_response(
-        503, "ledger_unavailable", "the ledger database cannot be reached; retry later"
+        503,
+        "ledger_unavailable",
+        "the ledger database cannot be reached; retry later",
+        headers=dict(LEDGER_RETRY_AFTER),
     )
 
 

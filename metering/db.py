@@ -1,5 +1,6 @@
 """Engines, sessions and the declarative Base (one naming convention for every constraint)."""
 
+import asyncio
 import contextlib
 import re
 import time
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import asyncpg
 from sqlalchemy import BigInteger, DateTime, MetaData, Table, event, func, literal
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -23,6 +25,7 @@ from sqlalchemy.types import TypeDecorator
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from metering import clock
+from metering.dburl import hosts_in_query
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -81,7 +84,7 @@ def contains(column: Any, text: str) -> Any:
 
 
 def async_url(url: str) -> str:
-    parsed = make_url(url)
+    parsed = make_url(hosts_in_query(url))
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return str(parsed.set(drivername="sqlite+aiosqlite").render_as_string(hide_password=False))
@@ -91,7 +94,7 @@ def async_url(url: str) -> str:
 
 
 def sync_url(url: str) -> str:
-    parsed = make_url(url)
+    parsed = make_url(hosts_in_query(url))
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         return parsed.set(drivername="sqlite").render_as_string(hide_password=False)
@@ -107,7 +110,23 @@ def dialect_name(executor) -> str:
 
 
 def is_sqlite(url: str) -> bool:
-    return make_url(url).get_backend_name() == "sqlite"
+    return make_url(hosts_in_query(url)).get_backend_name() == "sqlite"
+
+
+def asyncpg_dsn(url: str) -> str:
+    """The URL as asyncpg.connect() takes it, for a connection of its own outside the pool.
+    Several hosts (`?host=a:5432&host=b:5432`, dburl) go back into libpq's `a:5432,b:5432`:
+    asyncpg reads one `host` parameter only, the last. Its other parameters (such as
+    `target_session_attrs`) stay in the query."""
+    parsed = make_url(hosts_in_query(url)).set(drivername="postgresql")
+    hosts = parsed.query.get("host")
+    if not isinstance(hosts, tuple):
+        return parsed.render_as_string(hide_password=False)
+    rendered = parsed.difference_update_query(["host"]).render_as_string(hide_password=False)
+    # With no host of its own the URL renders as scheme://[userinfo@]/db?...
+    scheme, _, tail = rendered.partition("://")
+    userinfo, slash, rest = tail.partition("/")
+    return f"{scheme}://{userinfo}{','.join(hosts)}{slash}{rest}"
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
@@ -214,6 +233,26 @@ def _plan_freely(session, transaction, connection) -> None:
         connection.exec_driver_sql(REPORT_SETTING)
 
 
+class NoWritableHost(ConnectionError):
+    """Every host of the URL answered, none accepting writes (`target_session_attrs=read-write`
+    while a standby is being promoted): the database is unreachable, as when none answers."""
+
+
+def no_writable_host(exc: BaseException) -> bool:
+    """asyncpg's TargetServerAttributeNotMatched, however SQLAlchemy wrapped it."""
+    orig = getattr(exc, "orig", None) or exc
+    return type(orig).__name__ in ("TargetServerAttributeNotMatched", "InternalClientError") and (
+        "target attribute" in str(orig)
+    )
+
+
+def _writable_host_gone(context: Any) -> None:
+    # Seen as a lost connection (the pool discarded, the request answered 503, a settle
+    # retried), not as an error of the statement.
+    if no_writable_host(context.original_exception):
+        context.is_disconnect = True
+
+
 def create_engine(
     url: str, pool_size: int = 20, server_settings: dict[str, str] | None = None
 ) -> AsyncEngine:
@@ -223,7 +262,7 @@ def create_engine(
         engine = create_async_engine(async_url(url), pool_size=1, max_overflow=0, pool_timeout=60)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(
+    engine = create_async_engine(
         async_url(url),
         pool_size=pool_size,
         max_overflow=pool_size,
@@ -234,6 +273,8 @@ def create_engine(
         pool_use_lifo=True,
         connect_args={"server_settings": server_settings} if server_settings else {},
     )
+    event.listen(engine.sync_engine, "handle_error", _writable_host_gone)
+    return engine
 
 
 def _sqlite_query_only(dbapi_connection, _record) -> None:
@@ -285,6 +326,30 @@ KEPT_WRITERS = 2
 KEPT_MIN_POOL = 20
 KEPT_FOR_S = 1800.0
 _CONNECTION_GONE = ("08", "57P")
+
+
+def refused_by_server(exc: BaseException) -> bool:
+    """The server refused a statement with an error of its own: its transaction rolled back and
+    nothing of it committed."""
+    orig = getattr(exc, "orig", None) or exc
+    sqlstate = getattr(orig, "sqlstate", None) or ""
+    return bool(sqlstate) and not sqlstate.startswith(_CONNECTION_GONE)
+
+
+def write_in_doubt(exc: BaseException) -> bool:
+    """A write that failed on its way to the database or back (the connection lost, a timeout,
+    a cancellation), not refused by the server: it may have committed all the same."""
+    if refused_by_server(exc):
+        return False
+    return isinstance(
+        exc,
+        DBAPIError
+        | OSError
+        | asyncpg.PostgresError
+        | asyncpg.InterfaceError
+        | asyncpg.exceptions.InternalClientError
+        | asyncio.CancelledError,
+    )
 
 
 class AttrRecord(asyncpg.Record):
@@ -342,7 +407,12 @@ class Database:
         if self._kept:
             pooled, since = self._kept.pop()
         else:
-            pooled, since = await self.engine.raw_connection(), time.monotonic()
+            try:
+                pooled, since = await self.engine.raw_connection(), time.monotonic()
+            except Exception as exc:
+                if no_writable_host(exc):
+                    raise NoWritableHost(str(exc)) from exc
+                raise
         sound = False
         try:
             yield pooled.driver_connection

@@ -88,8 +88,17 @@ class TooLarge(MeteringError):
     status, code = 413, "request_too_large"
 
 
+# A request refused because the database cannot be reached (a restart, a failover) may be sent
+# again after this many seconds: what the official SDKs wait before their retry.
+LEDGER_RETRY_AFTER = {"retry-after": "1"}
+
+
 class LedgerUnavailable(MeteringError):
     status, code = 503, "ledger_unavailable"
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        kwargs.setdefault("headers", dict(LEDGER_RETRY_AFTER))
+        super().__init__(message, **kwargs)
 
 
 class ErrorDetail(BaseModel):

@@ -10,6 +10,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from metering.dburl import hosts_in_query
 from metering.money import MoneyError, parse_usd, price_to_micro
 from metering.timefmt import parse_rfc3339
 
@@ -28,7 +29,10 @@ class Settings(BaseSettings):
 
     database_url: str = "sqlite:///./metering.db"
     """The database: `sqlite:///PATH` (one process) or `postgresql://user@host:port/db` (any
-    number of replicas and workers)."""
+    number of replicas and workers). Several PostgreSQL hosts, a primary and its standbys:
+    `postgresql://user@h1:5432,h2:5432/db?target_session_attrs=read-write` (or
+    `postgresql://user@/db?host=h1:5432&host=h2:5432&target_session_attrs=read-write`): every
+    connection goes to the one that accepts writes, found again after a failover."""
     database_password: str | None = Field(default=None, repr=False)
     """The database's password, quoted into the database URL (replacing the URL's own), so it may
     hold any character, `@ : / %` included; docker-compose.yml passes POSTGRES_PASSWORD here.
@@ -156,6 +160,11 @@ class Settings(BaseSettings):
     webhook_per_endpoint: int = Field(default=4, ge=1, le=256)
     """Deliveries one replica sends at once to one webhook: a receiver that hangs holds these
     slots at most, never all of METERING_WEBHOOK_CONCURRENCY."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _hosts_in_query(cls, value: str) -> str:
+        return hosts_in_query(value)
 
     @field_validator("admin_key")
     @classmethod

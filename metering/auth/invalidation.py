@@ -31,7 +31,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.cache import CredentialCache
-from metering.db import Database, dialect_name
+from metering.db import Database, asyncpg_dsn, dialect_name
 
 log = logging.getLogger("metering.auth")
 
@@ -81,10 +81,6 @@ def pending(session: AsyncSession) -> list[tuple[int, frozenset[str]]]:
     return changes
 
 
-def _dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 class Listener:
     """This process's side of the protocol on PostgreSQL (see the module's docstring)."""
 
@@ -97,7 +93,7 @@ class Listener:
         ping_timeout_s: float = 0.5,
         trust_s: float = 1.0,
     ) -> None:
-        self.dsn = _dsn(url)
+        self.dsn = asyncpg_dsn(url)
         self.cache = cache
         self.replica_id = f"rep_{uuid.uuid4().hex[:16]}"
         self.interval_s = interval_s

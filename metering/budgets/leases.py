@@ -55,7 +55,7 @@ from metering.budgets.groups import GroupWriter, answer
 from metering.budgets.reserve import Claim, HoldSpec, Reservation, hold_json, hold_row
 from metering.budgets.settle_queue import SettleQueue
 from metering.budgets.views import current_window, load, roll, view
-from metering.db import Database, utcnow
+from metering.db import Database, utcnow, write_in_doubt
 from metering.models import Budget, BudgetLease, Hold
 
 log = logging.getLogger("metering.budgets")
@@ -371,8 +371,12 @@ class LeaseBook:
             claim.end(released=True)
             self.drop(frozenset(f"budget:{lease.subject_id}" for lease in claim.leases))
             return None
-        except BaseException:
-            claim.end(released=True)
+        except BaseException as exc:
+            # Refused by the server, the hold was not written: the claim is given back. Cut
+            # short (the connection lost mid-commit), it may have been: taken whole from this
+            # process's view, as the sweeper would take it from the row (the proxy has the hold
+            # released once the database answers, metering.proxy.live).
+            claim.end(released=not write_in_doubt(exc))
             raise
         self.admitted += 1
         # A hold in an end user's row too: the general settle (not the one-statement one).

@@ -485,9 +485,10 @@ async def counters(
     return {(r.subject_id, r.kind): (r.window_start, r.used) for r in rows}
 
 
-async def release_claim(db: Database, claim: RateClaim, limits: Limits) -> None:
-    """Give back all of a claim whose request got no hold (refused by a budget). Never raises
-    nor yields to a cancellation: a slot it could not give back is recounted by heal_parallel."""
+async def release_claim(db: Database, claim: RateClaim, limits: Limits) -> bool:
+    """Give back all of a claim whose request got no hold (refused by a budget); False when it
+    could not. Never raises nor yields to a cancellation: a slot it could not give back is
+    recounted by heal_parallel."""
     subjects = {s.scope: s.subject_id for s in limits.scopes}
     rows = returns_of(claim.kinds, subjects, claim.window, claim.tokens, 0)
     with anyio.CancelScope(shield=True):
@@ -496,6 +497,8 @@ async def release_claim(db: Database, claim: RateClaim, limits: Limits) -> None:
                 await give_back(conn, rows)
         except Exception:
             log.warning("could not give back a refused request's rate counters", exc_info=True)
+            return False
+    return True
 
 
 _HOLDS_IN_FLIGHT = (

@@ -16,8 +16,16 @@ from metering.models import Budget, Hold
 _RELEASE = add_to_budgets(reserved=Budget.reserved - bindparam("amount"))
 
 
-async def release(db: Database, hold_id: str, reservation: Reservation | None = None) -> None:
-    """Give a hold back untouched: the request never reached an upstream."""
+async def release(
+    db: Database,
+    hold_id: str,
+    reservation: Reservation | None = None,
+    *,
+    rates_too: bool = True,
+) -> bool:
+    """Give a hold back untouched: the request never reached an upstream. False when there was
+    no such hold (never written, or settled or swept already). `rates_too`: its rate claim with
+    it (False: the claim was given back already)."""
     claim = reservation.claim if reservation is not None else None
     released = False
     try:
@@ -31,13 +39,14 @@ async def release(db: Database, hold_id: str, reservation: Reservation | None = 
                     await session.execute(_RELEASE, {"ids": held, "amount": hold.amount})
             if hold is not None and hold.run_id is not None:
                 await session.execute(CHARGE_RUN, [run_charge(hold, 0)])
-            if hold is not None:
+            if hold is not None and rates_too:
                 await rates.give_back(session, rate_returns(hold, None, released=True))
         released = hold is not None
     finally:
         if claim is not None:
             # A hold not found was swept (charged whole): its lease lost the whole hold.
             claim.end(released=released)
+    return released
 
 
 async def extend(db: Database, hold_ids: list[str], ttl_s: int) -> None:

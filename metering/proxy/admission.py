@@ -10,7 +10,7 @@ from metering.budgets import rates
 from metering.budgets.rates import RateClaim, RateLimited
 from metering.budgets.refusals import Refused
 from metering.budgets.reserve import HoldSpec, Reservation, reserve
-from metering.db import utcnow
+from metering.db import utcnow, write_in_doubt
 from metering.errors import MeteringError
 from metering.limits import Limits
 from metering.proxy.runtime import ProxyServices
@@ -159,11 +159,23 @@ class Admission:
         budgets = self.services.budgets
         ttl_s = self.services.settings.hold_ttl_s
         if claim is None:
-            return await reserve(budgets, self.spec, ttl_s, budgets.leases)
+            try:
+                return await reserve(budgets, self.spec, ttl_s, budgets.leases)
+            except BaseException as exc:
+                self._doubt(exc, rates_too=False)
+                raise
         try:
             return await reserve(budgets, self.spec, ttl_s, budgets.leases)
-        except BaseException:
+        except BaseException as exc:
             # No hold carries the claim: given back, whatever ended the request.
             assert self.limits is not None
-            await rates.release_claim(self.services.db, claim, self.limits)
+            given_back = await rates.release_claim(self.services.db, claim, self.limits)
+            self._doubt(exc, rates_too=not given_back)
             raise
+
+    def _doubt(self, exc: BaseException, rates_too: bool) -> None:
+        """The hold's write failed in a way after which it may have committed (the connection
+        lost mid-commit): the request is answered without it (503), and the hold released once
+        the database answers (metering.proxy.live); `rates_too`: with its rate claim."""
+        if write_in_doubt(exc):
+            self.services.live_holds.doubt(self.spec.hold_id, rates_too)

@@ -10,7 +10,8 @@ import psycopg
 import pytest
 
 from metering.auth.cache import CredentialCache
-from metering.auth.invalidation import Listener, _dsn
+from metering.auth.invalidation import Listener
+from metering.db import asyncpg_dsn
 from tests.auth.conftest import error_code, new_account
 
 pytestmark = pytest.mark.usefixtures("sim")
@@ -196,7 +197,7 @@ async def _lost_notification(url: str) -> tuple[object, int]:
         cache.put("t:1", "principal", frozenset({"token:tok_1"}), cache.epoch)
         assert cache.get("t:1").value == "principal"
         # A change committed without its notification reaching this listener.
-        conn = await asyncpg.connect(_dsn(url))
+        conn = await asyncpg.connect(asyncpg_dsn(url))
         try:
             seq = await conn.fetchval(
                 "INSERT INTO key_values (key, value) VALUES ('auth.change_seq', '1') "

@@ -16,7 +16,7 @@ from metering.budgets.runtime import BudgetRuntime
 from metering.budgets.views import new_budget
 from metering.db import Database, utcnow
 from metering.jobs import expire_holds, sweep_interval_s
-from metering.models import Hold
+from metering.models import Budget, Hold
 from metering.proxy.live import BATCH, LiveHolds
 from tests.budgets.conftest import fresh_db, fresh_pg, fresh_sqlite  # noqa: F401 - fixtures
 from tests.proxy.conftest import hold_spec, provider_entry, serving, sim_record
@@ -209,5 +209,36 @@ async def test_live_holds_are_extended_in_one_statement_and_never_swept(fresh_db
         async with db.sessions() as session:
             left = set(await session.scalars(select(Hold.id)))
         assert left == {r.hold_id for r in held[1:]}
+    finally:
+        await db.dispose()
+
+
+@pytest.mark.anyio
+async def test_holds_in_doubt_are_released_and_nothing_is_charged(fresh_db):  # noqa: F811
+    # A hold committed whose answer was lost (the connection cut mid-commit), and one never
+    # written: both in doubt for requests answered 503. The first is released, its credit
+    # back; the second is not there; nothing is charged, nothing is left to sweep.
+    db = Database(fresh_db, 4)
+    try:
+        suffix = uuid.uuid4().hex[:12]
+        subjects = {"token": f"tok_{suffix}", "user": f"user_{suffix}", "team": f"team_{suffix}"}
+        async with db.transaction() as session:
+            for scope, subject in subjects.items():
+                session.add(new_budget(subject, scope, 10**12, "never", utcnow()))
+        written = await reserve(BudgetRuntime(db), hold_spec(subjects), ttl_s=0)
+        async with db.sessions() as session:
+            reserved = set(await session.scalars(select(Budget.reserved)))
+        assert reserved == {written.amount}
+        live = LiveHolds()
+        live.doubt(written.hold_id, rates_too=True)
+        live.doubt(hold_spec(subjects).hold_id, rates_too=True)
+        assert live.doubtful == 2
+        assert await live.release_doubtful(db) == 1
+        assert live.doubtful == 0
+        async with db.sessions() as session:
+            assert list(await session.scalars(select(Hold.id))) == []
+            rows = list(await session.execute(select(Budget.spent, Budget.reserved)))
+        assert [tuple(row) for row in rows] == [(0, 0)] * 3
+        assert await expire_holds(db) == 0  # nothing for the sweeper to charge
     finally:
         await db.dispose()
