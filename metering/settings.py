@@ -5,7 +5,7 @@ import tomllib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +33,15 @@ class Settings(BaseSettings):
     """The database's password, quoted into the database URL (replacing the URL's own), so it may
     hold any character, `@ : / %` included; docker-compose.yml passes POSTGRES_PASSWORD here.
     Unset: the URL's own."""
+    database_pooler: Literal["pgbouncer"] | None = None
+    """`pgbouncer`: METERING_DATABASE_URL is a pooler in transaction mode (PgBouncer, or a
+    managed database's pooler): no prepared statement is kept by name and no setting is given
+    at connect (docs/operator/pgbouncer.md). Unset: a direct connection or a session pooler."""
+    database_direct_url: str | None = None
+    """The same database without the pooler, for what needs a session of its own (the
+    credential listener's LISTEN) and for the migrations. The database name, user and password
+    it leaves out are METERING_DATABASE_URL's (METERING_DATABASE_PASSWORD's). Unset: the
+    database URL."""
     admin_key: str | None = None
     """The operator's key for the admin API, at least 32 characters (`openssl rand -hex 32`);
     `metering serve` refuses a shorter one or one containing `change-me`. Empty is unset: the
@@ -156,6 +165,11 @@ class Settings(BaseSettings):
     webhook_per_endpoint: int = Field(default=4, ge=1, le=256)
     """Deliveries one replica sends at once to one webhook: a receiver that hangs holds these
     slots at most, never all of METERING_WEBHOOK_CONCURRENCY."""
+
+    @field_validator("database_pooler", "database_direct_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: str | None) -> str | None:
+        return value or None
 
     @field_validator("admin_key")
     @classmethod

@@ -1,9 +1,13 @@
 """The real server in a background thread of this process, on a loopback port: for the tests."""
 
 import asyncio
+import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -63,3 +67,75 @@ class ServerThread:
 
 def metering_server(settings: Settings, catalog: Catalog, **kwargs) -> ServerThread:
     return ServerThread(create_app(settings, catalog, **kwargs), settings=settings).start()
+
+
+class PgBouncer:
+    """Debian's `pgbouncer` in transaction pooling mode (the managed poolers' mode), on a free
+    loopback port, in front of the PostgreSQL server at `host:port`: every database name is that
+    server's database of the same name, reached as the client's own user (trust);
+    `connect_query` runs once on each server connection it opens. Its files live in `workdir`.
+    Run as root, it runs as `user` (PgBouncer refuses root)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        host: str = "127.0.0.1",
+        port: int = 5432,
+        pool_size: int = 20,
+        max_client_conn: int = 2000,
+        user: str = "postgres",
+        connect_query: str | None = None,
+    ) -> None:
+        self.workdir, self.port, self.user = workdir, free_port(), user
+        self.ini = workdir / "pgbouncer.ini"
+        auth = workdir / "userlist.txt"
+        auth.write_text(f'"{user}" ""\n')
+        self.ini.write_text(
+            "[databases]\n"
+            f"* = host={host} port={port}"
+            + (f" connect_query='{connect_query}'" if connect_query else "")
+            + "\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\n"
+            f"unix_socket_dir =\nauth_type = trust\nauth_file = {auth}\n"
+            f"pool_mode = transaction\ndefault_pool_size = {pool_size}\n"
+            f"max_client_conn = {max_client_conn}\n"
+            # SQLAlchemy and asyncpg name no startup parameter PgBouncer 1.18 would refuse but
+            # these (psycopg sends none by default); each is a session setting it cannot keep.
+            "ignore_startup_parameters = extra_float_digits,options\n"
+            f"logfile = {workdir / 'pgbouncer.log'}\npidfile = {workdir / 'pgbouncer.pid'}\n"
+            # Idle server connections close soon: the tests' PostgreSQL serves other processes.
+            "server_reset_query =\nserver_idle_timeout = 5\n"
+        )
+        self.process: subprocess.Popen | None = None
+
+    def url(self, database: str, user: str = "postgres") -> str:
+        return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
+
+    def start(self, timeout: float = 15.0) -> "PgBouncer":
+        command = ["pgbouncer", str(self.ini)]
+        if os.geteuid() == 0:
+            shutil.chown(self.workdir, self.user)
+            for path in self.workdir.iterdir():
+                shutil.chown(path, self.user)
+            command[1:1] = ["-u", self.user]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while True:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                err = self.process.stderr.read().decode() if self.process.stderr else ""
+                self.stop()
+                raise RuntimeError(f"pgbouncer did not start: {err}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()

@@ -239,7 +239,11 @@ class Credentials:
             always_trusted=not postgres,
             watch=self.marker.read if self.marker is not None else None,
         )
-        self.listener = Listener(db.url, self.cache, trust_s=ack_timeout_s) if postgres else None
+        # LISTEN holds a session: the direct URL's (a pooler in transaction mode would give the
+        # session to other clients between two statements, and the notifications with it).
+        self.listener = (
+            Listener(db.direct_url, self.cache, trust_s=ack_timeout_s) if postgres else None
+        )
         self.ack_timeout_s = ack_timeout_s
 
     def start(self) -> None:

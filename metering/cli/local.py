@@ -47,9 +47,10 @@ def serve(args: argparse.Namespace) -> int:
     from uvicorn.supervisors import Multiprocess
 
     from metering import migrate
+    from metering.db import direct_url
     from metering.server import server_config
 
-    migrate.upgrade(settings.database_url)
+    migrate.upgrade(direct_url(settings.database_url, settings.database_direct_url))
     config = server_config(
         "metering.cli:serving_app",
         settings,
@@ -133,7 +134,12 @@ def reconcile(args: argparse.Namespace) -> int:
     from metering.settings import Settings
 
     async def run() -> dict:
-        db = Database(Settings().database_url)
+        settings = Settings()
+        db = Database(
+            settings.database_url,
+            pooler=settings.database_pooler,
+            direct=settings.database_direct_url,
+        )
         try:
             return await reconciliation.reconcile(db, args.provider, tolerance, data)
         finally:
@@ -164,7 +170,12 @@ def rerate(args: argparse.Namespace) -> int:
     async def run() -> dict:
         start = rerating.parse_moment(args.start, "start")
         end = rerating.parse_moment(args.end, "end") or utcnow()
-        db = Database(Settings().database_url)
+        settings = Settings()
+        db = Database(
+            settings.database_url,
+            pooler=settings.database_pooler,
+            direct=settings.database_direct_url,
+        )
         try:
             result = await rerating.rerate(
                 db,
@@ -192,8 +203,9 @@ def db_upgrade(_: argparse.Namespace) -> int:
     if settings is None:
         return 2
     from metering import migrate
+    from metering.db import direct_url
 
-    migrate.upgrade(settings.database_url)
+    migrate.upgrade(direct_url(settings.database_url, settings.database_direct_url))
     print("database is at the latest schema")
     return 0
 
