@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -73,12 +74,11 @@ class PgBouncer:
     """Debian's `pgbouncer` in transaction pooling mode (the managed poolers' mode), on a free
     loopback port, in front of the PostgreSQL server at `host:port`: every database name is that
     server's database of the same name, reached as the client's own user (trust);
-    `connect_query` runs once on each server connection it opens. Its files live in `workdir`.
-    Run as root, it runs as `user` (PgBouncer refuses root)."""
+    `connect_query` runs once on each server connection it opens. Its files live in a directory
+    of its own, removed when it stops. Run as root, it runs as `user` (PgBouncer refuses root)."""
 
     def __init__(
         self,
-        workdir: Path,
         host: str = "127.0.0.1",
         port: int = 5432,
         pool_size: int = 20,
@@ -86,9 +86,11 @@ class PgBouncer:
         user: str = "postgres",
         connect_query: str | None = None,
     ) -> None:
-        self.workdir, self.port, self.user = workdir, free_port(), user
-        self.ini = workdir / "pgbouncer.ini"
-        auth = workdir / "userlist.txt"
+        # A directory of its own under /tmp: the user it runs as must reach it.
+        self.workdir = Path(tempfile.mkdtemp(prefix="pgbouncer-"))
+        self.port, self.user = free_port(), user
+        self.ini = self.workdir / "pgbouncer.ini"
+        auth = self.workdir / "userlist.txt"
         auth.write_text(f'"{user}" ""\n')
         self.ini.write_text(
             "[databases]\n"
@@ -99,11 +101,12 @@ class PgBouncer:
             f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\n"
             f"unix_socket_dir =\nauth_type = trust\nauth_file = {auth}\n"
             f"pool_mode = transaction\ndefault_pool_size = {pool_size}\n"
-            f"max_client_conn = {max_client_conn}\n"
+            f"max_client_conn = {max_client_conn}\nadmin_users = {user}\n"
             # SQLAlchemy and asyncpg name no startup parameter PgBouncer 1.18 would refuse but
             # these (psycopg sends none by default); each is a session setting it cannot keep.
             "ignore_startup_parameters = extra_float_digits,options\n"
-            f"logfile = {workdir / 'pgbouncer.log'}\npidfile = {workdir / 'pgbouncer.pid'}\n"
+            f"logfile = {self.workdir / 'pgbouncer.log'}\n"
+            f"pidfile = {self.workdir / 'pgbouncer.pid'}\n"
             # Idle server connections close soon: the tests' PostgreSQL serves other processes.
             "server_reset_query =\nserver_idle_timeout = 5\n"
         )
@@ -139,3 +142,4 @@ class PgBouncer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)

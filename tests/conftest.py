@@ -3,7 +3,6 @@ the real metering server on loopback for each backend."""
 
 import atexit
 import os
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -33,13 +32,15 @@ PG_ADMIN_DSN = os.environ.get("METERING_TEST_PG", "postgresql://postgres@127.0.0
 # pooler runs the serving settings on each server connection it opens (connect_query), as an
 # operator sets them for the role. Only the postgresql backend runs.
 PGBOUNCER = os.environ.get("METERING_TEST_PGBOUNCER") == "1"
+PG_DIRECT_DSN = PG_ADMIN_DSN  # the server itself, never the pooler
 if PGBOUNCER:
     _server = make_url(PG_ADMIN_DSN)
     _bouncer = PgBouncer(
-        Path(tempfile.mkdtemp(prefix="pgbouncer-")),
         host=_server.host or "127.0.0.1",
         port=_server.port or 5432,
-        connect_query="; ".join(f"SET {name} = {value}" for name, value in SERVING_SETTINGS.items()),
+        connect_query="; ".join(
+            f"SET {name} = {value}" for name, value in SERVING_SETTINGS.items()
+        ),
     ).start()
     atexit.register(_bouncer.stop)
     os.environ["METERING_DATABASE_POOLER"] = "pgbouncer"
