@@ -17,6 +17,7 @@ LABEL = {
     "pg": "ours, PostgreSQL",
     "pg-base": "ours at --baseline, PostgreSQL",
     "pg-nosync": "ours, PostgreSQL, no WAL flush wait",
+    "pg-pgbouncer": "ours, PostgreSQL through PgBouncer (transaction mode)",
     "pg-off": "ours, PostgreSQL, budgets off",
     "pg-limits": "ours, PostgreSQL, rate limits on",
     "pg-end-users": "ours, PostgreSQL, an end user on every request",
@@ -31,6 +32,7 @@ SERVER_LABEL = {
     "pg": "ours on PostgreSQL",
     "pg-base": "ours at --baseline on PostgreSQL",
     "pg-nosync": "ours on PostgreSQL, no WAL flush wait",
+    "pg-pgbouncer": "ours through PgBouncer",
     "sqlite": "ours on SQLite",
     "litellm": "LiteLLM",
 }

@@ -47,6 +47,8 @@ from bench.procs import (
     tree_cpu_seconds,
     tree_rss_kib,
 )
+from metering.db import SERVING_SETTINGS
+from metering.testing import PgBouncer
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gpt-sim"
@@ -63,6 +65,7 @@ MODES = (
     "pg",
     "pg-base",
     "pg-nosync",
+    "pg-pgbouncer",
     "pg-limits",
     "pg-end-users",
     "pg-end-user-budgets",
@@ -74,6 +77,7 @@ SERVER_OF = {
     "pg": "pg",
     "pg-base": "pg-base",
     "pg-nosync": "pg-nosync",
+    "pg-pgbouncer": "pg-pgbouncer",
     "pg-limits": "pg",
     "pg-end-users": "pg",
     "pg-end-user-budgets": "pg",
@@ -196,6 +200,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "WAL flush (ALTER DATABASE ... SET synchronous_commit = off; the pg-nosync mode): what "
         "the commits' fsync costs ours. A diagnosis, never a setting for production",
     )
+    p.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="also ours on a second PostgreSQL database reached through PgBouncer in transaction "
+        "mode (Debian's pgbouncer, `make pgbouncer`), with METERING_DATABASE_POOLER=pgbouncer "
+        "(the pg-pgbouncer mode; the pooler's CPU is not counted)",
+    )
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument(
@@ -218,6 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         modes.add("pg-limits")
     if args.nosync:
         modes.add("pg-nosync")
+    if args.pgbouncer:
+        modes.add("pg-pgbouncer")
     if args.no_sqlite:
         modes.discard("sqlite")
     if args.baseline is not None:
@@ -430,10 +443,12 @@ def start_ours(
     stack,
     source: Path | None = None,
     nosync: bool = False,
+    pooler: PgBouncer | None = None,
 ) -> Server:
     """Ours on `backend` ("pg" or "sqlite"); `source`: run another checkout's code (its
     metering package first on the path) instead of the installed one; `nosync`: on a database
-    whose commits return before their WAL is flushed (pg-nosync)."""
+    whose commits return before their WAL is flushed (pg-nosync); `pooler`: through that
+    PgBouncer (pg-pgbouncer)."""
     admin_key = "bench-admin-" + uuid.uuid4().hex
     pg = None
     workers = 1
@@ -452,9 +467,18 @@ def start_ours(
         database_url = f"sqlite:///{tmp / 'bench.db'}"
     config = tmp / "metering.toml"
     config.write_text(catalog_toml(sim_port))
+    pooled = {}
+    if pooler is not None and pg is not None:
+        user = psycopg.conninfo.conninfo_to_dict(args.pg).get("user") or "postgres"
+        pooled = {
+            "METERING_DATABASE_URL": pooler.url(pg[1], str(user)),
+            "METERING_DATABASE_POOLER": "pgbouncer",
+            "METERING_DATABASE_DIRECT_URL": database_url,
+        }
     env = {
         **os.environ,
         "METERING_DATABASE_URL": database_url,
+        **pooled,
         "METERING_ADMIN_KEY": admin_key,
         "METERING_CONFIG": str(config),
         SIM_KEY_ENV: SIM_KEY,
@@ -463,7 +487,15 @@ def start_ours(
     if source is not None:
         env["PYTHONPATH"] = str(source.resolve())
         command = [sys.executable, "-m", "metering.cli"]
-    name = "pg-base" if source is not None else "pg-nosync" if nosync else backend
+    name = (
+        "pg-base"
+        if source is not None
+        else "pg-nosync"
+        if nosync
+        else "pg-pgbouncer"
+        if pooler
+        else backend
+    )
     # Ready when it knows this run's admin key: the port was free when chosen, but another
     # process may bind it first (and would answer /healthz as well); ours then exits, and is
     # started again on another port.
@@ -982,6 +1014,20 @@ def run(args, meta: dict) -> dict:
             nosync_tmp = tmp / "pg-nosync"
             nosync_tmp.mkdir()
             servers["pg-nosync"] = start_ours(args, "pg", sim_port, nosync_tmp, stack, nosync=True)
+        if "pg-pgbouncer" in args.modes:
+            pooled_tmp = tmp / "pg-pgbouncer"
+            pooled_tmp.mkdir()
+            server = psycopg.conninfo.conninfo_to_dict(args.pg)
+            pooler = PgBouncer(
+                host=str(server.get("host") or "127.0.0.1"),
+                port=int(server.get("port") or 5432),
+                # The serving settings, on each server connection (docs/operator/pgbouncer.md).
+                connect_query="; ".join(f"SET {k} = {v}" for k, v in SERVING_SETTINGS.items()),
+            ).start()
+            stack.callback(pooler.stop)
+            servers["pg-pgbouncer"] = start_ours(
+                args, "pg", sim_port, pooled_tmp, stack, pooler=pooler
+            )
         if "sqlite" in args.modes:
             sqlite_tmp = tmp / "sqlite"
             sqlite_tmp.mkdir()
@@ -1041,6 +1087,7 @@ def run(args, meta: dict) -> dict:
                     "pg-end-user-budgets",
                     "pg-base",
                     "pg-nosync",
+                    "pg-pgbouncer",
                 )
             ]
             targets = {
