@@ -195,10 +195,6 @@ def _plan_freely(session, transaction, connection) -> None:
         connection.exec_driver_sql(REPORT_SETTING)
 
 
-# METERING_DATABASE_POOLER's values: the poolers in transaction mode the engine is built for.
-POOLERS = ("pgbouncer",)
-
-
 def _unnamed() -> str:
     return ""
 
@@ -214,8 +210,8 @@ def driver_args(pooler: str | None, server_settings: dict[str, str] | None) -> d
     serving settings go to the role instead, docs/operator/pgbouncer.md)."""
     if pooler is None:
         return {"server_settings": server_settings} if server_settings else {}
-    if pooler not in POOLERS:
-        raise ValueError(f"unknown database pooler {pooler!r}: one of {', '.join(POOLERS)}")
+    if pooler != "pgbouncer":
+        raise ValueError(f"unknown database pooler {pooler!r}: unset, or pgbouncer")
     return {
         "statement_cache_size": 0,
         "prepared_statement_cache_size": 0,

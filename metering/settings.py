@@ -5,7 +5,7 @@ import tomllib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,6 +14,8 @@ from metering.money import MoneyError, parse_usd, price_to_micro
 from metering.timefmt import parse_rfc3339
 
 ADMIN_KEY_MIN_CHARS = 32
+# METERING_DATABASE_POOLER's values (metering.db builds the engine for each).
+POOLERS = ("pgbouncer",)
 DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
 
 
@@ -33,7 +35,7 @@ class Settings(BaseSettings):
     """The database's password, quoted into the database URL (replacing the URL's own), so it may
     hold any character, `@ : / %` included; docker-compose.yml passes POSTGRES_PASSWORD here.
     Unset: the URL's own."""
-    database_pooler: Literal["pgbouncer"] | None = None
+    database_pooler: str | None = None
     """`pgbouncer`: METERING_DATABASE_URL is a pooler in transaction mode (PgBouncer, or a
     managed database's pooler): no prepared statement is kept by name and no setting is given
     at connect (docs/operator/pgbouncer.md). Unset: a direct connection or a session pooler."""
@@ -166,9 +168,18 @@ class Settings(BaseSettings):
     """Deliveries one replica sends at once to one webhook: a receiver that hangs holds these
     slots at most, never all of METERING_WEBHOOK_CONCURRENCY."""
 
-    @field_validator("database_pooler", "database_direct_url", mode="before")
+    @field_validator("database_direct_url", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: str | None) -> str | None:
+        return value or None
+
+    @field_validator("database_pooler", mode="before")
+    @classmethod
+    def _known_pooler(cls, value: str | None) -> str | None:
+        if value and value not in POOLERS:
+            raise ValueError(
+                f"METERING_DATABASE_POOLER is {value!r}: unset, or one of {', '.join(POOLERS)}"
+            )
         return value or None
 
     @field_validator("admin_key")
