@@ -1,8 +1,10 @@
 """The real server in a background thread of this process, on a loopback port: for the tests."""
 
 import asyncio
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -70,6 +72,12 @@ def metering_server(settings: Settings, catalog: Catalog, **kwargs) -> ServerThr
     return ServerThread(create_app(settings, catalog, **kwargs), settings=settings).start()
 
 
+def _die_with_parent() -> None:
+    """In the child, after it has taken its user: SIGTERM when the process that started it ends,
+    however it ends (a test process killed leaves no pooler behind)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class PgBouncer:
     """Debian's `pgbouncer` in transaction pooling mode (the managed poolers' mode), on a free
     loopback port, in front of the PostgreSQL server at `host:port`: every database name is that
@@ -116,13 +124,20 @@ class PgBouncer:
         return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
 
     def start(self, timeout: float = 15.0) -> "PgBouncer":
-        command = ["pgbouncer", str(self.ini)]
+        command = [shutil.which("pgbouncer") or "/usr/sbin/pgbouncer", str(self.ini)]
+        user = None
         if os.geteuid() == 0:
-            shutil.chown(self.workdir, self.user)
+            user = self.user
+            shutil.chown(self.workdir, user)
             for path in self.workdir.iterdir():
-                shutil.chown(path, self.user)
-            command[1:1] = ["-u", self.user]
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                shutil.chown(path, user)
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            user=user,
+            preexec_fn=_die_with_parent,
+        )
         deadline = time.monotonic() + timeout
         while True:
             with socket.socket() as probe:
