@@ -103,17 +103,17 @@ test: $(BIN)/metering postgres chromium prometheus kubectl java pgbouncer
 # tests/conftest.py puts one in front of every database, with METERING_DATABASE_POOLER=pgbouncer
 # and the direct URL set), the whole suite but the files tests/pgbouncer.txt leaves out, in
 # the same three parts as `make test`; `make test` runs the few files PGBOUNCER_TESTS names.
-PGBOUNCER_SKIP := $(addprefix --ignore=,$(shell grep -v '^\#' tests/pgbouncer.txt))
+PGBOUNCER_SKIP := $(shell grep -v '^\#' tests/pgbouncer.txt)
 test-pgbouncer: $(BIN)/metering postgres chromium prometheus kubectl java pgbouncer
 	rm -f test-output/junit-pgbouncer-*.xml
 	export METERING_TEST_PGBOUNCER=1; \
 		$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "e2e and not serial and not alone" \
-		$(PGBOUNCER_SKIP) --junitxml=test-output/junit-pgbouncer-parallel.xml; \
+		$(addprefix --ignore=,$(PGBOUNCER_SKIP)) --junitxml=test-output/junit-pgbouncer-parallel.xml; \
 		parallel=$$?; \
-		$(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal -m "e2e and serial" $(PGBOUNCER_SKIP) \
-		$(SERIAL_TESTS) --junitxml=test-output/junit-pgbouncer-serial.xml; \
+		$(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal -m "e2e and serial" \
+		$(filter-out $(PGBOUNCER_SKIP),$(SERIAL_TESTS)) --junitxml=test-output/junit-pgbouncer-serial.xml; \
 		serial=$$?; \
-		$(BIN)/pytest -q -m "e2e and alone" $(PGBOUNCER_SKIP) $(ALONE_TESTS) \
+		$(BIN)/pytest -q -m "e2e and alone" $(filter-out $(PGBOUNCER_SKIP),$(ALONE_TESTS)) \
 		--junitxml=test-output/junit-pgbouncer-alone.xml; \
 		alone=$$?; \
 		test $$parallel -eq 0 -a $$serial -eq 0 -a $$alone -eq 0
