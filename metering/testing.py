@@ -117,6 +117,7 @@ class PgBouncer:
             f"pidfile = {self.workdir / 'pgbouncer.pid'}\n"
             # Idle server connections close soon: the tests' PostgreSQL serves other processes.
             "server_reset_query =\nserver_idle_timeout = 5\n"
+            "log_connections = 0\nlog_disconnections = 0\n"
         )
         self.process: subprocess.Popen | None = None
 
@@ -131,20 +132,23 @@ class PgBouncer:
             shutil.chown(self.workdir, user)
             for path in self.workdir.iterdir():
                 shutil.chown(path, user)
-        self.process = subprocess.Popen(
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            user=user,
-            preexec_fn=_die_with_parent,
-        )
+        # Its stderr to a file: a pipe nobody reads would fill, and stop it mid-write.
+        with (self.workdir / "stderr.log").open("wb") as stderr:
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                user=user,
+                preexec_fn=_die_with_parent,
+            )
         deadline = time.monotonic() + timeout
         while True:
             with socket.socket() as probe:
                 if probe.connect_ex(("127.0.0.1", self.port)) == 0:
                     return self
             if self.process.poll() is not None or time.monotonic() > deadline:
-                err = self.process.stderr.read().decode() if self.process.stderr else ""
+                logs = [self.workdir / "stderr.log", self.workdir / "pgbouncer.log"]
+                err = "".join(log.read_text()[-1000:] for log in logs if log.exists())
                 self.stop()
                 raise RuntimeError(f"pgbouncer did not start: {err}")
             time.sleep(0.05)
