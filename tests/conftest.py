@@ -44,7 +44,8 @@ if PGBOUNCER:
     ).start()
     atexit.register(_bouncer.stop)
     os.environ["METERING_DATABASE_POOLER"] = "pgbouncer"
-    os.environ["METERING_DATABASE_DIRECT_URL"] = _server.set(database=None).render_as_string(
+    # The server without a database name: each database's own (metering.db.direct_url).
+    os.environ["METERING_DATABASE_DIRECT_URL"] = _server._replace(database=None).render_as_string(
         hide_password=False
     )
     PG_ADMIN_DSN = _bouncer.url(_server.database or "postgres", _server.username or "postgres")
