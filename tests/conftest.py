@@ -50,6 +50,20 @@ if PGBOUNCER:
     )
     PG_ADMIN_DSN = _bouncer.url(_server.database or "postgres", _server.username or "postgres")
 
+
+def direct(url: str) -> str:
+    """A database URL of the tests' as the server itself, never through the pooler: for a
+    test's own connection that keeps state in its session (SET ROLE), which a pooler would
+    hand on to the service's next transaction."""
+    if not PGBOUNCER:
+        return url
+    return (
+        make_url(url)
+        ._replace(host=_server.host, port=_server.port)
+        .render_as_string(hide_password=False)
+    )
+
+
 # The servers the tests start (in this process and as subprocesses) keep small pools: three
 # pytest-xdist workers, each with its session's servers and a test's own, share one PostgreSQL
 # and its 100 connections (the default max_connections), and a pool keeps up to its size open
