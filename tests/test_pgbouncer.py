@@ -145,7 +145,8 @@ def test_migrations_race_through_the_pooler_and_leave_no_lock(database):
         with psycopg.connect(direct, autocommit=True) as conn:
             version = conn.execute("SELECT count(*) FROM alembic_version").fetchone()[0]
             locks = conn.execute(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s",
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s "
+                "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
                 (migrate.MIGRATION_LOCK,),
             ).fetchone()[0]
         assert (version, locks) == (1, 0)
