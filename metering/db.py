@@ -221,8 +221,8 @@ def driver_args(pooler: str | None, server_settings: dict[str, str] | None) -> d
 
 def direct_url(url: str, direct: str | None) -> str:
     """The database without the pooler (LISTEN, the migrations): `direct`, its missing database
-    name, user and password taken from `url`; unset, `url` itself."""
-    if not direct:
+    name, user and password taken from `url`; unset, or the database SQLite, `url` itself."""
+    if not direct or is_sqlite(url):
         return url
     given, base = make_url(direct), make_url(url)
     same_user = given.username in (None, base.username)

@@ -205,3 +205,17 @@ def test_requests_are_metered_and_a_revoked_token_refused_through_the_pooler(dat
             server.stop()
     finally:
         bouncer.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "given", "expected"),
+    [
+        ("postgresql://m:pw@pool:6432/db", None, "postgresql://m:pw@pool:6432/db"),
+        ("postgresql://m:pw@pool:6432/db", "postgresql://pg:5432", "postgresql://m:pw@pg:5432/db"),
+        ("postgresql://m:pw@pool:6432/db", "postgresql://m@pg/other", "postgresql://m:pw@pg/other"),
+        ("postgresql://m:pw@pool:6432/db", "postgresql://admin@pg/db", "postgresql://admin@pg/db"),
+        ("sqlite:///./metering.db", "postgresql://pg:5432", "sqlite:///./metering.db"),
+    ],
+)
+def test_the_direct_url_takes_what_it_leaves_out_from_the_database_url(url, given, expected):
+    assert direct_url(url, given) == expected
