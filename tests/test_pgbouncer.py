@@ -219,3 +219,9 @@ def test_requests_are_metered_and_a_revoked_token_refused_through_the_pooler(dat
 )
 def test_the_direct_url_takes_what_it_leaves_out_from_the_database_url(url, given, expected):
     assert direct_url(url, given) == expected
+
+
+def test_an_unknown_pooler_is_refused_and_an_empty_one_is_unset():
+    with pytest.raises(ValueError, match="METERING_DATABASE_POOLER is 'odyssey'"):
+        Settings(database_pooler="odyssey", _env_file=None)
+    assert Settings(database_pooler="", _env_file=None).database_pooler is None
