@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast test-faults lint bench postgres chromium prometheus kubectl java faketime lock reference docs docs-build
+.PHONY: demo test test-fast test-faults test-pgbouncer lint bench postgres chromium prometheus kubectl java faketime pgbouncer lock reference docs docs-build
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -60,6 +60,12 @@ kubectl:
 java:
 	@command -v java >/dev/null || { apt-get update && apt-get install -y default-jre-headless; }
 
+# Debian's PgBouncer (1.18) in transaction mode: tests/test_pgbouncer.py starts its own, and
+# METERING_TEST_PGBOUNCER=1 puts one in front of every PostgreSQL database the tests reach.
+pgbouncer:
+	@command -v pgbouncer >/dev/null || PATH="$$PATH:/usr/sbin" command -v pgbouncer >/dev/null || \
+		{ apt-get update && apt-get install -y pgbouncer; }
+
 # Most of the suite runs in four processes (pytest-xdist: most tests wait on servers and
 # sockets, not on the two cores; each process has its own servers and databases; an idle
 # process takes tests queued for another, `--dist worksteal`), then the tests marked serial
@@ -72,17 +78,47 @@ SERIAL_WORKERS ?= 2
 # The serial and alone parts' files (tests/conftest.py marks the same): their pytest collects
 # only these, not the whole suite again.
 SERIAL_TESTS := $(shell grep -v '^\#' tests/serial.txt)
+# `make test`'s PostgreSQL tests through PgBouncer (tests/conftest.py, METERING_TEST_PGBOUNCER):
+# completions through the SDK, holds and settles in groups, credential invalidation across
+# replicas, the migrations (tests/test_pgbouncer.py, in the first part, starts poolers of its
+# own). A few tests of these files, about half a minute.
+PGBOUNCER_TESTS := tests/proxy/test_e2e_completions.py tests/auth/test_credential_cache.py \
+	tests/budgets/test_group_settle.py tests/test_migrations.py
+PGBOUNCER_PICK := not sqlite and (sdk_completion or change_is_seen or listener_is_cut or \
+	concurrent_settles or without_drift)
 ALONE_TESTS := $(shell grep -v '^\#' tests/alone.txt)
 
-test: $(BIN)/metering postgres chromium prometheus kubectl java
+test: $(BIN)/metering postgres chromium prometheus kubectl java pgbouncer
 	rm -f test-output/junit-*.xml
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial and not alone" \
 		--junitxml=test-output/junit-parallel.xml; \
 		parallel=$$?; \
+		METERING_TEST_PGBOUNCER=1 $(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal \
+		-k "$(PGBOUNCER_PICK)" $(PGBOUNCER_TESTS) --junitxml=test-output/junit-pgbouncer.xml; \
+		pooled=$$?; \
 		$(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal -m serial $(SERIAL_TESTS) \
 		--junitxml=test-output/junit-serial.xml; \
 		serial=$$?; \
 		$(BIN)/pytest -q -m alone $(ALONE_TESTS) --junitxml=test-output/junit-alone.xml; \
+		alone=$$?; \
+		test $$parallel -eq 0 -a $$pooled -eq 0 -a $$serial -eq 0 -a $$alone -eq 0
+
+# The PostgreSQL tests through PgBouncer in transaction mode (METERING_TEST_PGBOUNCER=1:
+# tests/conftest.py puts one in front of every database, with METERING_DATABASE_POOLER=pgbouncer
+# and the direct URL set), the whole suite but the files tests/pgbouncer.txt leaves out, in
+# the same three parts as `make test`; `make test` runs the few files PGBOUNCER_TESTS names.
+PGBOUNCER_SKIP := $(shell grep -v '^\#' tests/pgbouncer.txt)
+test-pgbouncer: $(BIN)/metering postgres chromium prometheus kubectl java pgbouncer
+	rm -f test-output/junit-pgbouncer-*.xml
+	export METERING_TEST_PGBOUNCER=1; \
+		$(BIN)/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "e2e and not serial and not alone" \
+		$(addprefix --ignore=,$(PGBOUNCER_SKIP)) --junitxml=test-output/junit-pgbouncer-parallel.xml; \
+		parallel=$$?; \
+		$(BIN)/pytest -q -n $(SERIAL_WORKERS) --dist worksteal -m "e2e and serial" \
+		$(filter-out $(PGBOUNCER_SKIP),$(SERIAL_TESTS)) --junitxml=test-output/junit-pgbouncer-serial.xml; \
+		serial=$$?; \
+		$(BIN)/pytest -q -m "e2e and alone" $(filter-out $(PGBOUNCER_SKIP),$(ALONE_TESTS)) \
+		--junitxml=test-output/junit-pgbouncer-alone.xml; \
 		alone=$$?; \
 		test $$parallel -eq 0 -a $$serial -eq 0 -a $$alone -eq 0
 

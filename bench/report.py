@@ -18,6 +18,7 @@ LABEL = {
     "pg-traced": "ours, PostgreSQL, traces on (OTLP/HTTP)",
     "pg-base": "ours at --baseline, PostgreSQL",
     "pg-nosync": "ours, PostgreSQL, no WAL flush wait",
+    "pg-pgbouncer": "ours, PostgreSQL through PgBouncer (transaction mode)",
     "pg-off": "ours, PostgreSQL, budgets off",
     "pg-limits": "ours, PostgreSQL, rate limits on",
     "pg-end-users": "ours, PostgreSQL, an end user on every request",
@@ -33,6 +34,7 @@ SERVER_LABEL = {
     "pg-traced": "ours on PostgreSQL, traced",
     "pg-base": "ours at --baseline on PostgreSQL",
     "pg-nosync": "ours on PostgreSQL, no WAL flush wait",
+    "pg-pgbouncer": "ours through PgBouncer",
     "sqlite": "ours on SQLite",
     "litellm": "LiteLLM",
 }

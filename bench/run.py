@@ -47,6 +47,8 @@ from bench.procs import (
     tree_cpu_seconds,
     tree_rss_kib,
 )
+from metering.db import SERVING_SETTINGS
+from metering.testing import PgBouncer
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "gpt-sim"
@@ -64,6 +66,7 @@ MODES = (
     "pg-traced",
     "pg-base",
     "pg-nosync",
+    "pg-pgbouncer",
     "pg-limits",
     "pg-end-users",
     "pg-end-user-budgets",
@@ -76,6 +79,7 @@ SERVER_OF = {
     "pg-traced": "pg-traced",
     "pg-base": "pg-base",
     "pg-nosync": "pg-nosync",
+    "pg-pgbouncer": "pg-pgbouncer",
     "pg-limits": "pg",
     "pg-end-users": "pg",
     "pg-end-user-budgets": "pg",
@@ -205,6 +209,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "WAL flush (ALTER DATABASE ... SET synchronous_commit = off; the pg-nosync mode): what "
         "the commits' fsync costs ours. A diagnosis, never a setting for production",
     )
+    p.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="also ours on a second PostgreSQL database reached through PgBouncer in transaction "
+        "mode (Debian's pgbouncer, `make pgbouncer`), with METERING_DATABASE_POOLER=pgbouncer "
+        "(the pg-pgbouncer mode; the pooler's CPU is not counted)",
+    )
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument(
@@ -229,6 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         modes.add("pg-nosync")
     if args.traced:
         modes.add("pg-traced")
+    if args.pgbouncer:
+        modes.add("pg-pgbouncer")
     if args.no_sqlite:
         modes.discard("sqlite")
     if args.baseline is not None:
@@ -442,11 +455,13 @@ def start_ours(
     source: Path | None = None,
     nosync: bool = False,
     traces_to: str | None = None,
+    pooler: PgBouncer | None = None,
 ) -> Server:
     """Ours on `backend` ("pg" or "sqlite"); `source`: run another checkout's code (its
     metering package first on the path) instead of the installed one; `nosync`: on a database
     whose commits return before their WAL is flushed (pg-nosync); `traces_to`: an OTLP/HTTP
-    endpoint its traces are exported to (pg-traced; the others trace nothing)."""
+    endpoint its traces are exported to (pg-traced; the others trace nothing); `pooler`:
+    through that PgBouncer (pg-pgbouncer)."""
     admin_key = "bench-admin-" + uuid.uuid4().hex
     pg = None
     workers = 1
@@ -465,9 +480,18 @@ def start_ours(
         database_url = f"sqlite:///{tmp / 'bench.db'}"
     config = tmp / "metering.toml"
     config.write_text(catalog_toml(sim_port))
+    pooled = {}
+    if pooler is not None and pg is not None:
+        user = psycopg.conninfo.conninfo_to_dict(args.pg).get("user") or "postgres"
+        pooled = {
+            "METERING_DATABASE_URL": pooler.url(pg[1], str(user)),
+            "METERING_DATABASE_POOLER": "pgbouncer",
+            "METERING_DATABASE_DIRECT_URL": database_url,
+        }
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
         "METERING_DATABASE_URL": database_url,
+        **pooled,
         "METERING_ADMIN_KEY": admin_key,
         "METERING_CONFIG": str(config),
         SIM_KEY_ENV: SIM_KEY,
@@ -486,6 +510,8 @@ def start_ours(
         if nosync
         else "pg-traced"
         if traces_to
+        else "pg-pgbouncer"
+        if pooler
         else backend
     )
     # Ready when it knows this run's admin key: the port was free when chosen, but another
@@ -1051,6 +1077,20 @@ def run(args, meta: dict) -> dict:
             servers["pg-traced"] = start_ours(
                 args, "pg", sim_port, traced_tmp, stack, traces_to=sink
             )
+        if "pg-pgbouncer" in args.modes:
+            pooled_tmp = tmp / "pg-pgbouncer"
+            pooled_tmp.mkdir()
+            server = psycopg.conninfo.conninfo_to_dict(args.pg)
+            pooler = PgBouncer(
+                host=str(server.get("host") or "127.0.0.1"),
+                port=int(server.get("port") or 5432),
+                # The serving settings, on each server connection (docs/operator/pgbouncer.md).
+                connect_query="; ".join(f"SET {k} = {v}" for k, v in SERVING_SETTINGS.items()),
+            ).start()
+            stack.callback(pooler.stop)
+            servers["pg-pgbouncer"] = start_ours(
+                args, "pg", sim_port, pooled_tmp, stack, pooler=pooler
+            )
         if "sqlite" in args.modes:
             sqlite_tmp = tmp / "sqlite"
             sqlite_tmp.mkdir()
@@ -1111,6 +1151,7 @@ def run(args, meta: dict) -> dict:
                     "pg-base",
                     "pg-nosync",
                     "pg-traced",
+                    "pg-pgbouncer",
                 )
             ]
             targets = {

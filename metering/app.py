@@ -178,7 +178,12 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        db = Database(settings.database_url, settings.db_pool_size)
+        db = Database(
+            settings.database_url,
+            settings.db_pool_size,
+            pooler=settings.database_pooler,
+            direct=settings.database_direct_url,
+        )
         credentials = Credentials(
             db, size=settings.credential_cache_size, ttl_s=settings.credential_cache_ttl_s
         )

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 from collections.abc import AsyncIterator
@@ -253,8 +254,49 @@ def _writable_host_gone(context: Any) -> None:
         context.is_disconnect = True
 
 
+def _unnamed() -> str:
+    return ""
+
+
+def driver_args(pooler: str | None, server_settings: dict[str, str] | None) -> dict[str, Any]:
+    """asyncpg's connect arguments. Through a pooler in transaction mode (PgBouncer, as managed
+    databases' poolers run) consecutive transactions of one connection may run on different
+    server sessions, so nothing may live in the session: no prepared statement kept by name
+    (asyncpg's cache and SQLAlchemy's are off; SQLAlchemy's statements are unnamed, parsed in
+    the same exchange that runs them: asyncpg sends Parse, Describe and Flush, then Bind,
+    Execute and Sync, and the pooler keeps one server session until Sync's answer) and no
+    setting given at connect (PgBouncer refuses startup parameters it does not know: the
+    serving settings go to the role instead, docs/operator/pgbouncer.md)."""
+    if pooler is None:
+        return {"server_settings": server_settings} if server_settings else {}
+    if pooler != "pgbouncer":
+        raise ValueError(f"unknown database pooler {pooler!r}: unset, or pgbouncer")
+    return {
+        "statement_cache_size": 0,
+        "prepared_statement_cache_size": 0,
+        "prepared_statement_name_func": _unnamed,
+    }
+
+
+def direct_url(url: str, direct: str | None) -> str:
+    """The database without the pooler (LISTEN, the migrations): `direct`, its missing database
+    name, user and password taken from `url`; unset, or the database SQLite, `url` itself."""
+    if not direct or is_sqlite(url):
+        return url
+    given, base = make_url(direct), make_url(url)
+    same_user = given.username in (None, base.username)
+    return given.set(
+        database=given.database or base.database,
+        username=given.username or base.username,
+        password=given.password if given.password is not None or not same_user else base.password,
+    ).render_as_string(hide_password=False)
+
+
 def create_engine(
-    url: str, pool_size: int = 20, server_settings: dict[str, str] | None = None
+    url: str,
+    pool_size: int = 20,
+    server_settings: dict[str, str] | None = None,
+    pooler: str | None = None,
 ) -> AsyncEngine:
     if is_sqlite(url):
         # SQLite has one writer: one pooled connection serializes this process's
@@ -271,7 +313,7 @@ def create_engine(
         # The connection given back last is taken first: the few connections a load needs stay
         # in use, with their prepared statements planned, and the rest go idle.
         pool_use_lifo=True,
-        connect_args={"server_settings": server_settings} if server_settings else {},
+        connect_args=driver_args(pooler, server_settings),
     )
     event.listen(engine.sync_engine, "handle_error", _writable_host_gone)
     return engine
@@ -365,9 +407,21 @@ class AttrRecord(asyncpg.Record):
 
 
 class Database:
-    def __init__(self, url: str, pool_size: int = 20) -> None:
+    def __init__(
+        self,
+        url: str,
+        pool_size: int = 20,
+        *,
+        pooler: str | None = None,
+        direct: str | None = None,
+    ) -> None:
+        """`pooler` and `direct`: METERING_DATABASE_POOLER and METERING_DATABASE_DIRECT_URL,
+        read from the environment when not given."""
         self.url = url
-        self.engine = create_engine(url, pool_size, server_settings=SERVING_SETTINGS)
+        self.pooler = pooler or os.environ.get("METERING_DATABASE_POOLER") or None
+        # The database without the pooler, for what needs a session of its own (LISTEN).
+        self.direct_url = direct_url(url, direct or os.environ.get("METERING_DATABASE_DIRECT_URL"))
+        self.engine = create_engine(url, pool_size, SERVING_SETTINGS, self.pooler)
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
         self.dialect = "sqlite" if is_sqlite(url) else "postgresql"
         # Reports read apart from the request path: on SQLite the one pooled connection is the

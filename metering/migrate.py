@@ -42,16 +42,13 @@ def upgrade(url: str) -> None:
         command.upgrade(config, "head")
         return
     engine = create_engine(sync_url(url), poolclass=pool.NullPool)
-    with engine.connect() as conn:
-        conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
-        try:
-            conn.commit()
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
-            conn.commit()
-        finally:
-            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK})
-            conn.commit()
+    # The transaction's own lock, taken in the migrations' one transaction and let go at its
+    # end: a pooler in transaction mode keeps a transaction on one server session, where a
+    # session's lock could be taken on one and "released" on another.
+    with engine.connect() as conn, conn.begin():
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
+        config.attributes["connection"] = conn
+        command.upgrade(config, "head")
     engine.dispose()
 
 

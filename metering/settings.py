@@ -15,6 +15,8 @@ from metering.money import MoneyError, parse_usd, price_to_micro
 from metering.timefmt import parse_rfc3339
 
 ADMIN_KEY_MIN_CHARS = 32
+# METERING_DATABASE_POOLER's values (metering.db builds the engine for each).
+POOLERS = ("pgbouncer",)
 DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
 
 
@@ -37,6 +39,15 @@ class Settings(BaseSettings):
     """The database's password, quoted into the database URL (replacing the URL's own), so it may
     hold any character, `@ : / %` included; docker-compose.yml passes POSTGRES_PASSWORD here.
     Unset: the URL's own."""
+    database_pooler: str | None = None
+    """`pgbouncer`: METERING_DATABASE_URL is a pooler in transaction mode (PgBouncer, or a
+    managed database's pooler): no prepared statement is kept by name and no setting is given
+    at connect (docs/operator/pgbouncer.md). Unset: a direct connection or a session pooler."""
+    database_direct_url: str | None = None
+    """The same database without the pooler, for what needs a session of its own (the
+    credential listener's LISTEN) and for the migrations. The database name, user and password
+    it leaves out are METERING_DATABASE_URL's (METERING_DATABASE_PASSWORD's). Unset: the
+    database URL."""
     admin_key: str | None = None
     """The operator's key for the admin API, at least 32 characters (`openssl rand -hex 32`);
     `metering serve` refuses a shorter one or one containing `change-me`. Empty is unset: the
@@ -165,6 +176,20 @@ class Settings(BaseSettings):
     @classmethod
     def _hosts_in_query(cls, value: str) -> str:
         return hosts_in_query(value)
+
+    @field_validator("database_direct_url", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: str | None) -> str | None:
+        return hosts_in_query(value) if value else None
+
+    @field_validator("database_pooler", mode="before")
+    @classmethod
+    def _known_pooler(cls, value: str | None) -> str | None:
+        if value and value not in POOLERS:
+            raise ValueError(
+                f"METERING_DATABASE_POOLER is {value!r}: unset, or one of {', '.join(POOLERS)}"
+            )
+        return value or None
 
     @field_validator("admin_key")
     @classmethod

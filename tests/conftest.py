@@ -1,6 +1,7 @@
 """Fixtures: a fresh PostgreSQL database and a SQLite file per run, the simulated upstream, and
 the real metering server on loopback for each backend."""
 
+import atexit
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -9,18 +10,59 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from sqlalchemy.engine import make_url
 
 from metering import migrate
 from metering.clock import MovableClock, using
+from metering.db import SERVING_SETTINGS
 from metering.settings import Settings, parse_catalog
 from metering.sim.app import SimServer
-from metering.testing import metering_server
+from metering.testing import PgBouncer, metering_server
 
 # The demo site (a server with the demo traffic) shared by tests/demo, dashboard and grafana;
 # `cli`, the `metering` command in this process against the api server (tests/test_cli_*).
 pytest_plugins = ["tests.demo_site", "tests.cli_runner"]
 
 PG_ADMIN_DSN = os.environ.get("METERING_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+# METERING_TEST_PGBOUNCER=1 (`make test-pgbouncer`, and a named subset in `make test`): every
+# PostgreSQL database the tests reach, they reach through a PgBouncer in transaction mode
+# started for this process, as METERING_DATABASE_POOLER=pgbouncer configures the service for,
+# with the direct URL (the server itself) for LISTEN and `metering serve`'s migrations. The
+# pooler runs the serving settings on each server connection it opens (connect_query), as an
+# operator sets them for the role. Only the postgresql backend runs.
+PGBOUNCER = os.environ.get("METERING_TEST_PGBOUNCER") == "1"
+PG_DIRECT_DSN = PG_ADMIN_DSN  # the server itself, never the pooler
+if PGBOUNCER:
+    _server = make_url(PG_ADMIN_DSN)
+    _bouncer = PgBouncer(
+        host=_server.host or "127.0.0.1",
+        port=_server.port or 5432,
+        connect_query="; ".join(
+            f"SET {name} = {value}" for name, value in SERVING_SETTINGS.items()
+        ),
+    ).start()
+    atexit.register(_bouncer.stop)
+    os.environ["METERING_DATABASE_POOLER"] = "pgbouncer"
+    # The server without a database name: each database's own (metering.db.direct_url).
+    os.environ["METERING_DATABASE_DIRECT_URL"] = _server._replace(database=None).render_as_string(
+        hide_password=False
+    )
+    PG_ADMIN_DSN = _bouncer.url(_server.database or "postgres", _server.username or "postgres")
+
+
+def direct(url: str) -> str:
+    """A database URL of the tests' as the server itself, never through the pooler: for a
+    test's own connection that keeps state in its session (SET ROLE), which a pooler would
+    hand on to the service's next transaction."""
+    if not PGBOUNCER:
+        return url
+    return (
+        make_url(url)
+        ._replace(host=_server.host, port=_server.port)
+        .render_as_string(hide_password=False)
+    )
+
 
 # The servers the tests start (in this process and as subprocesses) keep small pools: three
 # pytest-xdist workers, each with its session's servers and a test's own, share one PostgreSQL
@@ -30,7 +72,7 @@ PG_ADMIN_DSN = os.environ.get("METERING_TEST_PG", "postgresql://postgres@127.0.0
 # its kept writers).
 os.environ.setdefault("METERING_DB_POOL_SIZE", "5")
 ADMIN_KEY = "test-admin-key-" + uuid.uuid4().hex
-BACKENDS = ("sqlite", "postgresql")
+BACKENDS = ("postgresql",) if PGBOUNCER else ("sqlite", "postgresql")
 
 
 def _listed(name: str) -> tuple[str, ...]:
@@ -165,7 +207,7 @@ def pg_url():
     name = f"metering_test_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
         conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"postgresql://postgres@127.0.0.1:5432/{name}"
+    yield f"{PG_ADMIN_DSN.rsplit('/', 1)[0]}/{name}"
     with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 

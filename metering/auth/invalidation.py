@@ -235,7 +235,18 @@ class Credentials:
             always_trusted=not postgres,
             watch=self.marker.read if self.marker is not None else None,
         )
-        self.listener = Listener(db.url, self.cache, trust_s=ack_timeout_s) if postgres else None
+        if postgres and db.pooler and db.direct_url == db.url:
+            log.warning(
+                "METERING_DATABASE_POOLER is set and METERING_DATABASE_DIRECT_URL is not: the "
+                "credential listener LISTENs through the pooler, which gives its session to "
+                "other clients between two statements; changes to credentials reach the other "
+                "replicas by the listener's heartbeat instead of its notifications"
+            )
+        # LISTEN holds a session: the direct URL's (a pooler in transaction mode would give the
+        # session to other clients between two statements, and the notifications with it).
+        self.listener = (
+            Listener(db.direct_url, self.cache, trust_s=ack_timeout_s) if postgres else None
+        )
         self.ack_timeout_s = ack_timeout_s
 
     def start(self) -> None:

@@ -47,12 +47,14 @@ def serve(args: argparse.Namespace) -> int:
     from uvicorn.supervisors import Multiprocess
 
     from metering import migrate
+    from metering.db import direct_url
     from metering.server import server_config
 
+    migrations_url = direct_url(settings.database_url, settings.database_direct_url)
     if not args.no_migrate:
-        migrate.upgrade(settings.database_url)
+        migrate.upgrade(migrations_url)
     else:
-        state, revision, head = migrate.schema_state(settings.database_url)
+        state, revision, head = migrate.schema_state(migrations_url)
         if state == "pending":
             print(
                 f"metering: the database's schema is at {revision or 'none'}, this release "
@@ -143,7 +145,12 @@ def reconcile(args: argparse.Namespace) -> int:
     from metering.settings import Settings
 
     async def run() -> dict:
-        db = Database(Settings().database_url)
+        settings = Settings()
+        db = Database(
+            settings.database_url,
+            pooler=settings.database_pooler,
+            direct=settings.database_direct_url,
+        )
         try:
             return await reconciliation.reconcile(db, args.provider, tolerance, data)
         finally:
@@ -174,7 +181,12 @@ def rerate(args: argparse.Namespace) -> int:
     async def run() -> dict:
         start = rerating.parse_moment(args.start, "start")
         end = rerating.parse_moment(args.end, "end") or utcnow()
-        db = Database(Settings().database_url)
+        settings = Settings()
+        db = Database(
+            settings.database_url,
+            pooler=settings.database_pooler,
+            direct=settings.database_direct_url,
+        )
         try:
             result = await rerating.rerate(
                 db,
@@ -202,8 +214,9 @@ def db_upgrade(_: argparse.Namespace) -> int:
     if settings is None:
         return 2
     from metering import migrate
+    from metering.db import direct_url
 
-    migrate.upgrade(settings.database_url)
+    migrate.upgrade(direct_url(settings.database_url, settings.database_direct_url))
     print("database is at the latest schema")
     return 0
 
@@ -213,8 +226,11 @@ def db_check(_: argparse.Namespace) -> int:
     if settings is None:
         return 2
     from metering import migrate
+    from metering.db import direct_url
 
-    state, revision, head = migrate.schema_state(settings.database_url)
+    state, revision, head = migrate.schema_state(
+        direct_url(settings.database_url, settings.database_direct_url)
+    )
     print(f"schema {state}: database at {revision or 'none'}, this release's head {head}")
     return 1 if state == "pending" else 0
 
@@ -224,8 +240,10 @@ def db_wait(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     from metering import migrate
+    from metering.db import direct_url
 
-    state, revision, head = migrate.wait_current(settings.database_url, args.timeout)
+    url = direct_url(settings.database_url, settings.database_direct_url)
+    state, revision, head = migrate.wait_current(url, args.timeout)
     print(f"schema {state}: database at {revision or 'none'}, this release's head {head}")
     return 1 if state == "pending" else 0
 

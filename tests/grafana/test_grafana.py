@@ -15,6 +15,7 @@ import psycopg
 import pytest
 import yaml
 
+from tests.conftest import direct
 from tests.demo_site import ADMIN_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +125,8 @@ def reader(pg_site):
 @pytest.fixture
 def query(pg_site, reader):
     """Runs SQL as the reader; answers (column names, rows)."""
-    with psycopg.connect(pg_site.database_url, autocommit=True) as conn:
+    # The server itself: a session's role, through a pooler, would be the service's next.
+    with psycopg.connect(direct(pg_site.database_url), autocommit=True) as conn:
         conn.execute(f'SET ROLE "{reader}"')
 
         def run(sql: str) -> tuple[list[str], list[tuple]]:
