@@ -30,7 +30,17 @@ from functools import partial
 from typing import Any
 
 import orjson
-from sqlalchemy import ColumnElement, Select, case, func, literal, select, union, union_all
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    case,
+    func,
+    literal,
+    select,
+    text,
+    union,
+    union_all,
+)
 
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
@@ -72,6 +82,10 @@ MAX_PAGE = 1_000_000
 # The most rows a report may hold (the largest page): a larger grouping is refused with a 400.
 MAX_REPORT_ROWS = 100_000
 CHUNK = 1_000  # rows read or written between two turns of the event loop
+# A page of a report by end user or tag, its count and totals found apart: its groups summed
+# in the keys' order (the planner, which cannot tell how many groups there are, would hash them
+# all first), read from an index in that order where one has it, so it stops after the page.
+STREAMED = "SELECT set_config('enable_hashagg', 'off', true)"
 # group_by name -> the key it adds to each row
 GROUPS = {
     "team": "team_id",
@@ -232,6 +246,43 @@ def spend_query(
     """One SQL statement: the coarsest rollups' rows for the whole days and hours in
     [start, end), ledger (and archive) rows for the partial hours at its edges, summed per
     group (by end user or tag: metering.reports.attributed's parts)."""
+    found = _source(dialect, keys, filters, start, end, attrs)
+    if found is None:
+        return None
+    source, group = found
+    grouped = (
+        select(*group, *(func.sum(source.c[m]).label(m) for m in METRICS))
+        .group_by(*group)
+        .having(_kept(source))
+        .subquery("grouped")
+    )
+    out: list[ColumnElement[Any]] = []
+    for key in keys:
+        if key == "day":
+            out.append(day_text(grouped.c.bucket, dialect).label(key))
+        elif key == "hour":
+            out.append(hour_text(grouped.c.bucket, dialect).label(key))
+        else:
+            out.append(grouped.c[key])
+    return select(*out, *(grouped.c[m] for m in METRICS)).order_by(*out)
+
+
+def _kept(source) -> ColumnElement[bool]:
+    """A group is a row of the report when it counts a request or an adjustment."""
+    return (func.sum(source.c.requests) > 0) | (func.sum(source.c.adjustments) != 0)
+
+
+def _source(
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    start: datetime,
+    end: datetime,
+    attrs: Attributes = Attributes(),
+    name: str = "source",
+):
+    """The rows spend_query sums (a subquery `name`) and the columns it groups them by; None
+    when nothing can match."""
     needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
     parts = []
     if attrs.applies(keys):
@@ -247,27 +298,61 @@ def spend_query(
             parts.append(_rollup_part(PENDING, dialect, keys, filters, a, b))
     if not parts:
         return None
-    source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("source")
+    source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery(name)
     # Summed once, by the plain keys and the raw bucket; the bucket's text is made once per
     # group, not once per row.
     group = [source.c[k] for k in keys if k not in TIME_KEYS]
     if len(group) < len(keys):
         group.append(source.c.bucket)
-    grouped = (
-        select(*group, *(func.sum(source.c[m]).label(m) for m in METRICS))
-        .group_by(*group)
-        .having((func.sum(source.c.requests) > 0) | (func.sum(source.c.adjustments) != 0))
-        .subquery("grouped")
+    return source, group
+
+
+def attributed_key(keys: list[str]) -> str | None:
+    """The first end user or tag key a report groups by, if any."""
+    return next((k for k in keys if k == "end_user" or k.startswith("tag_")), None)
+
+
+def count_query(
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    start: datetime,
+    end: datetime,
+    attrs: Attributes,
+):
+    """The row count of a report by end user or tag, without summing each of its groups: the
+    distinct groups with a value (their rows, of the rollups, the pending increments and the
+    ledger, all count requests at or above zero), less those without a request whose
+    adjustments sum to zero (only adjustments, rare: the few rows without a request are looked
+    at), plus the groups without a value that are rows (the null rows, summed: the coarser
+    rollup less the attributed one). None when the report is neither by end user nor tag."""
+    key = attributed_key(keys)
+    found = _source(dialect, keys, filters, start, end, attrs)
+    if key is None or found is None:
+        return None
+    source, group = found
+    other, others = _source(dialect, keys, filters, start, end, attrs, "other")  # type: ignore[misc]
+    named = source.c[key]
+    valued = select(*group).where(named.is_not(None)).distinct().subquery("valued")
+    busy = select(literal(1)).where(
+        *(o.is_not_distinct_from(g) for o, g in zip(others, group, strict=True)),
+        other.c.requests > 0,
     )
-    out: list[ColumnElement[Any]] = []
-    for key in keys:
-        if key == "day":
-            out.append(day_text(grouped.c.bucket, dialect).label(key))
-        elif key == "hour":
-            out.append(hour_text(grouped.c.bucket, dialect).label(key))
-        else:
-            out.append(grouped.c[key])
-    return select(*out, *(grouped.c[m] for m in METRICS)).order_by(*out)
+    idle = (
+        select(*group)
+        .where(named.is_not(None), source.c.requests == 0, ~busy.exists())
+        .group_by(*group)
+        .having(func.sum(source.c.adjustments) == 0)
+        .subquery("idle")
+    )
+    unvalued = (
+        select(*group).where(named.is_(None)).group_by(*group).having(_kept(source))
+    ).subquery("unvalued")
+    return select(
+        select(func.count()).select_from(valued).scalar_subquery()
+        - select(func.count()).select_from(idle).scalar_subquery()
+        + select(func.count()).select_from(unvalued).scalar_subquery()
+    )
 
 
 def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
@@ -417,10 +502,37 @@ async def summary(db, query) -> tuple[int, dict]:
     return int(found.rows), {m: int(getattr(found, m) or 0) for m in METRICS}
 
 
-def page_query(query, keys: list[str], offset: int, limit: int):
+async def attributed_summary(
+    db, keys: list[str], filters: dict, start: datetime, end: datetime, attrs: Attributes
+) -> tuple[int, dict] | None:
+    """(number of rows, sums over all of them) of a report by end user or tag on PostgreSQL,
+    without summing each group: the count from count_query, the totals those of the same
+    report grouped by nothing (its groups share out the same events, and a group that is no
+    row of the report counts no request and adjusts nothing: all its sums are zero); None for
+    any other report (its page's rows carry both, page_query)."""
+    if db.dialect != "postgresql":
+        return None
+    counted = count_query(db.dialect, keys, filters, start, end, attrs)
+    if counted is None:
+        return None
+    whole = spend_query(
+        db.dialect, [], filters, start, end, Attributes((), attrs.end_user, attrs.tags)
+    )
+    async with db.reads() as session:
+        rows = int((await session.execute(counted)).scalar() or 0)
+        found = (await session.execute(whole)).first() if whole is not None else None
+    return rows, {m: int(getattr(found, m) or 0) if found else 0 for m in METRICS}
+
+
+def page_query(query, keys: list[str], offset: int, limit: int, counted: bool = False):
     """A page of the report, each row carrying the report's row count and totals (window
-    functions over every row, computed before the page is cut): one aggregate serves both."""
+    functions over every row, computed before the page is cut): one aggregate serves both;
+    `counted`: the page's rows only (the count and totals found apart, attributed_summary),
+    which a database can read in the keys' order and stop after."""
     report = query.order_by(None).subquery("report")
+    if counted:
+        order = [report.c[k] for k in keys]
+        return select(*report.c).order_by(*order).offset(offset).limit(limit)
     return (
         select(
             *report.c,
@@ -433,11 +545,14 @@ def page_query(query, keys: list[str], offset: int, limit: int):
     )
 
 
-async def page_parts(db, query, keys: list[str], offset: int, limit: int):
+async def page_parts(db, query, keys: list[str], offset: int, limit: int, counted: bool = False):
     """The page's rows, CHUNK at a time as the database sends them (never the whole page in
-    memory), the event loop free between two chunks."""
+    memory), the event loop free between two chunks. `counted` (PostgreSQL): the page alone,
+    its groups summed in the keys' order (no hash of every group first): it stops after it."""
     async with db.reads() as session:
-        result = await session.stream(page_query(query, keys, offset, limit))
+        if counted:
+            await session.execute(text(STREAMED))
+        result = await session.stream(page_query(query, keys, offset, limit, counted))
         async for part in result.partitions(CHUNK):
             yield part
             await asyncio.sleep(0)
@@ -546,11 +661,22 @@ async def spend_report(
     else:
         await check_size(db, keys, given, start_at, end_at, attrs)
     offset = (page - 1) * limit
+    counted = (
+        await attributed_summary(db, keys, given, start_at, end_at, attrs)
+        if query is not None
+        else None
+    )
     # The first chunk is read now: its rows carry the count and totals the head (and the
-    # paging headers) need; the rest is read as the response is sent.
-    parts = page_parts(db, query, keys, offset, limit) if query is not None else None
+    # paging headers) need (unless counted apart); the rest is read as the response is sent.
+    parts = (
+        page_parts(db, query, keys, offset, limit, counted is not None)
+        if query is not None
+        else None
+    )
     first = await anext(parts, None) if parts is not None else None
-    if first:
+    if counted is not None:
+        count, total = counted
+    elif first:
         count = int(first[0].row_count)
         total = {m: int(getattr(first[0], f"total_{m}") or 0) for m in METRICS}
     else:  # an empty report, or a page after the last

@@ -39,4 +39,3 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_index(NAME, table_name="spend_daily_end_user")
-
