@@ -325,7 +325,9 @@ def count_query(
     ledger, all count requests at or above zero), less those without a request whose
     adjustments sum to zero (only adjustments, rare: the few rows without a request are looked
     at), plus the groups without a value that are rows (the null rows, summed: the coarser
-    rollup less the attributed one). None when the report is neither by end user nor tag."""
+    rollup less the attributed one; by the end user or tag alone, the valued rows' requests
+    and adjustments instead, which the report's totals less are the null row's). None when the
+    report is neither by end user nor tag."""
     key = attributed_key(keys)
     found = _source(dialect, keys, filters, start, end, attrs)
     if key is None or found is None:
@@ -345,13 +347,21 @@ def count_query(
         .having(func.sum(source.c.adjustments) == 0)
         .subquery("idle")
     )
+    count = select(func.count()).select_from(valued).scalar_subquery()
+    count -= select(func.count()).select_from(idle).scalar_subquery()
+    if group == [named]:
+        # By the end user or tag alone: one null row, its sums the report's totals less the
+        # valued rows' (attributed_summary), found in the same pass as the distinct values.
+        sums = [func.coalesce(func.sum(source.c[m]), 0) for m in ("requests", "adjustments")]
+        counted = select(*(s.label(m) for s, m in zip(sums, ("requests", "adjustments"))))
+        valued_sums = counted.where(named.is_not(None)).subquery("valued_sums")
+        return select(count.label("rows"), *valued_sums.c)
     unvalued = (
         select(*group).where(named.is_(None)).group_by(*group).having(_kept(source))
     ).subquery("unvalued")
+    count += select(func.count()).select_from(unvalued).scalar_subquery()
     return select(
-        select(func.count()).select_from(valued).scalar_subquery()
-        - select(func.count()).select_from(idle).scalar_subquery()
-        + select(func.count()).select_from(unvalued).scalar_subquery()
+        count.label("rows"), literal(None).label("requests"), literal(None).label("adjustments")
     )
 
 
@@ -519,9 +529,14 @@ async def attributed_summary(
         db.dialect, [], filters, start, end, Attributes((), attrs.end_user, attrs.tags)
     )
     async with db.reads() as session:
-        rows = int((await session.execute(counted)).scalar() or 0)
+        rows, *valued = (await session.execute(counted)).one()
         found = (await session.execute(whole)).first() if whole is not None else None
-    return rows, {m: int(getattr(found, m) or 0) if found else 0 for m in METRICS}
+    total = {m: int(getattr(found, m) or 0) if found else 0 for m in METRICS}
+    if valued[0] is not None:  # by the end user or tag alone: is the null row a row?
+        kept = zip(("requests", "adjustments"), valued, strict=True)
+        requests, adjustments = (total[m] - int(v) for m, v in kept)
+        rows += requests > 0 or adjustments != 0
+    return int(rows), total
 
 
 def page_query(query, keys: list[str], offset: int, limit: int, counted: bool = False):
