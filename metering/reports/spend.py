@@ -267,6 +267,9 @@ def spend_query(
     return select(*out, *(grouped.c[m] for m in METRICS)).order_by(*out)
 
 
+KEPT = ("requests", "adjustments")  # the sums that make a group a row (_kept)
+
+
 def _kept(source) -> ColumnElement[bool]:
     """A group is a row of the report when it counts a request or an adjustment."""
     return (func.sum(source.c.requests) > 0) | (func.sum(source.c.adjustments) != 0)
@@ -347,22 +350,20 @@ def count_query(
         .having(func.sum(source.c.adjustments) == 0)
         .subquery("idle")
     )
-    count = select(func.count()).select_from(valued).scalar_subquery()
-    count -= select(func.count()).select_from(idle).scalar_subquery()
-    if group == [named]:
+    less = select(func.count()).select_from(idle).scalar_subquery()
+    if keys == [key]:
         # By the end user or tag alone: one null row, its sums the report's totals less the
         # valued rows' (attributed_summary), found in the same pass as the distinct values.
-        sums = [func.coalesce(func.sum(source.c[m]), 0) for m in ("requests", "adjustments")]
-        counted = select(*(s.label(m) for s, m in zip(sums, ("requests", "adjustments"))))
-        valued_sums = counted.where(named.is_not(None)).subquery("valued_sums")
-        return select(count.label("rows"), *valued_sums.c)
+        return select(
+            (func.count(func.distinct(named)) - less).label("rows"),
+            *(func.coalesce(func.sum(source.c[m]), 0).label(m) for m in KEPT),
+        ).where(named.is_not(None))
+    count = select(func.count()).select_from(valued).scalar_subquery() - less
     unvalued = (
         select(*group).where(named.is_(None)).group_by(*group).having(_kept(source))
     ).subquery("unvalued")
     count += select(func.count()).select_from(unvalued).scalar_subquery()
-    return select(
-        count.label("rows"), literal(None).label("requests"), literal(None).label("adjustments")
-    )
+    return select(count.label("rows"), *(literal(None).label(m) for m in KEPT))
 
 
 def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
@@ -533,7 +534,7 @@ async def attributed_summary(
         found = (await session.execute(whole)).first() if whole is not None else None
     total = {m: int(getattr(found, m) or 0) if found else 0 for m in METRICS}
     if valued[0] is not None:  # by the end user or tag alone: is the null row a row?
-        kept = zip(("requests", "adjustments"), valued, strict=True)
+        kept = zip(KEPT, valued, strict=True)
         requests, adjustments = (total[m] - int(v) for m, v in kept)
         rows += requests > 0 or adjustments != 0
     return int(rows), total
