@@ -416,8 +416,9 @@ async def check_size(
     start: datetime,
     end: datetime,
     attrs: Attributes = Attributes(),
-) -> None:
-    """Refuse (400) a report that could hold more than MAX_REPORT_ROWS rows. The bound: the
+) -> int:
+    """Refuse (400) a report that could hold more than MAX_REPORT_ROWS rows; else the most
+    rows it could hold. The bound: the
     hours (days) the range touches, times the distinct attributions it holds by the keys
     grouped on (tokens, users or teams), times the distinct models or providers; by end user
     or tag, times their distinct values (null included), or instead of all but the time, the
@@ -449,7 +450,7 @@ async def check_size(
         async with db.reads() as session:
             joint, *most = (await session.execute(upper)).one()
         if joint and bound * most[0] <= MAX_REPORT_ROWS:
-            return
+            return bound * most[0]
         async with db.reads() as session:
             joint, *counts = (await session.execute(below)).one()
         if joint:
@@ -468,6 +469,7 @@ async def check_size(
                 parts.append(f"{count:,} {label}")
     if bound > MAX_REPORT_ROWS:
         _refuse(bound, parts)
+    return bound
 
 
 def _named(name: str) -> str:
@@ -672,14 +674,17 @@ async def spend_report(
     if not principal.is_admin:
         given["user_id"] = principal.user_id
     query = spend_query(db.dialect, keys, given, start_at, end_at, attrs)
+    most = 0
     if "" in given.values() or end_user == "":  # no id, model, provider or end user is empty
         query = None
     else:
-        await check_size(db, keys, given, start_at, end_at, attrs)
+        most = await check_size(db, keys, given, start_at, end_at, attrs)
     offset = (page - 1) * limit
+    # A report that may hold more rows than the page: its count and totals found apart (by end
+    # user or tag, on PostgreSQL), the page summed alone; a smaller one is summed once whole.
     counted = (
         await attributed_summary(db, keys, given, start_at, end_at, attrs)
-        if query is not None
+        if query is not None and most > limit
         else None
     )
     # The first chunk is read now: its rows carry the count and totals the head (and the
