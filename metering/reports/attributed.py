@@ -278,18 +278,25 @@ def base(needed: set[str], grain: str = "day") -> Rollup:
 
 
 def _days(
-    rollup: Rollup, dialect: str, keys: list[str], filters: dict, attrs: Attributes, a, b
+    rollup: Rollup,
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    attrs: Attributes,
+    a,
+    b,
+    valued: bool = False,
 ) -> list[Select[Any]]:
     """The whole days (or hours, by an hourly rollup) [a, b): the attributed rollup's rows and
     the pending increments, and unless the report filters on the end user or tag (then every
     event has one), the null row: the coarsest rollup of the same grain with the other keys
-    minus the attributed rollup's rows."""
+    minus the attributed rollup's rows (not with `valued`: the rows with a value only)."""
     parts = [
         _rollup_part(rollup, dialect, keys, filters, attrs, a, b),
         _rollup_part(PENDING, dialect, keys, filters, attrs, a, b),
     ]
     filtered = attrs.end_user is not None if rollup is END_USER_DAILY else bool(attrs.tags)
-    if not filtered:
+    if not filtered and not valued:
         whole = base({k for k in keys if k in PLAIN} | set(filters), rollup.grain)
         parts += [
             _rollup_part(whole, dialect, keys, filters, attrs, a, b, valued=False),
@@ -299,21 +306,29 @@ def _days(
 
 
 def parts(
-    dialect: str, keys: list[str], filters: dict, attrs: Attributes, start, end
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    attrs: Attributes,
+    start,
+    end,
+    valued: bool = False,
 ) -> list[Select[Any]]:
     """The report's sources over [start, end), rows to be summed per group: whole days from
-    the attributed rollup the report's keys fit, the rest from the ledger and its archive."""
+    the attributed rollup the report's keys fit, the rest from the ledger and its archive
+    (`valued`: without the null row's rollup parts; the rest may still be without a value)."""
     rollup, hourly = attrs.plan(keys, filters), attrs.hourly(keys, filters)
     days_start, days_end = ceil_day(start), floor_day(end)
     spans = [(start, end)]
     out: list[Select[Any]] = []
     if rollup is not None and days_start < days_end:
-        out += _days(rollup, dialect, keys, filters, attrs, days_start, days_end)
+        out += _days(rollup, dialect, keys, filters, attrs, days_start, days_end, valued)
         spans = [(start, days_start), (days_end, end)]
     for a, b in spans:
         ledger = [(a, b)]
         if hourly is not None and ceil_hour(a) < floor_hour(b):
-            out += _days(hourly, dialect, keys, filters, attrs, ceil_hour(a), floor_hour(b))
+            hours = ceil_hour(a), floor_hour(b)
+            out += _days(hourly, dialect, keys, filters, attrs, *hours, valued)
             ledger = [(a, ceil_hour(a)), (floor_hour(b), b)]
         for x, y in ledger:
             if x < y:

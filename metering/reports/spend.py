@@ -283,13 +283,15 @@ def _source(
     end: datetime,
     attrs: Attributes = Attributes(),
     name: str = "source",
+    valued: bool = False,
 ):
     """The rows spend_query sums (a subquery `name`) and the columns it groups them by; None
-    when nothing can match."""
+    when nothing can match. `valued`: by end user or tag, without the parts that are the null
+    row's only (attributed.parts)."""
     needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
     parts = []
     if attrs.applies(keys):
-        parts = attributed.parts(dialect, keys, filters, attrs, start, end)
+        parts = attributed.parts(dialect, keys, filters, attrs, start, end, valued)
     for name, a, b in [] if parts else sources(keys, start, end):
         if name == "ledger":
             for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
@@ -332,16 +334,16 @@ def count_query(
     and adjustments instead, which the report's totals less are the null row's). None when the
     report is neither by end user nor tag."""
     key = attributed_key(keys)
-    found = _source(dialect, keys, filters, start, end, attrs)
-    if key is None or found is None:
+    full = _source(dialect, keys, filters, start, end, attrs)
+    found = _source(dialect, keys, filters, start, end, attrs, "valued", True)
+    other = _source(dialect, keys, filters, start, end, attrs, "other", True)
+    if key is None or full is None or found is None or other is None:
         return None
-    source, group = found
-    other, others = _source(dialect, keys, filters, start, end, attrs, "other")  # type: ignore[misc]
-    named = source.c[key]
-    valued = select(*group).where(named.is_not(None)).distinct().subquery("valued")
+    # The groups with a value, from the parts that can have one only.
+    (source, group), named = found, found[0].c[key]
     busy = select(literal(1)).where(
-        *(o.is_not_distinct_from(g) for o, g in zip(others, group, strict=True)),
-        other.c.requests > 0,
+        *(o.is_not_distinct_from(g) for o, g in zip(other[1], group, strict=True)),
+        other[0].c.requests > 0,
     )
     idle = (
         select(*group)
@@ -358,9 +360,11 @@ def count_query(
             (func.count(func.distinct(named)) - less).label("rows"),
             *(func.coalesce(func.sum(source.c[m]), 0).label(m) for m in KEPT),
         ).where(named.is_not(None))
+    valued = select(*group).where(named.is_not(None)).distinct().subquery("distinct_valued")
     count = select(func.count()).select_from(valued).scalar_subquery() - less
+    every, groups = full
     unvalued = (
-        select(*group).where(named.is_(None)).group_by(*group).having(_kept(source))
+        select(*groups).where(every.c[key].is_(None)).group_by(*groups).having(_kept(every))
     ).subquery("unvalued")
     count += select(func.count()).select_from(unvalued).scalar_subquery()
     return select(count.label("rows"), *(literal(None).label(m) for m in KEPT))
