@@ -13,7 +13,9 @@ reads a few thousand rows, and is exact for any start and end.
 A report holds at most MAX_REPORT_ROWS rows: one that could hold more (check_size's bound) is
 refused with a 400 naming the limit. A page holds at most `limit` rows (default DEFAULT_ROWS,
 at most MAX_ROWS), ordered by the group keys; `page` walks the rest. The page's rows carry the
-report's row count and totals (window functions): the report is aggregated once per request.
+report's row count and totals (window functions): the report is aggregated once per request;
+but on PostgreSQL, a report by end user or tag that may hold more than a page a day is counted
+and totalled apart (attributed_summary) and its page summed alone, in the keys' order.
 Rows are read and written in chunks of CHUNK, never a whole page in memory, with the event loop
 free between them, so a large report never stalls the requests the proxy is serving.
 """
