@@ -14,11 +14,10 @@ as spend_daily_tag answers whole days.
 """
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
     ColumnElement,
     Select,
     String,
@@ -42,7 +41,6 @@ from metering.ledger.rollup import (
     END_USER_DAILY,
     PENDING,
     ROLLUPS,
-    SATURATED,
     TAG_HOURLY,
     TAGS,
     Rollup,
@@ -57,6 +55,7 @@ from metering.ledger.tables import LedgerEvent, LedgerEventArchive
 from metering.reports.usage import check_text
 
 END_USER = "end_user"
+DAY, HOUR = timedelta(days=1), timedelta(hours=1)
 TAG = "tag:"  # group_by=tag:<key>, and the row key of its value
 # An event has at most MAX_TAGS tags (more filters can never all match), and a tag's bounds.
 MAX_TAG_FILTERS, MAX_KEY, MAX_VALUE = MAX_TAGS, MAX_TAG_KEY_CHARS, MAX_TAG_VALUE_CHARS
@@ -232,12 +231,10 @@ def _rollup_part(
 ) -> Select[Any]:
     """A rollup's rows in [a, b) (rollup_pending's: as increments of the end user and tags
     they carry), keyed as the report groups them; `valued=False`: with a NULL end user or tag
-    value (the null row's part), `sign=-1`: subtracted (the end-user rollup's summed here by
-    the day, team, user and token: one row for each of spend_daily_token's)."""
+    value (the null row's part), `sign=-1`: subtracted, row by row."""
     t = rollup.table
     at = t.c[rollup.grain]
     columns = _plain(t, keys)
-    group = list(columns)
     for key in keys:
         if key == END_USER or key.startswith("tag_"):
             value = _value(rollup, t, dialect, key, attrs) if valued else null()
@@ -245,8 +242,11 @@ def _rollup_part(
     if _timed(keys):
         bucket = at if rollup.grain == "day" else _bucket(at, dialect, keys)
         columns.append(bucket.label("bucket"))
-        group.append(bucket)
-    where = [at >= a, at < b, *(t.c[k] == v for k, v in filters.items())]
+    # One day (hour) of a rollup of that grain: an equality, so an index (grain, key) gives
+    # the rows in the key's order (a report by end user of one day streams its page).
+    one = rollup is not PENDING and b - a == (DAY if rollup.grain == "day" else HOUR)
+    where = [at == a] if one else [at >= a, at < b]
+    where += [t.c[k] == v for k, v in filters.items()]
     if rollup is PENDING:
         if attrs.end_user is not None:
             where.append(t.c.end_user == attrs.end_user)
@@ -257,29 +257,12 @@ def _rollup_part(
         [key] = {*attrs.tag_keys, *(k for k, _ in attrs.tags)}
         where.append(t.c.tag_key == key)
         where += [t.c.tag_value == value for _, value in attrs.tags]
-    if sign < 0 and rollup is END_USER_DAILY:
-        # Summed by the day and the team, user and token too: each sum is then a part of one
-        # row of spend_daily_token (kept within a bigint), so it stays a bigint and the report
-        # sums integers, not numerics (a union takes the widest type of its parts), and there
-        # is one row for each of spend_daily_token's, not one for each end user's.
-        group += [at, *(t.c[k] for k in rollup.keys if k in PLAIN and k not in keys)]
-        sums = [_negated_sum(t.c[m], m, dialect).label(m) for m in METRICS]
-        return select(*columns, *sums).where(*where).group_by(*group)
-    if sign < 0:  # a tag rollup's rows, one for each row of the coarser rollup or near it
+    if sign < 0:
+        # Each row negated as it is (a bigint, as the report's other parts: a union takes the
+        # widest type of its parts): the end-user rollup's read from the index (day, end_user)
+        # with the sums, no aggregate of its own before the report's.
         return select(*columns, *((-t.c[m]).label(m) for m in METRICS)).where(*where)
     return select(*columns, *_figures(t)).where(*where)
-
-
-def _negated_sum(column: ColumnElement[Any], metric: str, dialect: str) -> ColumnElement[Any]:
-    """Minus the sum of a metric's column, on PostgreSQL a bigint (its sum is a numeric) within
-    the most the metric may hold (uncharged saturates); SQLite's integers are one type."""
-    if dialect != "postgresql":
-        return -func.sum(column)
-    total: ColumnElement[Any] = func.sum(column)
-    most = SATURATED.get(metric)
-    if most is not None:
-        total = func.least(total, most)
-    return cast(-total, BigInteger)
 
 
 def coarsest(rollups: tuple[Rollup, ...], needed: set[str], grain: str = "day") -> Rollup:
@@ -295,18 +278,25 @@ def base(needed: set[str], grain: str = "day") -> Rollup:
 
 
 def _days(
-    rollup: Rollup, dialect: str, keys: list[str], filters: dict, attrs: Attributes, a, b
+    rollup: Rollup,
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    attrs: Attributes,
+    a,
+    b,
+    valued: bool = False,
 ) -> list[Select[Any]]:
     """The whole days (or hours, by an hourly rollup) [a, b): the attributed rollup's rows and
     the pending increments, and unless the report filters on the end user or tag (then every
     event has one), the null row: the coarsest rollup of the same grain with the other keys
-    minus the attributed rollup's rows."""
+    minus the attributed rollup's rows (not with `valued`: the rows with a value only)."""
     parts = [
         _rollup_part(rollup, dialect, keys, filters, attrs, a, b),
         _rollup_part(PENDING, dialect, keys, filters, attrs, a, b),
     ]
     filtered = attrs.end_user is not None if rollup is END_USER_DAILY else bool(attrs.tags)
-    if not filtered:
+    if not filtered and not valued:
         whole = base({k for k in keys if k in PLAIN} | set(filters), rollup.grain)
         parts += [
             _rollup_part(whole, dialect, keys, filters, attrs, a, b, valued=False),
@@ -316,21 +306,29 @@ def _days(
 
 
 def parts(
-    dialect: str, keys: list[str], filters: dict, attrs: Attributes, start, end
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    attrs: Attributes,
+    start,
+    end,
+    valued: bool = False,
 ) -> list[Select[Any]]:
     """The report's sources over [start, end), rows to be summed per group: whole days from
-    the attributed rollup the report's keys fit, the rest from the ledger and its archive."""
+    the attributed rollup the report's keys fit, the rest from the ledger and its archive
+    (`valued`: without the null row's rollup parts; the rest may still be without a value)."""
     rollup, hourly = attrs.plan(keys, filters), attrs.hourly(keys, filters)
     days_start, days_end = ceil_day(start), floor_day(end)
     spans = [(start, end)]
     out: list[Select[Any]] = []
     if rollup is not None and days_start < days_end:
-        out += _days(rollup, dialect, keys, filters, attrs, days_start, days_end)
+        out += _days(rollup, dialect, keys, filters, attrs, days_start, days_end, valued)
         spans = [(start, days_start), (days_end, end)]
     for a, b in spans:
         ledger = [(a, b)]
         if hourly is not None and ceil_hour(a) < floor_hour(b):
-            out += _days(hourly, dialect, keys, filters, attrs, ceil_hour(a), floor_hour(b))
+            hours = ceil_hour(a), floor_hour(b)
+            out += _days(hourly, dialect, keys, filters, attrs, *hours, valued)
             ledger = [(a, ceil_hour(a)), (floor_hour(b), b)]
         for x, y in ledger:
             if x < y:

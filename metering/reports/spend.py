@@ -13,7 +13,9 @@ reads a few thousand rows, and is exact for any start and end.
 A report holds at most MAX_REPORT_ROWS rows: one that could hold more (check_size's bound) is
 refused with a 400 naming the limit. A page holds at most `limit` rows (default DEFAULT_ROWS,
 at most MAX_ROWS), ordered by the group keys; `page` walks the rest. The page's rows carry the
-report's row count and totals (window functions): the report is aggregated once per request.
+report's row count and totals (window functions): the report is aggregated once per request;
+but on PostgreSQL, a report by end user or tag that may hold more than a page a day is counted
+and totalled apart (attributed_summary) and its page summed alone, in the keys' order.
 Rows are read and written in chunks of CHUNK, never a whole page in memory, with the event loop
 free between them, so a large report never stalls the requests the proxy is serving.
 """
@@ -30,7 +32,17 @@ from functools import partial
 from typing import Any
 
 import orjson
-from sqlalchemy import ColumnElement, Select, case, func, literal, select, union, union_all
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    case,
+    func,
+    literal,
+    select,
+    text,
+    union,
+    union_all,
+)
 
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
@@ -72,6 +84,10 @@ MAX_PAGE = 1_000_000
 # The most rows a report may hold (the largest page): a larger grouping is refused with a 400.
 MAX_REPORT_ROWS = 100_000
 CHUNK = 1_000  # rows read or written between two turns of the event loop
+# A page of a report by end user or tag, its count and totals found apart: its groups summed
+# in the keys' order (the planner, which cannot tell how many groups there are, would hash them
+# all first), read from an index in that order where one has it, so it stops after the page.
+STREAMED = "SELECT set_config('enable_hashagg', 'off', true)"
 # group_by name -> the key it adds to each row
 GROUPS = {
     "team": "team_id",
@@ -232,31 +248,14 @@ def spend_query(
     """One SQL statement: the coarsest rollups' rows for the whole days and hours in
     [start, end), ledger (and archive) rows for the partial hours at its edges, summed per
     group (by end user or tag: metering.reports.attributed's parts)."""
-    needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
-    parts = []
-    if attrs.applies(keys):
-        parts = attributed.parts(dialect, keys, filters, attrs, start, end)
-    for name, a, b in [] if parts else sources(keys, start, end):
-        if name == "ledger":
-            for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
-                parts.append(_ledger_part(table, dialect, keys, filters, a, b))
-        else:
-            rollup = read_model(name, needed)
-            parts.append(_rollup_part(rollup, dialect, keys, filters, a, b))
-            # The increments not yet folded into the rollups.
-            parts.append(_rollup_part(PENDING, dialect, keys, filters, a, b))
-    if not parts:
+    found = _source(dialect, keys, filters, start, end, attrs)
+    if found is None:
         return None
-    source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery("source")
-    # Summed once, by the plain keys and the raw bucket; the bucket's text is made once per
-    # group, not once per row.
-    group = [source.c[k] for k in keys if k not in TIME_KEYS]
-    if len(group) < len(keys):
-        group.append(source.c.bucket)
+    source, group = found
     grouped = (
         select(*group, *(func.sum(source.c[m]).label(m) for m in METRICS))
         .group_by(*group)
-        .having((func.sum(source.c.requests) > 0) | (func.sum(source.c.adjustments) != 0))
+        .having(_kept(source))
         .subquery("grouped")
     )
     out: list[ColumnElement[Any]] = []
@@ -268,6 +267,109 @@ def spend_query(
         else:
             out.append(grouped.c[key])
     return select(*out, *(grouped.c[m] for m in METRICS)).order_by(*out)
+
+
+KEPT = ("requests", "adjustments")  # the sums that make a group a row (_kept)
+
+
+def _kept(source) -> ColumnElement[bool]:
+    """A group is a row of the report when it counts a request or an adjustment."""
+    return (func.sum(source.c.requests) > 0) | (func.sum(source.c.adjustments) != 0)
+
+
+def _source(
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    start: datetime,
+    end: datetime,
+    attrs: Attributes = Attributes(),
+    name: str = "source",
+    valued: bool = False,
+):
+    """The rows spend_query sums (a subquery `name`) and the columns it groups them by; None
+    when nothing can match. `valued`: by end user or tag, without the parts that are the null
+    row's only (attributed.parts)."""
+    needed = {k for k in keys if k not in ("day", "hour")} | set(filters)
+    parts = []
+    if attrs.applies(keys):
+        parts = attributed.parts(dialect, keys, filters, attrs, start, end, valued)
+    for name, a, b in [] if parts else sources(keys, start, end):
+        if name == "ledger":
+            for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
+                parts.append(_ledger_part(table, dialect, keys, filters, a, b))
+        else:
+            rollup = read_model(name, needed)
+            parts.append(_rollup_part(rollup, dialect, keys, filters, a, b))
+            # The increments not yet folded into the rollups.
+            parts.append(_rollup_part(PENDING, dialect, keys, filters, a, b))
+    if not parts:
+        return None
+    source = (parts[0] if len(parts) == 1 else union_all(*parts)).subquery(name)
+    # Summed once, by the plain keys and the raw bucket; the bucket's text is made once per
+    # group, not once per row.
+    group = [source.c[k] for k in keys if k not in TIME_KEYS]
+    if len(group) < len(keys):
+        group.append(source.c.bucket)
+    return source, group
+
+
+def attributed_key(keys: list[str]) -> str | None:
+    """The first end user or tag key a report groups by, if any."""
+    return next((k for k in keys if k == "end_user" or k.startswith("tag_")), None)
+
+
+def count_query(
+    dialect: str,
+    keys: list[str],
+    filters: dict,
+    start: datetime,
+    end: datetime,
+    attrs: Attributes,
+):
+    """The row count of a report by end user or tag, without summing each of its groups: the
+    distinct groups with a value (their rows, of the rollups, the pending increments and the
+    ledger, all count requests at or above zero), less those without a request whose
+    adjustments sum to zero (only adjustments, rare: the few rows without a request are looked
+    at), plus the groups without a value that are rows (the null rows, summed: the coarser
+    rollup less the attributed one; by the end user or tag alone, the valued rows' requests
+    and adjustments instead, which the report's totals less are the null row's). None when the
+    report is neither by end user nor tag."""
+    key = attributed_key(keys)
+    full = _source(dialect, keys, filters, start, end, attrs)
+    found = _source(dialect, keys, filters, start, end, attrs, "valued", True)
+    other = _source(dialect, keys, filters, start, end, attrs, "other", True)
+    if key is None or full is None or found is None or other is None:
+        return None
+    # The groups with a value, from the parts that can have one only.
+    (source, group), named = found, found[0].c[key]
+    busy = select(literal(1)).where(
+        *(o.is_not_distinct_from(g) for o, g in zip(other[1], group, strict=True)),
+        other[0].c.requests > 0,
+    )
+    idle = (
+        select(*group)
+        .where(named.is_not(None), source.c.requests == 0, ~busy.exists())
+        .group_by(*group)
+        .having(func.sum(source.c.adjustments) == 0)
+        .subquery("idle")
+    )
+    less = select(func.count()).select_from(idle).scalar_subquery()
+    if keys == [key]:
+        # By the end user or tag alone: one null row, its sums the report's totals less the
+        # valued rows' (attributed_summary), found in the same pass as the distinct values.
+        return select(
+            (func.count(func.distinct(named)) - less).label("rows"),
+            *(func.coalesce(func.sum(source.c[m]), 0).label(m) for m in KEPT),
+        ).where(named.is_not(None))
+    valued = select(*group).where(named.is_not(None)).distinct().subquery("distinct_valued")
+    count = select(func.count()).select_from(valued).scalar_subquery() - less
+    every, groups = full
+    unvalued = (
+        select(*groups).where(every.c[key].is_(None)).group_by(*groups).having(_kept(every))
+    ).subquery("unvalued")
+    count += select(func.count()).select_from(unvalued).scalar_subquery()
+    return select(count.label("rows"), *(literal(None).label(m) for m in KEPT))
 
 
 def bound_query(keys: list[str], filters: dict, start: datetime, end: datetime):
@@ -320,8 +422,9 @@ async def check_size(
     start: datetime,
     end: datetime,
     attrs: Attributes = Attributes(),
-) -> None:
-    """Refuse (400) a report that could hold more than MAX_REPORT_ROWS rows. The bound: the
+) -> int:
+    """Refuse (400) a report that could hold more than MAX_REPORT_ROWS rows; else the most
+    rows it could hold. The bound: the
     hours (days) the range touches, times the distinct attributions it holds by the keys
     grouped on (tokens, users or teams), times the distinct models or providers; by end user
     or tag, times their distinct values (null included), or instead of all but the time, the
@@ -353,7 +456,7 @@ async def check_size(
         async with db.reads() as session:
             joint, *most = (await session.execute(upper)).one()
         if joint and bound * most[0] <= MAX_REPORT_ROWS:
-            return
+            return bound * most[0]
         async with db.reads() as session:
             joint, *counts = (await session.execute(below)).one()
         if joint:
@@ -372,6 +475,7 @@ async def check_size(
                 parts.append(f"{count:,} {label}")
     if bound > MAX_REPORT_ROWS:
         _refuse(bound, parts)
+    return bound
 
 
 def _named(name: str) -> str:
@@ -417,10 +521,42 @@ async def summary(db, query) -> tuple[int, dict]:
     return int(found.rows), {m: int(getattr(found, m) or 0) for m in METRICS}
 
 
-def page_query(query, keys: list[str], offset: int, limit: int):
+async def attributed_summary(
+    db, keys: list[str], filters: dict, start: datetime, end: datetime, attrs: Attributes
+) -> tuple[int, dict] | None:
+    """(number of rows, sums over all of them) of a report by end user or tag on PostgreSQL,
+    without summing each group: the count from count_query, the totals those of the same
+    report grouped by nothing (its groups share out the same events, and a group that is no
+    row of the report counts no request and adjusts nothing: all its sums are zero); None for
+    any other report (its page's rows carry both, page_query)."""
+    if db.dialect != "postgresql":
+        return None
+    counted = count_query(db.dialect, keys, filters, start, end, attrs)
+    if counted is None:
+        return None
+    whole = spend_query(
+        db.dialect, [], filters, start, end, Attributes((), attrs.end_user, attrs.tags)
+    )
+    async with db.reads() as session:
+        rows, *valued = (await session.execute(counted)).one()
+        found = (await session.execute(whole)).first() if whole is not None else None
+    total = {m: int(getattr(found, m) or 0) if found else 0 for m in METRICS}
+    if valued[0] is not None:  # by the end user or tag alone: is the null row a row?
+        kept = zip(KEPT, valued, strict=True)
+        requests, adjustments = (total[m] - int(v) for m, v in kept)
+        rows += requests > 0 or adjustments != 0
+    return int(rows), total
+
+
+def page_query(query, keys: list[str], offset: int, limit: int, counted: bool = False):
     """A page of the report, each row carrying the report's row count and totals (window
-    functions over every row, computed before the page is cut): one aggregate serves both."""
+    functions over every row, computed before the page is cut): one aggregate serves both;
+    `counted`: the page's rows only (the count and totals found apart, attributed_summary),
+    which a database can read in the keys' order and stop after."""
     report = query.order_by(None).subquery("report")
+    if counted:
+        order = [report.c[k] for k in keys]
+        return select(*report.c).order_by(*order).offset(offset).limit(limit)
     return (
         select(
             *report.c,
@@ -433,11 +569,14 @@ def page_query(query, keys: list[str], offset: int, limit: int):
     )
 
 
-async def page_parts(db, query, keys: list[str], offset: int, limit: int):
+async def page_parts(db, query, keys: list[str], offset: int, limit: int, counted: bool = False):
     """The page's rows, CHUNK at a time as the database sends them (never the whole page in
-    memory), the event loop free between two chunks."""
+    memory), the event loop free between two chunks. `counted` (PostgreSQL): the page alone,
+    its groups summed in the keys' order (no hash of every group first): it stops after it."""
     async with db.reads() as session:
-        result = await session.stream(page_query(query, keys, offset, limit))
+        if counted:
+            await session.execute(text(STREAMED))
+        result = await session.stream(page_query(query, keys, offset, limit, counted))
         async for part in result.partitions(CHUNK):
             yield part
             await asyncio.sleep(0)
@@ -541,16 +680,33 @@ async def spend_report(
     if not principal.is_admin:
         given["user_id"] = principal.user_id
     query = spend_query(db.dialect, keys, given, start_at, end_at, attrs)
+    most = 0
     if "" in given.values() or end_user == "":  # no id, model, provider or end user is empty
         query = None
     else:
-        await check_size(db, keys, given, start_at, end_at, attrs)
+        most = await check_size(db, keys, given, start_at, end_at, attrs)
     offset = (page - 1) * limit
+    # A report that may hold more rows than the page (more than a page's worth a day, by its
+    # bound: a day of 95,000 end users, not 30 days of 2,000): its count and totals found apart
+    # (by end user or tag, on PostgreSQL), the page summed alone; a smaller one is summed once
+    # whole. Either is exact: this only chooses the faster.
+    days = max(1, (ceil_day(end_at) - floor_day(start_at)).days)
+    counted = (
+        await attributed_summary(db, keys, given, start_at, end_at, attrs)
+        if query is not None and most // days > limit
+        else None
+    )
     # The first chunk is read now: its rows carry the count and totals the head (and the
-    # paging headers) need; the rest is read as the response is sent.
-    parts = page_parts(db, query, keys, offset, limit) if query is not None else None
+    # paging headers) need (unless counted apart); the rest is read as the response is sent.
+    parts = (
+        page_parts(db, query, keys, offset, limit, counted is not None)
+        if query is not None
+        else None
+    )
     first = await anext(parts, None) if parts is not None else None
-    if first:
+    if counted is not None:
+        count, total = counted
+    elif first:
         count = int(first[0].row_count)
         total = {m: int(getattr(first[0], f"total_{m}") or 0) for m in METRICS}
     else:  # an empty report, or a page after the last

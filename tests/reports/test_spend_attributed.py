@@ -7,6 +7,7 @@ spend only; bad parameters and too wide a grouping are 400s."""
 import asyncio
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import random
@@ -136,6 +137,11 @@ def traffic(api):
             created = created.replace(hour=0, minute=0, second=0, microsecond=0)
         events.append(make_event(rng, rng.choice(people), created))
     events += [adjustment(rng, e) for e in rng.sample(events, 20)]
+    # End users with adjustments only: one whose adjustments cancel out (no row of a report)
+    # and one whose do not (a row without a request).
+    for end_user, amounts in (("cust-idle", (7, -7)), ("cust-credit", (-5,))):
+        of = dataclasses.replace(rng.choice(events[:360]), end_user=end_user)
+        events += [dataclasses.replace(adjustment(rng, of), cost=amount) for amount in amounts]
     rng.shuffle(events)
 
     async def write() -> None:
@@ -270,6 +276,35 @@ def test_every_grouping_and_filter_equals_the_ledgers_sums(traffic, filters, tag
                 wanted = expected(events, keys, start, end, {**filters, **scope}, tags)
                 got = reported(spend(api, keys, start, end, {**filters, **scope}, tags), keys)
                 assert got == wanted, (keys, filters, tags, start, end)
+
+
+def test_pages_carry_the_whole_reports_row_count_and_totals(traffic):
+    """Pages smaller than the report (on PostgreSQL, its count and totals found apart from the
+    page): every page carries the whole report's row count and totals, and the pages walked
+    in order are the report, end users with adjustments only counted as the ledger's sums say."""
+    api, base, events, people, _ = traffic
+    keyed = [["end_user"], ["tag:project"], ["end_user", "day"], ["user", "end_user", "team"]]
+    for start, end in ranges(base)[:2]:
+        for keys in keyed:
+            wanted = expected(events, keys, start, end)
+            totals = {m: sum(v[m] for v in wanted.values()) for m in SUMS + MONEY}
+            rows, page = [], 1
+            while page is not None:
+                params = {"start": rfc(start), "end": rfc(end), "group_by": ",".join(keys)}
+                response = api.request(
+                    "GET", "/v1/spend", params={**params, "limit": 2, "page": page}
+                )
+                assert response.status_code == 200, response.text
+                body = response.json()
+                assert body["row_count"] == len(wanted), (keys, start, end)
+                got = reported([body["total"]], [])[()]
+                assert got == totals, (keys, start, end)
+                assert len(body["rows"]) <= 2
+                rows += body["rows"]
+                page = body["next_page"]
+            assert reported(rows, keys) == wanted, (keys, start, end)
+    whole = expected(events, ["end_user"], base, base + timedelta(days=4))
+    assert ("cust-idle",) not in whole and whole[("cust-credit",)]["requests"] == 0
 
 
 def test_csv_carries_the_new_keys_and_equals_the_json(traffic):
