@@ -270,8 +270,8 @@ def create_app(
     )
     install_error_handlers(app)
     declare_security(app)
-    declare_parameters(app)
     declare_event_schema(app)
+    declare_parameters(app)  # after the event schema: it completes every component
     for error in (
         sa_exc.OperationalError,
         sa_exc.InterfaceError,

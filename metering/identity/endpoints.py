@@ -29,6 +29,13 @@ router = APIRouter(prefix="/v1")
 
 ADMIN = RULE_ERRORS["admin"]
 SELF = RULE_ERRORS["self"]
+# What the catalog, the stored teams and users and the clock decide (the document cannot).
+MODELS = {
+    "allowed_models": "its exact names in the catalog (a reload changes it), and within the "
+    "lists of its user and team"
+}
+USER_RULES = {**MODELS, "team_id": "a live team"}
+TOKEN_RULES = {**MODELS, "expires_at": "in the future"}
 
 
 def _limits(body, services: Services) -> dict:
@@ -74,7 +81,7 @@ async def _tokens(session: AsyncSession, tokens) -> list[TokenOut]:
 # Teams (admin)
 
 
-@router.post("/teams", status_code=201, responses=error_responses(400, 409, *ADMIN))
+@router.post("/teams", status_code=201, responses=error_responses(400, 409, *ADMIN, rules=MODELS))
 async def create_team(
     body: TeamCreate,
     _: AdminPrincipal,
@@ -106,7 +113,7 @@ async def get_team(team_id: str, _: AdminPrincipal, session: SessionDep) -> Team
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
-@router.patch("/teams/{team_id}", responses=error_responses(400, 404, 409, *ADMIN))
+@router.patch("/teams/{team_id}", responses=error_responses(400, 404, 409, *ADMIN, rules=MODELS))
 async def patch_team(
     team_id: str,
     body: TeamPatch,
@@ -140,7 +147,9 @@ async def whoami(principal: SelfPrincipal) -> PrincipalOut:
 # Users (admin; self for reads)
 
 
-@router.post("/users", status_code=201, responses=error_responses(400, 409, *ADMIN))
+@router.post(
+    "/users", status_code=201, responses=error_responses(400, 409, *ADMIN, rules=USER_RULES)
+)
 async def create_user(
     body: UserCreate,
     _: AdminPrincipal,
@@ -181,7 +190,9 @@ async def get_user(user_id: str, principal: SelfPrincipal, session: SessionDep) 
     return UserOut.of(user, await service.get_budget(session, user.id))
 
 
-@router.patch("/users/{user_id}", responses=error_responses(400, 404, 409, *ADMIN))
+@router.patch(
+    "/users/{user_id}", responses=error_responses(400, 404, 409, *ADMIN, rules=USER_RULES)
+)
 async def patch_user(
     user_id: str,
     body: UserPatch,
@@ -205,7 +216,11 @@ async def delete_user(user_id: str, _: AdminPrincipal, session: SessionDep) -> R
 # API tokens (admin, or the user for itself)
 
 
-@router.post("/users/{user_id}/tokens", status_code=201, responses=error_responses(400, 409, *SELF))
+@router.post(
+    "/users/{user_id}/tokens",
+    status_code=201,
+    responses=error_responses(400, 409, *SELF, rules=TOKEN_RULES),
+)
 async def create_token(
     user_id: str,
     body: TokenCreate,
@@ -254,7 +269,7 @@ async def get_token(token_id: str, principal: SelfPrincipal, session: SessionDep
     return TokenOut.of(token, await service.get_budget(session, token.id))
 
 
-@router.patch("/tokens/{token_id}", responses=error_responses(400, *SELF))
+@router.patch("/tokens/{token_id}", responses=error_responses(400, *SELF, rules=TOKEN_RULES))
 async def patch_token(
     token_id: str,
     body: TokenPatch,

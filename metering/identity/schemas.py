@@ -21,7 +21,7 @@ from metering.budgets.windows import INTERVAL_PATTERN, InvalidInterval, parse_in
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import MoneyError, format_usd, usd_schema, usd_text
 from metering.text import RequestBody
-from metering.timefmt import BOUNDS, bounded, rfc3339
+from metering.timefmt import BOUNDS, MOMENT_SCHEMA, bounded, rfc3339
 
 
 def _usd(field: str):
@@ -64,6 +64,19 @@ class _Body(RequestBody):
 MAX_THRESHOLDS = 10
 
 
+# _thresholds's rules, declared.
+THRESHOLDS: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 1, "maximum": 100},
+            "maxItems": MAX_THRESHOLDS,
+        },
+        {"type": "null"},
+    ]
+}
+
+
 def _thresholds(value: object) -> list[int] | None:
     if value is None:
         return None
@@ -84,7 +97,7 @@ _soft = _usd("soft_limit")
 class _Limited(_Body):
     credit_limit: Usd = None
     reset_interval: str = Field(default="never", json_schema_extra=INTERVAL)
-    alert_thresholds: list[int] | None = Field(
+    alert_thresholds: Annotated[list[int] | None, WithJsonSchema(THRESHOLDS)] = Field(
         default=None,
         description="Percentages of credit_limit (1 to 100) at which budget.threshold_crossed "
         "is sent, once per window; null: [50, 80, 100]; []: none",
@@ -161,8 +174,21 @@ class _RateLimited(_Body):
 MAX_LIFETIME_S = 100 * 365 * 86400
 
 
+# Both expiries given, neither null: refused by _one_expiry, and declared so.
+BOTH_EXPIRIES = {
+    "required": ["expires_at", "expires_in"],
+    "properties": {"expires_at": {"type": "string"}, "expires_in": {"type": "integer"}},
+}
+
+
 class _Expiring(_Body):
-    expires_at: AwareDatetime | None = Field(
+    model_config = ConfigDict(json_schema_extra={"not": BOTH_EXPIRIES})
+
+    expires_at: Annotated[
+        AwareDatetime | None,
+        # the bounds `bounded` checks, declared (timefmt.MOMENT_PATTERN)
+        WithJsonSchema({"anyOf": [{"type": "string", **MOMENT_SCHEMA}, {"type": "null"}]}),
+    ] = Field(
         default=None,
         description=f"When the token stops working (RFC 3339, {BOUNDS}); null: never",
     )
@@ -225,8 +251,13 @@ class TeamPatch(_Limited, _RateLimited, _EndUserDefaults):
     )(lambda v: None if v is None else _interval(v))
 
 
+# An address: one @ between two runs of characters that are no space and no control character
+# (which RequestBody refuses anywhere, before this pattern is looked at).
+EMAIL_PATTERN = r"^[^@\s\x00-\x1f\x7f]+@[^@\s\x00-\x1f\x7f]+$"
+
+
 class UserCreate(_Limited, _RateLimited):
-    email: str = Field(min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$")
+    email: str = Field(min_length=3, max_length=320, pattern=EMAIL_PATTERN)
     name: str = Field(min_length=1, max_length=200)
     team_id: str = Field(min_length=1, max_length=40)
     password: str | None = Field(default=None, min_length=8, max_length=1024)
@@ -234,9 +265,7 @@ class UserCreate(_Limited, _RateLimited):
 
 class UserPatch(_Limited, _RateLimited):
     name: str | None = Field(default=None, min_length=1, max_length=200)
-    email: str | None = Field(
-        default=None, min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$"
-    )
+    email: str | None = Field(default=None, min_length=3, max_length=320, pattern=EMAIL_PATTERN)
     team_id: str | None = Field(default=None, min_length=1, max_length=40)
     password: str | None = Field(default=None, min_length=8, max_length=1024)
     # A patch may leave out what a create defaults: these fields and their checks take None.
