@@ -293,7 +293,13 @@ async def patch_token(
     return TokenOut.of(token, await service.get_budget(session, token_id))
 
 
-@router.delete("/tokens/{token_id}", status_code=204, responses=error_responses(*SELF))
+@router.delete(
+    "/tokens/{token_id}",
+    status_code=204,
+    responses=error_responses(*SELF),
+    description="Revoke the token: its next use, on any replica, is a 401. The token, its budget "
+    "and its limits stay readable (with `revoked_at`), as its usage does.",
+)
 async def revoke_token(token_id: str, principal: SelfPrincipal, session: SessionDep) -> Response:
     await _own_token(session, principal, token_id)
     await service.revoke_token(session, token_id)

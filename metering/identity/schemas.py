@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AwareDatetime,
+    BeforeValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -85,6 +86,7 @@ def _thresholds(value: object) -> list[int] | None:
             f"alert_thresholds must be a list of at most {MAX_THRESHOLDS} percentages (or null "
             "for the default [50, 80, 100])"
         )
+    value = [whole(item) for item in value]
     for item in value:
         if type(item) is not int or not 1 <= item <= 100:
             raise ValueError("alert_thresholds entries must be whole numbers from 1 to 100")
@@ -114,9 +116,21 @@ class _Limited(_Body):
     _check_soft = field_validator("soft_limit", mode="before")(_soft)
 
 
+def whole(value: object) -> object:
+    """A JSON number with no fraction as an int: 5 and 5.0 are one JSON number, an `integer`
+    to JSON Schema. Anything else is left as it came, for a strict int to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _bounded(high: int, description: str):
     # strict: a JSON whole number only (no string, no fraction, no boolean)
-    return Annotated[int | None, Field(strict=True, ge=0, le=high, description=description)]
+    return Annotated[
+        int | None,
+        Field(strict=True, ge=0, le=high, description=description),
+        BeforeValidator(whole),
+    ]
 
 
 # A model name or a pattern of one (`*` any run of characters, `?` one): no spaces or brackets.
@@ -201,6 +215,7 @@ class _Expiring(_Body):
             description="The token's lifetime in seconds from now (instead of expires_at); "
             "both are capped by METERING_TOKEN_MAX_LIFETIME_S when it is set",
         ),
+        BeforeValidator(whole),
     ] = None
 
     _bounded = field_validator("expires_at")(lambda v: None if v is None else bounded(v))
