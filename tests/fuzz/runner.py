@@ -37,6 +37,20 @@ def with_data_rules(schema: dict) -> list[str]:
     )
 
 
+def linked(schema: dict, operation_ids: list[str]) -> bool:
+    """Whether a response of one of the operations links to another of them (the stateful
+    phase has a sequence to follow)."""
+    ids = set(operation_ids)
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            if operation["operationId"] not in ids:
+                continue
+            for response in operation.get("responses", {}).values():
+                if any(link["operationId"] in ids for link in response.get("links", {}).values()):
+                    return True
+    return False
+
+
 def config(schema: dict, *, examples: int, steps: int, extra: str = "") -> str:
     """schemathesis.toml for a run against `schema`'s server."""
     ids = json.dumps(with_data_rules(schema))
@@ -75,11 +89,16 @@ def run(
     steps: int,
     workers: int = 1,
     phases: str = PHASES,
-    extra: str = "",
+    coverage_mode: str = "all",
 ) -> subprocess.CompletedProcess:
-    """One `st run` as `key` over `operation_ids`; its exit status 0 when nothing failed."""
+    """One `st run` as `key` over `operation_ids`; its exit status 0 when nothing failed.
+    `coverage_mode`: the coverage phase's requests, all, positive (valid) or negative."""
     schema = document(url)
-    (workdir / "schemathesis.toml").write_text(config(schema, examples=examples, steps=steps, extra=extra))
+    if not linked(schema, operation_ids):  # nothing to chain: the stateful phase has no links
+        phases = ",".join(phase for phase in phases.split(",") if phase != "stateful")
+    extra = f'[phases.coverage.generation]\nmode = "{coverage_mode}"\n'
+    toml = config(schema, examples=examples, steps=steps, extra=extra)
+    (workdir / "schemathesis.toml").write_text(toml)
     command = [
         str(ST),
         "--config-file",
