@@ -7,8 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AwareDatetime,
-    BeforeValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     WithJsonSchema,

@@ -16,10 +16,11 @@ from metering.errors import ErrorResponse, error_responses
 from metering.ledger.attribution import (
     END_USER_PATTERN,
     MAX_END_USER_CHARS,
+    MAX_TAG_KEY_CHARS,
     MAX_TAG_VALUE_CHARS,
     MAX_TAGS,
 )
-from metering.proxy import admission, service
+from metering.proxy import admission, request_schema, service
 from metering.proxy.request import read_body
 from metering.proxy.runtime import ProxyServices
 
@@ -102,8 +103,7 @@ CHAT_OPENAPI = {
                     "type": "object",
                     "required": ["model", "messages"],
                     "properties": {
-                        "model": {"type": "string", "minLength": 1, "maxLength": 256},
-                        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                        **request_schema.FIELDS,
                         "user": {
                             "type": "string",
                             "minLength": 1,
@@ -123,15 +123,22 @@ CHAT_OPENAPI = {
                         "metadata": {
                             "type": "object",
                             "maxProperties": MAX_TAGS,
+                            "propertyNames": {
+                                "minLength": 1,
+                                "maxLength": MAX_TAG_KEY_CHARS,
+                                "pattern": "^[^\\x00]*$",
+                            },
                             "additionalProperties": {
                                 "type": "string",
                                 "maxLength": MAX_TAG_VALUE_CHARS,
+                                "pattern": "^[^\\x00]*$",
                             },
                             "description": "the request's tags (at most 16 pairs, keys 1 to "
                             "64 characters, values strings of at most 512); never sent upstream",
                         },
                     },
                     "additionalProperties": True,
+                    **request_schema.EXCLUSIVE,
                 }
             }
         },
