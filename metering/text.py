@@ -34,8 +34,10 @@ STRIPPED_TEXT_PATTERN = rf"^{_EDGE}[^\x00-\x1f\x7f]*{_EDGE}$"
 STRIPPED_FREE_TEXT_PATTERN = rf"^{_EDGE}[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*{_EDGE}$"
 
 # What pydantic's str_strip_whitespace takes off as a field's length is checked: every Unicode
-# space (\s but the controls \x1c-\x1f, which _valid_text refuses).
-_STRIPPED = r"[^\S\x1c-\x1f]"
+# space. _valid_text takes off only _EDGE_SPACE before it looks for controls, so the controls
+# among those spaces (tab, newline...) are outermost.
+_STRIPPED_START = rf"{_EDGE}[^\S\x00-\x1f]*"
+_STRIPPED_END = rf"[^\S\x00-\x1f]*{_EDGE}"
 
 
 def stripped_pattern(least: int, free: bool = False) -> str:
@@ -46,7 +48,7 @@ def stripped_pattern(least: int, free: bool = False) -> str:
     core = (
         rf"{solid}(?:{inner}*{solid})?" if least == 1 else rf"{solid}{inner}{{{least - 2},}}{solid}"
     )
-    return rf"^{_STRIPPED}*{core}{_STRIPPED}*$"
+    return rf"^{_STRIPPED_START}{core}{_STRIPPED_END}$"
 
 
 CONTROL = "must not contain control characters"

@@ -63,13 +63,15 @@ ATTRIBUTION = ("end_user", "tags")  # the ledger's columns a group is split by
 NO_TAGS = "{}"
 DEFAULT_DAYS = 30
 # parse_range's whole hours as a JSON Schema pattern (the export's start and end): an RFC 3339
-# date-time on a whole UTC hour, i.e. no seconds (nor any fraction of one) and as many minutes
-# as its offset has (10:30+05:30 is 05:00 UTC).
+# date-time on a whole UTC hour: no seconds (nor any fraction of one), and minutes that its
+# offset's take back to a whole hour (10:30+05:30 is 05:00 UTC, 10:30-03:30 14:00, 23:59-00:01
+# 00:00).
 _ON_HOUR = r"(?:[01][0-9]|2[0-3])"
 WHOLE_HOUR_PATTERN = (
     rf"^(?:[0-9]{{3}}[1-9]|[0-9]{{2}}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])[Tt]{_ON_HOUR}:(?:"
     + "|".join(
-        rf"{m:02d}:00(?:\.0+)?(?:{'[Zz]|' if m == 0 else ''}[+-]{_ON_HOUR}:{m:02d})"
+        rf"{m:02d}:00(?:\.0+)?(?:{'[Zz]|' if m == 0 else ''}\+{_ON_HOUR}:{m:02d}"
+        rf"|-{_ON_HOUR}:{(60 - m) % 60:02d})"
         for m in range(60)
     )
     + ")$"

@@ -78,37 +78,41 @@ def fuzzed(request, sim):
 
 
 # The runs of each backend, each a test of its own (the parallel part's processes share
-# them): the admin's coverage phase apart from its fuzzing and stateful phases, the user's and
-# the ingestion key's (fewer operations) whole. The ingestion key's operations link to none
-# another, so its run has no stateful phase (runner.linked).
+# them): the admin's fuzzing and stateful phases, and the user's and the ingestion key's (fewer
+# operations) three phases. The ingestion key's operations link to none another, so its run has
+# no stateful phase (runner.linked).
 PLANS = [
-    ("admin", "coverage"),
     ("admin", "fuzzing,stateful"),
     ("user", runner.PHASES),
     ("ingest", runner.PHASES),
 ]
-# The coverage phase's invalid requests are refused before any database is read, but for what
-# a database alone would refuse (a NUL, a number past a column's range): PostgreSQL, the
-# stricter, is sent them; SQLite the valid ones only, unless FUZZ_FULL is set (`make fuzz`).
-COVERAGE = {"postgresql": "all", "sqlite": "all" if os.environ.get("FUZZ_FULL") else "positive"}
+FULL = bool(os.environ.get("FUZZ_FULL"))
 
 
-@pytest.mark.parametrize(("role", "phases"), PLANS, ids=[f"{r}-{p}" for r, p in PLANS])
-def test_openapi_fuzz(fuzzed, role, phases, tmp_path):
+def _run(fuzzed, role: str, phases: str, tmp_path) -> None:
     api, keys, reaches = fuzzed
     operations = sorted(reaches[role])
     # each role's own operations: the whole API for the admin, its own for the others
     assert len(operations) >= {"admin": 45, "user": 20, "ingest": 5}[role], operations
     done = runner.run(
-        api.url,
-        keys[role],
-        operations,
-        tmp_path,
-        examples=EXAMPLES,
-        steps=STEPS,
-        phases=phases,
-        coverage_mode=COVERAGE[api.backend],
+        api.url, keys[role], operations, tmp_path, examples=EXAMPLES, steps=STEPS, phases=phases
     )
     report = done.stdout[-20000:] + done.stderr[-5000:]
     assert "Test cases:" in done.stdout, report  # it ran and summed up, not a usage error
     assert done.returncode == 0, report
+
+
+@pytest.mark.parametrize(("role", "phases"), PLANS, ids=[f"{r}-{p}" for r, p in PLANS])
+def test_openapi_fuzz(fuzzed, role, phases, tmp_path):
+    _run(fuzzed, role, phases, tmp_path)
+
+
+# The admin's coverage phase (every operation's edges, valid and invalid: most of a run's
+# requests) on PostgreSQL, the stricter database; on SQLite too with FUZZ_FULL (`make fuzz`).
+@pytest.mark.parametrize(
+    "fuzzed",
+    [pytest.param("postgresql", marks=pytest.mark.postgres), *(["sqlite"] if FULL else [])],
+    indirect=True,
+)
+def test_openapi_fuzz_admin_coverage(fuzzed, tmp_path):
+    _run(fuzzed, "admin", "coverage", tmp_path)
