@@ -146,6 +146,7 @@ SPEND_RULES: dict[str | None, str] = {
     **RANGE,
     "group_by": f"a report of at most {MAX_REPORT_ROWS:,} rows for what the range holds",
 }
+SPEND_ERROR = error_responses(400, rules=SPEND_RULES)[400]
 SPEND_400 = (
     "A parameter is not valid, or the report could hold more than "
     f"{MAX_REPORT_ROWS:,} rows (code `report_too_large`, param `group_by`): the hours or days "
@@ -164,7 +165,7 @@ SPEND_400 = (
     responses={
         200: {"description": "The report, as JSON or (format=csv) as CSV", "content": CSV},
         **error_responses(400, *RULE_ERRORS["self"]),
-        400: {**error_responses(400, rules=SPEND_RULES)[400], "description": SPEND_400},
+        400: {**SPEND_ERROR, "description": f"{SPEND_400} {SPEND_ERROR['description']}."},
     },
 )
 async def spend(
