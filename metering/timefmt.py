@@ -5,6 +5,7 @@ Every moment read from text is between 2000-01-01T00:00:00Z and 2999-12-31T23:59
 the arithmetic of windows and hours (where it would overflow Python's datetime)."""
 
 from datetime import UTC, datetime
+from typing import Any
 
 EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 END = datetime(3000, 1, 1, tzinfo=UTC)  # the first moment after the bound
@@ -101,4 +102,4 @@ MOMENT_PATTERN = (
     rf"|2999-12-31{_TIME}(?:[Zz]|\+{_HH_MM}|-00:00))$"
 )
 # A body field's moment in /openapi.json: RFC 3339 and within the bounds.
-MOMENT_SCHEMA: dict[str, str] = {"format": "date-time", "pattern": MOMENT_PATTERN}
+MOMENT_SCHEMA: dict[str, Any] = {"format": "date-time", "pattern": MOMENT_PATTERN}

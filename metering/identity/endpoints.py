@@ -30,12 +30,12 @@ router = APIRouter(prefix="/v1")
 ADMIN = RULE_ERRORS["admin"]
 SELF = RULE_ERRORS["self"]
 # What the catalog, the stored teams and users and the clock decide (the document cannot).
-MODELS = {
+MODELS: dict[str | None, str] = {
     "allowed_models": "its exact names in the catalog (a reload changes it), and within the "
     "lists of its user and team"
 }
-USER_RULES = {**MODELS, "team_id": "a live team"}
-TOKEN_RULES = {**MODELS, "expires_at": "in the future"}
+USER_RULES: dict[str | None, str] = {**MODELS, "team_id": "a live team"}
+TOKEN_RULES: dict[str | None, str] = {**MODELS, "expires_at": "in the future"}
 
 
 def _limits(body, services: Services) -> dict:

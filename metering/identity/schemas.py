@@ -86,11 +86,12 @@ def _thresholds(value: object) -> list[int] | None:
             f"alert_thresholds must be a list of at most {MAX_THRESHOLDS} percentages (or null "
             "for the default [50, 80, 100])"
         )
-    value = [whole(item) for item in value]
-    for item in value:
-        if type(item) is not int or not 1 <= item <= 100:
+    found: set[int] = set()
+    for item in map(whole, value):
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= 100:
             raise ValueError("alert_thresholds entries must be whole numbers from 1 to 100")
-    return sorted(set(value))
+        found.add(item)
+    return sorted(found)
 
 
 _soft = _usd("soft_limit")
@@ -189,7 +190,7 @@ MAX_LIFETIME_S = 100 * 365 * 86400
 
 
 # Both expiries given, neither null: refused by _one_expiry, and declared so.
-BOTH_EXPIRIES = {
+BOTH_EXPIRIES: dict[str, Any] = {
     "required": ["expires_at", "expires_in"],
     "properties": {"expires_at": {"type": "string"}, "expires_in": {"type": "integer"}},
 }
