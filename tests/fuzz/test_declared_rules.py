@@ -132,3 +132,12 @@ def test_a_chat_request_s_whole_number_with_a_point(api):
     )
     assert answer.status_code == 200, answer.text
     assert answer.json()["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize("path", ["/v1/users/", "/v1/teams/", "/v1/tokens/"])
+def test_an_empty_id_names_nothing(api, path):
+    """Found by the stateful phase: /v1/users/ was redirected to the listing, which answered a
+    read of one user with a list."""
+    answer = api.request("GET", path, follow_redirects=False)
+    assert answer.status_code == 404, answer.text
+    assert answer.json()["error"]["code"] == "not_found"
