@@ -60,6 +60,10 @@ def config(schema: dict, *, examples: int, steps: int) -> str:
 seed = 20261204
 suppress-health-check = ["all"]
 
+# no crash files kept in the checkout: a failure prints its curl command
+[cache]
+enabled = false
+
 [generation]
 max-examples = {examples}
 database = "none"
