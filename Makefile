@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast test-faults test-pgbouncer lint bench postgres chromium prometheus kubectl java faketime pgbouncer lock reference docs docs-build
+.PHONY: demo test test-fast test-faults test-pgbouncer fuzz lint bench postgres chromium prometheus kubectl java faketime pgbouncer lock reference docs docs-build
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -133,6 +133,15 @@ faketime:
 # figures land in test-output/faults.json.
 test-faults: $(BIN)/metering postgres faketime
 	METERING_FAULT_SUITE=1 $(BIN)/pytest -q -s -n 0 tests/faults
+
+# Schemathesis over the whole API (tests/fuzz, docs/development/fuzzing.md) with a bigger budget
+# than CI's: more examples an operation, longer stateful scenarios, every coverage request on
+# both databases. FUZZ_EXAMPLES and FUZZ_STEPS set it.
+FUZZ_EXAMPLES ?= 100
+FUZZ_STEPS ?= 50
+fuzz: $(BIN)/metering postgres
+	FUZZ_FULL=1 FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_STEPS=$(FUZZ_STEPS) \
+		$(BIN)/pytest -q -n 2 --dist worksteal tests/fuzz
 
 # The unit tests alone (tests/conftest.py marks each test unit or e2e: a unit test starts no
 # server and no database), in two processes: no PostgreSQL, no browser, under a minute.

@@ -287,11 +287,14 @@ def create_app(
         redoc_url=None,
         # Every query parameter, on every route: no control character reaches a query.
         dependencies=[Depends(valid_parameters)],
+        # A path with an empty id (/v1/users/) names nothing: a 404, not a redirect to the
+        # listing at /v1/users, whose answer is not the object's.
+        redirect_slashes=False,
     )
     install_error_handlers(app)
     declare_security(app)
-    declare_parameters(app)
     declare_event_schema(app)
+    declare_parameters(app)  # after the event schema: it completes every component
     for error in (
         sa_exc.OperationalError,
         sa_exc.InterfaceError,

@@ -130,12 +130,31 @@ ERROR_DESCRIPTIONS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The `responses=` of a route: the error statuses it gives, each with the error model."""
-    return {
+# On an operation's 400: the rules of its input that its schema cannot declare, each by the
+# `param` its error names (null: the body as a whole). They depend on what is stored (a cursor
+# of another listing, an id that names nothing), on the catalog or the settings (a model name,
+# a webhook's address), or compare one field with another (start after end): a request its
+# schema takes may still be refused by one of them, and by nothing else. docs/development/fuzzing.md
+DATA_RULES = "x-data-rules"
+
+
+def error_responses(
+    *statuses: int, rules: dict[str | None, str] | None = None
+) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route: the error statuses it gives, each with the error model;
+    `rules`, by param, those of its 400s that no schema can declare (DATA_RULES)."""
+    responses: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorResponse, "description": ERROR_DESCRIPTIONS[status]}
         for status in sorted(statuses)
     }
+    if rules:
+        said = "; ".join(f"{param or 'the body'}: {rule}" for param, rule in rules.items())
+        responses[400] = {
+            **responses[400],
+            "description": f"{ERROR_DESCRIPTIONS[400]}. Beyond its schema: {said}",
+            DATA_RULES: [{"param": param, "rule": rule} for param, rule in rules.items()],
+        }
+    return responses
 
 
 def _sendable(text: str | None) -> str | None:

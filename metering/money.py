@@ -34,6 +34,8 @@ USD_PATTERN = f"^{_USD}$"
 SIGNED_USD_PATTERN = f"^-?{_USD}$"
 # A change of money (an adjustment): signed and never zero.
 CHANGE_USD_PATTERN = f"^(?!-?0+(?:\\.0+)?$)-?{_USD}$"
+# A ceiling (a request's most, a run's budget): more than zero.
+POSITIVE_USD_PATTERN = f"^(?!0+(?:\\.0+)?$){_USD}$"
 USD_RULE = 'a decimal string of USD such as "10.50" (0 to 1000000, at most 12 decimals)'
 
 

@@ -33,6 +33,24 @@ _EDGE = r"[\t\n\x0b\x0c\r ]*"
 STRIPPED_TEXT_PATTERN = rf"^{_EDGE}[^\x00-\x1f\x7f]*{_EDGE}$"
 STRIPPED_FREE_TEXT_PATTERN = rf"^{_EDGE}[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*{_EDGE}$"
 
+# What pydantic's str_strip_whitespace takes off as a field's length is checked: every Unicode
+# space. _valid_text takes off only _EDGE_SPACE before it looks for controls, so the controls
+# among those spaces (tab, newline...) are outermost.
+_STRIPPED_START = rf"{_EDGE}[^\S\x00-\x1f]*"
+_STRIPPED_END = rf"[^\S\x00-\x1f]*{_EDGE}"
+
+
+def stripped_pattern(least: int, free: bool = False) -> str:
+    """STRIPPED_(FREE_)TEXT_PATTERN for a field of at least `least` characters once stripped:
+    that many, from the first character that is no space to the last."""
+    inner = r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]" if free else r"[^\x00-\x1f\x7f]"
+    solid = r"[^\s\x00-\x1f\x7f]"
+    core = (
+        rf"{solid}(?:{inner}*{solid})?" if least == 1 else rf"{solid}{inner}{{{least - 2},}}{solid}"
+    )
+    return rf"^{_STRIPPED_START}{core}{_STRIPPED_END}$"
+
+
 CONTROL = "must not contain control characters"
 FREE_CONTROL = "must not contain control characters other than tab, newline and carriage return"
 
@@ -120,7 +138,8 @@ class RequestBody(BaseModel):
                 else (FREE_TEXT_PATTERN if free else TEXT_PATTERN)
             )
             for option in field.get("anyOf", [field]):
-                _text_pattern(option, pattern)
+                least = option.get("minLength", 0) if option.get("type") == "string" else 0
+                _text_pattern(option, stripped_pattern(least, free) if strip and least else pattern)
         if target.get("additionalProperties") is not False:
             target["propertyNames"] = {"pattern": TEXT_PATTERN}
         return schema
@@ -179,7 +198,14 @@ def declare_parameters(app: Any) -> None:
 
     def openapi() -> dict[str, Any]:
         schema: dict[str, Any] = build()
-        schema.setdefault("components", {}).setdefault("schemas", {})[TEXT_JSON] = TEXT_JSON_SCHEMA
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        components[TEXT_JSON] = TEXT_JSON_SCHEMA
+        for body in components.values():
+            # A field a RequestBody does not know is taken (and left unread) when its name and
+            # every string it holds are valid text, as _valid_text checks them. (Declared here,
+            # where TEXT_JSON is a component, not in the model's own schema.)
+            if "properties" in body and "propertyNames" in body:
+                body.setdefault("additionalProperties", dict(TEXT_JSON_REF))
         for operations in schema.get("paths", {}).values():
             for operation in operations.values():
                 for parameter in operation.get("parameters", []):

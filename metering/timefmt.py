@@ -5,6 +5,7 @@ Every moment read from text is between 2000-01-01T00:00:00Z and 2999-12-31T23:59
 the arithmetic of windows and hours (where it would overflow Python's datetime)."""
 
 from datetime import UTC, datetime
+from typing import Any
 
 EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
 END = datetime(3000, 1, 1, tzinfo=UTC)  # the first moment after the bound
@@ -74,3 +75,31 @@ def client_moment(value: str | None) -> str | None:
             "must be an RFC 3339 timestamp with its time zone, e.g. 2026-01-01T00:00:00Z"
         ) from None
     return value
+
+
+# parse_rfc3339's rule as a JSON Schema pattern (declared beside `format: date-time` by every
+# body field it reads): an RFC 3339 date-time whose UTC moment is within the bounds. Inside the
+# years 2001 to 2998, and on every day of 2000 and 2999 but their first and last, any offset
+# keeps it there; on 2000-01-01 an offset ahead of UTC could make it 1999, and on 2999-12-31 one
+# behind UTC could make it 3000, so those two days are declared with the offsets that cannot
+# (the few moments their other offsets still keep within the bounds are taken, not declared).
+_MONTH = r"(?:0[1-9]|1[0-2])"
+_DAY = r"(?:0[1-9]|[12][0-9]|3[01])"
+_TIME = r"[Tt](?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?"
+_HH_MM = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]"
+_INNER_DATES = "|".join(
+    (
+        rf"(?:200[1-9]|20[1-9][0-9]|2[1-8][0-9][0-9]|29[0-8][0-9]|299[0-8])-{_MONTH}-{_DAY}",
+        rf"2000-(?:0[2-9]|1[0-2])-{_DAY}",
+        r"2000-01-(?:0[2-9]|[12][0-9]|3[01])",
+        rf"2999-(?:0[1-9]|1[01])-{_DAY}",
+        r"2999-12-(?:0[1-9]|[12][0-9]|30)",
+    )
+)
+MOMENT_PATTERN = (
+    rf"^(?:(?:{_INNER_DATES}){_TIME}(?:[Zz]|[+-]{_HH_MM})"
+    rf"|2000-01-01{_TIME}(?:[Zz]|-{_HH_MM}|\+00:00)"
+    rf"|2999-12-31{_TIME}(?:[Zz]|\+{_HH_MM}|-00:00))$"
+)
+# A body field's moment in /openapi.json: RFC 3339 and within the bounds.
+MOMENT_SCHEMA: dict[str, Any] = {"format": "date-time", "pattern": MOMENT_PATTERN}

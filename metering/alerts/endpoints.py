@@ -30,7 +30,18 @@ LIST_ERRORS = tuple(status for status in RULE_ERRORS["self"] if status != 404)
 EventType = Literal[record.TYPES]  # type: ignore[valid-type]
 
 
-@router.post("/webhooks", status_code=201, responses=error_responses(400, *ADMIN))
+# What the settings, the teams and the webhooks registered decide (the document cannot).
+WEBHOOK_RULES: dict[str | None, str] = {
+    "url": "http only to a loopback address, and a literal internal address, as the "
+    "METERING_WEBHOOKS_ALLOW_* settings allow",
+    "team_id": "a live team",
+    None: f"at most {service.MAX_WEBHOOKS} webhooks",
+}
+
+
+@router.post(
+    "/webhooks", status_code=201, responses=error_responses(400, *ADMIN, rules=WEBHOOK_RULES)
+)
 async def create_webhook(
     body: WebhookCreate,
     _: AdminPrincipal,

@@ -8,6 +8,14 @@ from metering.alerts.record import TYPES
 from metering.text import RequestBody
 
 MAX_URL_CHARS = 2048
+# The form service.check_url takes, declared: http or https, a host (a name or an IPv4 address;
+# no user name or password), a port, then any path, query and fragment. Whether http and an
+# address literal are taken depends on the settings (METERING_WEBHOOKS_ALLOW_*): those are the
+# endpoint's data rules. (An IPv6 literal, `[...]`, is taken but not declared.)
+URL_PATTERN = (
+    r"^[Hh][Tt][Tt][Pp][Ss]?://[A-Za-z0-9._~-]+(?::[0-9]{1,5})?"
+    r"(?:[/?#][^\s\x00-\x1f\x7f]*)?$"
+)
 
 
 class WebhookCreate(RequestBody):
@@ -16,6 +24,7 @@ class WebhookCreate(RequestBody):
     url: str = Field(
         min_length=1,
         max_length=MAX_URL_CHARS,
+        json_schema_extra={"pattern": URL_PATTERN},
         description="https://..., or http:// to a loopback address when "
         "METERING_WEBHOOKS_ALLOW_LOOPBACK is true. Never to an internal address (loopback, "
         "private, shared, link-local, multicast, reserved, unspecified: a literal one is 400, a "

@@ -74,9 +74,17 @@ async def post_events(
     return EventsOut(data=data)
 
 
+# What the clock and the budgets decide (the document cannot).
+RERATE_RULES: dict[str | None, str] = {"end": "after start (default: now)"}
+ADJUSTMENT_RULES: dict[str | None, str] = {
+    "amount": "keeps every budget's spent it changes from 0 to 9,000,000 USD",
+    "at": "not in the future, at most 35 days back (less with METERING_RETENTION_DAYS)",
+}
+
+
 @router.post(
     "/rerate",
-    responses=error_responses(400, 404, *RULE_ERRORS["admin"]),
+    responses=error_responses(400, 404, *RULE_ERRORS["admin"], rules=RERATE_RULES),
     description="Correct the usage events of one model at one provider in [start, end) to the "
     "price history (a catalog entry's `effective_from` records a back-dated price): each event "
     "charged otherwise gets one adjustment event with the difference and the reason, in its "
@@ -106,7 +114,7 @@ async def post_rerate(
 @router.post(
     "/adjustments",
     status_code=201,
-    responses=error_responses(400, 404, *RULE_ERRORS["admin"]),
+    responses=error_responses(400, 404, *RULE_ERRORS["admin"], rules=ADJUSTMENT_RULES),
     description="A manual adjustment (negative: a credit, e.g. for an outage) of a team, user, "
     "token or one event, with its reason: appended to the ledger as an adjustment event and "
     "charged to the budget window of `at` (default now; the event's own when it corrects one). "

@@ -60,6 +60,10 @@ from metering.timefmt import parse_rfc3339, rfc3339
 
 CHUNK = 1_000  # events read, compared and corrected per transaction
 MAX_REASON = 500
+# check_reason's rule as a JSON Schema pattern (the bodies' `reason`): free text (tab, newline
+# and carriage return but no other control character) with something besides whitespace in it.
+_FREE = r"[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]"
+REASON_PATTERN = rf"^{_FREE}*[^\s\x00-\x1f\x7f]{_FREE}*$"
 RETRIES = 3
 
 _t = LedgerEvent.__table__

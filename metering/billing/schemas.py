@@ -1,14 +1,15 @@
 """Request and response bodies of POST /v1/events, /v1/rerate, /v1/adjustments."""
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from metering.billing.ingest import MAX_BATCH
+from metering.billing.rerate import MAX_REASON, REASON_PATTERN
 from metering.ledger.attribution import END_USER_PATTERN
 from metering.money import CHANGE_USD_PATTERN
 from metering.text import TEXT_JSON_REF, RequestBody
-from metering.timefmt import BOUNDS, client_moment
+from metering.timefmt import BOUNDS, MOMENT_SCHEMA, client_moment
 
 
 class UsageEventIn(RequestBody):
@@ -81,16 +82,35 @@ class EventsOut(BaseModel):
     data: list[EventResult]
 
 
+# A moment in a body or null: checked by client_moment (RFC 3339, within the bounds), declared
+# by timefmt.MOMENT_SCHEMA.
+Moment = Annotated[
+    str | None,
+    Field(max_length=64),
+    WithJsonSchema(
+        {"anyOf": [{"type": "string", "maxLength": 64, **MOMENT_SCHEMA}, {"type": "null"}]}
+    ),
+]
+# A correction's reason: rerate.check_reason's rule, declared.
+REASON = Field(
+    max_length=MAX_REASON,
+    json_schema_extra={"pattern": REASON_PATTERN},
+    description="why (kept with the adjustments): text with something besides whitespace",
+)
+
+
 class RerateIn(RequestBody):
     free_text = frozenset({"reason"})
 
     provider: str = Field(max_length=100)
     model: str = Field(max_length=200)
-    start: str = Field(max_length=64, description=f"RFC 3339, inclusive, {BOUNDS}")
-    end: str | None = Field(
-        None, max_length=64, description=f"RFC 3339, exclusive, {BOUNDS}; default now"
+    start: str = Field(
+        max_length=64,
+        description=f"RFC 3339, inclusive, {BOUNDS}",
+        json_schema_extra=MOMENT_SCHEMA,
     )
-    reason: str = Field(max_length=500)
+    end: Moment = Field(None, description=f"RFC 3339, exclusive, {BOUNDS}; default now")
+    reason: str = REASON
 
     _moments = field_validator("start", "end")(client_moment)
 
@@ -112,7 +132,18 @@ class RerateOut(BaseModel):
     )
 
 
+# An adjustment names what it charges: one of these, not null (rerate.adjust's rule, declared).
+SUBJECTS = ("team_id", "user_id", "token_id", "corrects_event_id")
+
+
 class AdjustmentIn(RequestBody):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": [name], "properties": {name: {"type": "string"}}} for name in SUBJECTS
+            ]
+        }
+    )
     free_text = frozenset({"reason"})
 
     amount: str = Field(
@@ -121,14 +152,13 @@ class AdjustmentIn(RequestBody):
         description='signed USD, e.g. "-5.00" for a credit; at most 1000000 either way, and '
         "never taking a budget's spent below zero or past 9000000 (400)",
     )
-    reason: str = Field(max_length=500)
+    reason: str = REASON
     team_id: str | None = Field(None, max_length=40)
     user_id: str | None = Field(None, max_length=40)
     token_id: str | None = Field(None, max_length=40)
     corrects_event_id: str | None = Field(None, max_length=40)
-    at: str | None = Field(
+    at: Moment = Field(
         None,
-        max_length=64,
         description=f"RFC 3339, {BOUNDS}: the moment (and budget window) it counts in; not "
         "in the future, at most 35 days back (fewer when METERING_RETENTION_DAYS is shorter)",
     )

@@ -14,6 +14,7 @@ RUN, RUN_BUDGET = "x-metering-run", "x-metering-run-budget"
 # (metering.ledger.attribution).
 END_USER, TAGS = "x-metering-end-user", "x-metering-tags"
 _RUN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
+RUN_PATTERN = r"^[A-Za-z0-9._:-]{1,100}$"  # run_of's rule, declared
 
 
 def usd_header(headers: Mapping[str, str], name: str) -> int | None:

@@ -32,6 +32,13 @@ router = APIRouter(prefix="/v1")
 
 ADMIN = RULE_ERRORS["admin"]
 SELF = RULE_ERRORS["self"]
+# What the catalog, the stored teams and users and the clock decide (the document cannot).
+MODELS: dict[str | None, str] = {
+    "allowed_models": "its exact names in the catalog (a reload changes it), and within the "
+    "lists of its user and team"
+}
+USER_RULES: dict[str | None, str] = {**MODELS, "team_id": "a live team"}
+TOKEN_RULES: dict[str | None, str] = {**MODELS, "expires_at": "in the future"}
 
 
 def _search(fields: str) -> Any:
@@ -87,7 +94,7 @@ async def _tokens(session: AsyncSession, tokens) -> list[TokenOut]:
 # Teams (admin)
 
 
-@router.post("/teams", status_code=201, responses=error_responses(400, 409, *ADMIN))
+@router.post("/teams", status_code=201, responses=error_responses(400, 409, *ADMIN, rules=MODELS))
 async def create_team(
     body: TeamCreate,
     _: AdminPrincipal,
@@ -120,7 +127,7 @@ async def get_team(team_id: str, _: AdminPrincipal, session: SessionDep) -> Team
     return TeamOut.of(team, await service.get_budget(session, team.id))
 
 
-@router.patch("/teams/{team_id}", responses=error_responses(400, 404, 409, *ADMIN))
+@router.patch("/teams/{team_id}", responses=error_responses(400, 404, 409, *ADMIN, rules=MODELS))
 async def patch_team(
     team_id: str,
     body: TeamPatch,
@@ -154,7 +161,9 @@ async def whoami(principal: SelfPrincipal) -> PrincipalOut:
 # Users (admin; self for reads)
 
 
-@router.post("/users", status_code=201, responses=error_responses(400, 409, *ADMIN))
+@router.post(
+    "/users", status_code=201, responses=error_responses(400, 409, *ADMIN, rules=USER_RULES)
+)
 async def create_user(
     body: UserCreate,
     _: AdminPrincipal,
@@ -196,7 +205,9 @@ async def get_user(user_id: str, principal: SelfPrincipal, session: SessionDep) 
     return UserOut.of(user, await service.get_budget(session, user.id))
 
 
-@router.patch("/users/{user_id}", responses=error_responses(400, 404, 409, *ADMIN))
+@router.patch(
+    "/users/{user_id}", responses=error_responses(400, 404, 409, *ADMIN, rules=USER_RULES)
+)
 async def patch_user(
     user_id: str,
     body: UserPatch,
@@ -220,7 +231,11 @@ async def delete_user(user_id: str, _: AdminPrincipal, session: SessionDep) -> R
 # API tokens (admin, or the user for itself)
 
 
-@router.post("/users/{user_id}/tokens", status_code=201, responses=error_responses(400, 409, *SELF))
+@router.post(
+    "/users/{user_id}/tokens",
+    status_code=201,
+    responses=error_responses(400, 409, *SELF, rules=TOKEN_RULES),
+)
 async def create_token(
     user_id: str,
     body: TokenCreate,
@@ -274,7 +289,7 @@ async def get_token(token_id: str, principal: SelfPrincipal, session: SessionDep
     return TokenOut.of(token, await service.get_budget(session, token.id))
 
 
-@router.patch("/tokens/{token_id}", responses=error_responses(400, *SELF))
+@router.patch("/tokens/{token_id}", responses=error_responses(400, *SELF, rules=TOKEN_RULES))
 async def patch_token(
     token_id: str,
     body: TokenPatch,
@@ -298,7 +313,13 @@ async def patch_token(
     return TokenOut.of(token, await service.get_budget(session, token_id))
 
 
-@router.delete("/tokens/{token_id}", status_code=204, responses=error_responses(*SELF))
+@router.delete(
+    "/tokens/{token_id}",
+    status_code=204,
+    responses=error_responses(*SELF),
+    description="Revoke the token: its next use, on any replica, is a 401. The token, its budget "
+    "and its limits stay readable (with `revoked_at`), as its usage does.",
+)
 async def revoke_token(token_id: str, principal: SelfPrincipal, session: SessionDep) -> Response:
     await _own_token(session, principal, token_id)
     await service.revoke_token(session, token_id)

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AwareDatetime,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     WithJsonSchema,
@@ -21,7 +22,7 @@ from metering.budgets.windows import INTERVAL_PATTERN, InvalidInterval, parse_in
 from metering.models import ApiToken, Budget, Team, User
 from metering.money import MoneyError, format_usd, usd_schema, usd_text
 from metering.text import RequestBody
-from metering.timefmt import BOUNDS, bounded, rfc3339
+from metering.timefmt import BOUNDS, MOMENT_SCHEMA, bounded, rfc3339
 
 
 def _usd(field: str):
@@ -64,6 +65,19 @@ class _Body(RequestBody):
 MAX_THRESHOLDS = 10
 
 
+# _thresholds's rules, declared.
+THRESHOLDS: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 1, "maximum": 100},
+            "maxItems": MAX_THRESHOLDS,
+        },
+        {"type": "null"},
+    ]
+}
+
+
 def _thresholds(value: object) -> list[int] | None:
     if value is None:
         return None
@@ -72,10 +86,12 @@ def _thresholds(value: object) -> list[int] | None:
             f"alert_thresholds must be a list of at most {MAX_THRESHOLDS} percentages (or null "
             "for the default [50, 80, 100])"
         )
-    for item in value:
-        if type(item) is not int or not 1 <= item <= 100:
+    found: set[int] = set()
+    for item in map(whole, value):
+        if isinstance(item, bool) or not isinstance(item, int) or not 1 <= item <= 100:
             raise ValueError("alert_thresholds entries must be whole numbers from 1 to 100")
-    return sorted(set(value))
+        found.add(item)
+    return sorted(found)
 
 
 _soft = _usd("soft_limit")
@@ -84,7 +100,7 @@ _soft = _usd("soft_limit")
 class _Limited(_Body):
     credit_limit: Usd = None
     reset_interval: str = Field(default="never", json_schema_extra=INTERVAL)
-    alert_thresholds: list[int] | None = Field(
+    alert_thresholds: Annotated[list[int] | None, WithJsonSchema(THRESHOLDS)] = Field(
         default=None,
         description="Percentages of credit_limit (1 to 100) at which budget.threshold_crossed "
         "is sent, once per window; null: [50, 80, 100]; []: none",
@@ -101,9 +117,21 @@ class _Limited(_Body):
     _check_soft = field_validator("soft_limit", mode="before")(_soft)
 
 
+def whole(value: object) -> object:
+    """A JSON number with no fraction as an int: 5 and 5.0 are one JSON number, an `integer`
+    to JSON Schema. Anything else is left as it came, for a strict int to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _bounded(high: int, description: str):
     # strict: a JSON whole number only (no string, no fraction, no boolean)
-    return Annotated[int | None, Field(strict=True, ge=0, le=high, description=description)]
+    return Annotated[
+        int | None,
+        Field(strict=True, ge=0, le=high, description=description),
+        BeforeValidator(whole),
+    ]
 
 
 # A model name or a pattern of one (`*` any run of characters, `?` one): no spaces or brackets.
@@ -161,8 +189,21 @@ class _RateLimited(_Body):
 MAX_LIFETIME_S = 100 * 365 * 86400
 
 
+# Both expiries given, neither null: refused by _one_expiry, and declared so.
+BOTH_EXPIRIES: dict[str, Any] = {
+    "required": ["expires_at", "expires_in"],
+    "properties": {"expires_at": {"type": "string"}, "expires_in": {"type": "integer"}},
+}
+
+
 class _Expiring(_Body):
-    expires_at: AwareDatetime | None = Field(
+    model_config = ConfigDict(json_schema_extra={"not": BOTH_EXPIRIES})
+
+    expires_at: Annotated[
+        AwareDatetime | None,
+        # the bounds `bounded` checks, declared (timefmt.MOMENT_PATTERN)
+        WithJsonSchema({"anyOf": [{"type": "string", **MOMENT_SCHEMA}, {"type": "null"}]}),
+    ] = Field(
         default=None,
         description=f"When the token stops working (RFC 3339, {BOUNDS}); null: never",
     )
@@ -175,6 +216,7 @@ class _Expiring(_Body):
             description="The token's lifetime in seconds from now (instead of expires_at); "
             "both are capped by METERING_TOKEN_MAX_LIFETIME_S when it is set",
         ),
+        BeforeValidator(whole),
     ] = None
 
     _bounded = field_validator("expires_at")(lambda v: None if v is None else bounded(v))
@@ -225,8 +267,13 @@ class TeamPatch(_Limited, _RateLimited, _EndUserDefaults):
     )(lambda v: None if v is None else _interval(v))
 
 
+# An address: one @ between two runs of characters that are no space and no control character
+# (which RequestBody refuses anywhere, before this pattern is looked at).
+EMAIL_PATTERN = r"^[^@\s\x00-\x1f\x7f]+@[^@\s\x00-\x1f\x7f]+$"
+
+
 class UserCreate(_Limited, _RateLimited):
-    email: str = Field(min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$")
+    email: str = Field(min_length=3, max_length=320, pattern=EMAIL_PATTERN)
     name: str = Field(min_length=1, max_length=200)
     team_id: str = Field(min_length=1, max_length=40)
     password: str | None = Field(default=None, min_length=8, max_length=1024)
@@ -234,9 +281,7 @@ class UserCreate(_Limited, _RateLimited):
 
 class UserPatch(_Limited, _RateLimited):
     name: str | None = Field(default=None, min_length=1, max_length=200)
-    email: str | None = Field(
-        default=None, min_length=3, max_length=320, pattern=r"^[^@\s]+@[^@\s]+$"
-    )
+    email: str | None = Field(default=None, min_length=3, max_length=320, pattern=EMAIL_PATTERN)
     team_id: str | None = Field(default=None, min_length=1, max_length=40)
     password: str | None = Field(default=None, min_length=8, max_length=1024)
     # A patch may leave out what a create defaults: these fields and their checks take None.

@@ -10,16 +10,18 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from metering.auth.principal import RULE_ERRORS, SelfPrincipal, UserPrincipal
-from metering.budgets.ceilings import END_USER, MAX_COST, RUN, RUN_BUDGET, TAGS
+from metering.budgets.ceilings import END_USER, MAX_COST, RUN, RUN_BUDGET, RUN_PATTERN, TAGS
 from metering.container import get_services
 from metering.errors import ErrorResponse, error_responses
 from metering.ledger.attribution import (
     END_USER_PATTERN,
     MAX_END_USER_CHARS,
+    MAX_TAG_KEY_CHARS,
     MAX_TAG_VALUE_CHARS,
     MAX_TAGS,
 )
-from metering.proxy import admission, service
+from metering.money import POSITIVE_USD_PATTERN
+from metering.proxy import admission, request_schema, service
 from metering.proxy.request import read_body
 from metering.proxy.runtime import ProxyServices
 
@@ -28,13 +30,20 @@ router = APIRouter(prefix="/v1")
 # The container, as the proxy's functions take it.
 ProxyServicesDep = Annotated[ProxyServices, Depends(get_services)]
 
+# What one header says of another, what runs are open, the tags header's JSON and the
+# provider's own dialect (the document cannot declare them).
+CHAT_RULES: dict[str | None, str] = {
+    RUN_BUDGET: f"sent with {RUN}, on a run's first request (or a run still open)",
+    TAGS: "a JSON object of tags, at most 16 pairs with the body's metadata",
+    "metadata": f"at most 16 pairs with {TAGS}",
+}
 CHAT_RESPONSES = {
     200: {
         "description": "The upstream's answer as it sent it: a chat.completion, or (stream) "
         "server-sent chat.completion.chunk events",
         "content": {"application/json": {}, "text/event-stream": {}},
     },
-    **error_responses(400, 402, 404, 413, 415, 502, 504, *RULE_ERRORS["user"]),
+    **error_responses(400, 402, 404, 413, 415, 502, 504, *RULE_ERRORS["user"], rules=CHAT_RULES),
     # 403 also model_not_allowed; 429 also rate_limit_exceeded (with retry-after).
     "4XX": {
         "model": ErrorResponse,
@@ -51,21 +60,21 @@ CHAT_OPENAPI = {
             "name": MAX_COST,
             "in": "header",
             "required": False,
-            "schema": {"type": "string"},
+            "schema": {"type": "string", "pattern": POSITIVE_USD_PATTERN},
             "description": "USD: the most this request may cost (a budget of its own)",
         },
         {
             "name": RUN,
             "in": "header",
             "required": False,
-            "schema": {"type": "string", "minLength": 1, "maxLength": 100},
+            "schema": {"type": "string", "pattern": RUN_PATTERN},
             "description": "the run the request belongs to (letters, digits and . _ : -)",
         },
         {
             "name": RUN_BUDGET,
             "in": "header",
             "required": False,
-            "schema": {"type": "string"},
+            "schema": {"type": "string", "pattern": POSITIVE_USD_PATTERN},
             "description": "USD: with a run's first request, the run's budget",
         },
         {
@@ -102,8 +111,7 @@ CHAT_OPENAPI = {
                     "type": "object",
                     "required": ["model", "messages"],
                     "properties": {
-                        "model": {"type": "string", "minLength": 1, "maxLength": 256},
-                        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                        **request_schema.FIELDS,
                         "user": {
                             "type": "string",
                             "minLength": 1,
@@ -123,15 +131,22 @@ CHAT_OPENAPI = {
                         "metadata": {
                             "type": "object",
                             "maxProperties": MAX_TAGS,
+                            "propertyNames": {
+                                "minLength": 1,
+                                "maxLength": MAX_TAG_KEY_CHARS,
+                                "pattern": "^[^\\x00]*$",
+                            },
                             "additionalProperties": {
                                 "type": "string",
                                 "maxLength": MAX_TAG_VALUE_CHARS,
+                                "pattern": "^[^\\x00]*$",
                             },
                             "description": "the request's tags (at most 16 pairs, keys 1 to "
                             "64 characters, values strings of at most 512); never sent upstream",
                         },
                     },
                     "additionalProperties": True,
+                    **request_schema.EXCLUSIVE,
                 }
             }
         },

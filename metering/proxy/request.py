@@ -19,6 +19,7 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function
 MAX_MESSAGES = 100_000
 MAX_CHOICES = 16
 MAX_MODEL_CHARS = 256
+MAX_TOKENS = 10_000_000  # max_tokens' and max_completion_tokens' bound
 # Control characters in a model name: NUL cannot be stored by PostgreSQL, none is a name.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _LONG_DIGITS = re.compile(rb"[0-9]{19}")
@@ -91,6 +92,9 @@ def _int(body: dict[str, Any], key: str, low: int, high: int) -> int | None:
     value = body.get(key)
     if value is None:
         return None
+    if isinstance(value, float) and value.is_integer():
+        # 5.0 is the JSON number 5 (an `integer` to JSON Schema): sent on as 5
+        value = body[key] = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidRequest(f"{key} must be an integer", param=key)
     if not low <= value <= high:
@@ -173,8 +177,8 @@ def validate(body: dict[str, Any], size: int) -> ChatRequest:
         raise InvalidRequest(
             "stream_options.include_usage must be a boolean", param="stream_options"
         )
-    max_tokens = _int(body, "max_tokens", 1, 10_000_000)
-    max_completion = _int(body, "max_completion_tokens", 1, 10_000_000)
+    max_tokens = _int(body, "max_tokens", 1, MAX_TOKENS)
+    max_completion = _int(body, "max_completion_tokens", 1, MAX_TOKENS)
     if max_tokens is not None and max_completion is not None:
         raise InvalidRequest(
             "send max_tokens or max_completion_tokens, not both", param="max_tokens"

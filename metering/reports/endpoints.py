@@ -40,6 +40,10 @@ MAX_EXPORT_BYTES = 64 * 1024 * 1024
 CSV = {"text/csv": {"schema": {"type": "string"}}}
 # GET /v1/usage names no user, token or team in its path, so the self rule never answers 404.
 USAGE_ERRORS = tuple(status for status in RULE_ERRORS["self"] if status != 404)
+# The rules of a report's parameters that compare two of them or read what is stored (the
+# document cannot declare them).
+RANGE: dict[str | None, str] = {"start": "not after end"}
+PAGED: dict[str | None, str] = {**RANGE, "cursor": "a next_cursor this listing gave"}
 DEFAULT_USAGE_PAGE = 100
 LABELS_DOC = (
     "true: each row also carries the names of its ids: team_name, user_email, token_name "
@@ -49,6 +53,8 @@ LABELS_DOC = (
 # A report's start and end: any RFC 3339 date-time, read within the stored bounds
 # (reports.usage.parse_time).
 DATE_TIME = {"format": "date-time"}
+# The FOCUS export's edges: whole UTC hours (focus.parse_range's rule, declared).
+WHOLE_HOUR = {**DATE_TIME, "pattern": focus.WHOLE_HOUR_PATTERN}
 # The repeatable tag filter, as reports.tag_filter parses it.
 TAG_FILTERS = {"items": {"type": "string", "pattern": TAG_FILTER_PATTERN}, "maxItems": MAX_TAGS}
 
@@ -72,7 +78,7 @@ def _csv_stream(rows: AsyncIterator[bytes], headers: dict[str, str]) -> Streamin
     response_model=UsageOut,
     responses={
         200: {"description": "Events newest first, as JSON or (format=csv) as CSV", "content": CSV},
-        **error_responses(400, *USAGE_ERRORS),
+        **error_responses(400, *USAGE_ERRORS, rules=PAGED),
     },
 )
 async def list_usage(
@@ -136,6 +142,11 @@ async def list_usage(
     )
 
 
+SPEND_RULES: dict[str | None, str] = {
+    **RANGE,
+    "group_by": f"a report of at most {MAX_REPORT_ROWS:,} rows for what the range holds",
+}
+SPEND_ERROR = error_responses(400, rules=SPEND_RULES)[400]
 SPEND_400 = (
     "A parameter is not valid, or the report could hold more than "
     f"{MAX_REPORT_ROWS:,} rows (code `report_too_large`, param `group_by`): the hours or days "
@@ -154,7 +165,7 @@ SPEND_400 = (
     responses={
         200: {"description": "The report, as JSON or (format=csv) as CSV", "content": CSV},
         **error_responses(400, *RULE_ERRORS["self"]),
-        400: {**error_responses(400)[400], "description": SPEND_400},
+        400: {**SPEND_ERROR, "description": f"{SPEND_400} {SPEND_ERROR['description']}."},
     },
 )
 async def spend(
@@ -233,12 +244,15 @@ class CsvResponse(Response):
     media_type = "text/csv"
 
 
-def _json_errors(*statuses: int) -> dict:
+def _json_errors(*statuses: int, rules: dict[str | None, str] | None = None) -> dict:
     """error_responses() for a route whose own media type is not JSON: its errors still are."""
     error = {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
     return {
-        status: {"description": spec["description"], "content": {"application/json": error}}
-        for status, spec in error_responses(*statuses).items()
+        status: {
+            **{k: v for k, v in spec.items() if k != "model"},
+            "content": {"application/json": error},
+        }
+        for status, spec in error_responses(*statuses, rules=rules).items()
     }
 
 
@@ -250,7 +264,7 @@ def _json_errors(*statuses: int) -> dict:
             "description": "FOCUS 1.2 rows as CSV, or (format=parquet) as a Parquet file",
             "content": {**CSV, "application/vnd.apache.parquet": {"schema": {"type": "string"}}},
         },
-        **_json_errors(400, *RULE_ERRORS["admin"]),
+        **_json_errors(400, *RULE_ERRORS["admin"], rules=RANGE),
     },
     description="Spend over [start, end) (whole UTC hours; default the last 30 days) as FinOps "
     "FOCUS 1.2 rows: per hour, team, user, token, model and provider, one Usage row per token "
@@ -260,8 +274,8 @@ def _json_errors(*statuses: int) -> dict:
 async def focus_export(
     _: AdminPrincipal,
     services: ServicesDep,
-    start: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
-    end: str | None = Query(None, max_length=64, json_schema_extra=DATE_TIME),
+    start: str | None = Query(None, max_length=64, json_schema_extra=WHOLE_HOUR),
+    end: str | None = Query(None, max_length=64, json_schema_extra=WHOLE_HOUR),
     team_id: str | None = Query(None, max_length=40),
     format: str = Query("csv", pattern="^(csv|parquet)$"),
 ) -> StreamingResponse:
@@ -299,7 +313,7 @@ SCOPE = Query(None, pattern="^(token|user|team|request|run)$")
             "description": "Refusals newest first, as JSON or (format=csv) as CSV",
             "content": CSV,
         },
-        **error_responses(400, *USAGE_ERRORS),
+        **error_responses(400, *USAGE_ERRORS, rules=PAGED),
     },
 )
 async def list_refusals(
@@ -351,7 +365,7 @@ async def list_refusals(
     "paged like /v1/spend.",
     responses={
         200: {"description": "The counts, as JSON or (format=csv) as CSV", "content": CSV},
-        **error_responses(400, *USAGE_ERRORS),
+        **error_responses(400, *USAGE_ERRORS, rules=RANGE),
     },
 )
 async def refusal_summary(
@@ -425,11 +439,23 @@ async def read_export(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+# A CSV's header names its columns in any order and each row's fields are read by them: no
+# schema of a text body declares that.
+EXPORT_RULES: dict[str | None, str] = {
+    None: f"CSV (UTF-8) whose header names the columns {', '.join(reconciliation.REQUIRED)} "
+    "(any order, others ignored), with at least one row, each as wide as the header",
+    **{
+        column: "a valid value in every row (the error names the line)"
+        for column in (*reconciliation.REQUIRED, "upstream_id")
+    },
+}
+
+
 @router.post(
     "/reconciliations",
     status_code=201,
     response_model=ReconciliationOut,
-    responses=error_responses(400, 413, 415, *RULE_ERRORS["admin"]),
+    responses=error_responses(400, 413, 415, *RULE_ERRORS["admin"], rules=EXPORT_RULES),
     openapi_extra={
         "requestBody": {
             "description": "The provider's usage export: CSV as the body, or the multipart "
@@ -452,7 +478,9 @@ async def create_reconciliation(
     _: AdminPrincipal,
     services: ServicesDep,
     provider: str = Query(..., min_length=1, max_length=100),
-    tolerance: str | None = Query(None, max_length=32),
+    tolerance: str | None = Query(
+        None, max_length=32, json_schema_extra={"pattern": reconciliation.TOLERANCE_PATTERN}
+    ),
 ) -> JSONResponse:
     check_text(provider, "provider")
     parsed = reconciliation.parse_tolerance(tolerance)

@@ -32,6 +32,7 @@ import asyncio
 import csv
 import io
 import json
+import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -61,6 +62,20 @@ KEYS = ["hour", "team_id", "user_id", "token_id", "model", "provider"]
 ATTRIBUTION = ("end_user", "tags")  # the ledger's columns a group is split by
 NO_TAGS = "{}"
 DEFAULT_DAYS = 30
+# parse_range's whole hours as a JSON Schema pattern (the export's start and end): an RFC 3339
+# date-time on a whole UTC hour: no seconds (nor any fraction of one), and minutes that its
+# offset's take back to a whole hour (10:30+05:30 is 05:00 UTC, 10:30-03:30 14:00, 23:59-00:01
+# 00:00).
+_ON_HOUR = r"(?:[01][0-9]|2[0-3])"
+WHOLE_HOUR_PATTERN = (
+    rf"^(?:[0-9]{{3}}[1-9]|[0-9]{{2}}[1-9]0|[0-9][1-9]00|[1-9]000)-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])[Tt]{_ON_HOUR}:(?:"
+    + "|".join(
+        rf"{m:02d}:00(?:\.0+)?(?:{'[Zz]|' if m == 0 else ''}\+{_ON_HOUR}:{m:02d}"
+        rf"|-{_ON_HOUR}:{(60 - m) % 60:02d})"
+        for m in range(60)
+    )
+    + ")$"
+)
 TOKENS = "Tokens"
 EXPORTED = frozenset(
     (
@@ -129,8 +144,10 @@ def parse_range(start: str | None, end: str | None) -> tuple[datetime, datetime]
     30 days up to the end of the current hour."""
     end_at = parse_time(end, "end") or floor_hour(utcnow()) + timedelta(hours=1)
     start_at = parse_time(start, "start") or end_at - timedelta(days=DEFAULT_DAYS)
-    for name, value in (("start", start_at), ("end", end_at)):
-        if value != floor_hour(value):
+    for name, text in (("start", start), ("end", end)):
+        # the text as sent, as the document declares it: clamped into the stored years, a
+        # moment far off would be on a whole hour whatever it said
+        if text is not None and re.fullmatch(WHOLE_HOUR_PATTERN, text) is None:
             raise InvalidRequest(f"{name} must be on a whole UTC hour", param=name)
     check_range(start_at, end_at)
     return start_at, end_at

@@ -96,6 +96,11 @@ class Export:
     days: set[date]
 
 
+# parse_tolerance's rule, declared: a decimal from 0 to 1 (written with an exponent, or with
+# spaces around it, it is taken but not declared).
+TOLERANCE_PATTERN = r"^\+?(?:0*1(?:\.0*)?|0+(?:\.[0-9]*)?|0*\.[0-9]+)$"
+
+
 def parse_tolerance(value: str | None) -> Decimal:
     if value is None:
         return DEFAULT_TOLERANCE
