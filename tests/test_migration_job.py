@@ -39,17 +39,31 @@ def fresh(request, tmp_path):
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def metering(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "metering.cli", *args],
-        env={**INHERITED, "METERING_DATABASE_URL": url},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+class Done:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+    def __repr__(self) -> str:
+        return f"exit {self.returncode}: {self.stdout} {self.stderr}"
 
 
-def test_the_job_migrates_and_the_replicas_wait_for_it(fresh, tmp_path):
+@pytest.fixture
+def metering(monkeypatch, capsys):
+    """`metering ...` on a database, in this process (the commands read the settings from the
+    environment, as they do in the job's and the pod's containers)."""
+
+    def run(url: str, *args: str) -> Done:
+        monkeypatch.setenv("METERING_DATABASE_URL", url)
+        monkeypatch.delenv("METERING_CONFIG", raising=False)
+        parsed = parser().parse_args(list(args))
+        code = parsed.func(parsed)  # as `metering` runs it, without its logging set-up
+        out = capsys.readouterr()
+        return Done(code, out.out, out.err)
+
+    return run
+
+
+def test_the_job_migrates_and_the_replicas_wait_for_it(fresh, metering):
     head = migrate.schema_state(fresh)[2]
     checked = metering(fresh, "db", "check")
     assert checked.returncode == 1, checked
@@ -70,10 +84,15 @@ def test_the_job_migrates_and_the_replicas_wait_for_it(fresh, tmp_path):
             done.stdout.strip() == f"schema current: database at {head}, this release's head {head}"
         )
 
+
+def test_serve_no_migrate_starts_on_a_current_schema(tmp_path):
+    """The pod's own command, as a process: it listens without migrating."""
+    url = f"sqlite:///{tmp_path / 'current.db'}"
+    migrate.upgrade(url)
     process = subprocess.Popen(
         [sys.executable, "-m", "metering.cli", "serve", "--no-migrate", "--port", str(free_port())],
         cwd=tmp_path,
-        env={**INHERITED, "METERING_DATABASE_URL": fresh},
+        env={**INHERITED, "METERING_DATABASE_URL": url},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -86,7 +105,7 @@ def test_the_job_migrates_and_the_replicas_wait_for_it(fresh, tmp_path):
     assert "Uvicorn running on" in log, log
 
 
-def test_a_newer_releases_schema_counts_as_current(fresh):
+def test_a_newer_releases_schema_counts_as_current(fresh, metering):
     migrate.upgrade(fresh)
     engine = create_engine(sync_url(fresh))
     with engine.begin() as conn:
