@@ -110,8 +110,14 @@ def scraped(api, sim, tmp_path):
         server.stop()
 
 
+class Starting(Exception):
+    """Prometheus listens, but answers 503 until its storage is ready."""
+
+
 def query(prometheus: str, promql: str) -> list[dict]:
     response = httpx.get(f"{prometheus}/api/v1/query", params={"query": promql}, timeout=5)
+    if response.status_code == 503:
+        raise Starting(response.text)
     assert response.status_code == 200, response.text
     return response.json()["data"]["result"]
 
@@ -122,7 +128,7 @@ def test_prometheus_scrapes_the_series_the_rules_and_docs_name(scraped):
     while time.monotonic() < deadline:
         try:
             found = {name: query(scraped, name) for name in SERIES}
-        except httpx.TransportError:
+        except (httpx.TransportError, Starting):
             found = {}  # Prometheus still starting
         if found and all(found.values()):
             break
