@@ -13,10 +13,17 @@ import re
 
 from metering.proxy.attempt import Attempt
 
+_STRING = rb'"[^"\\]*(?:\\.[^"\\]*)*"'
 # A JSON string (escapes included), or one bracket.
-_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\]]')
+_TOKEN = re.compile(_STRING + rb"|[{}\[\]]")
 # After a key: the colon and a string value (the one to replace).
-_STRING_VALUE = re.compile(rb'\s*:\s*("[^"\\]*(?:\\.[^"\\]*)*")')
+_STRING_VALUE = re.compile(rb"\s*:\s*(" + _STRING + rb")")
+# The common case in one match: the object's opening, members whose values are strings, numbers
+# or literals (so all of them top-level), then `model` and its string value.
+_LEADING = re.compile(
+    rb"\{\s*(?:" + _STRING + rb"\s*:\s*(?:" + _STRING + rb'|[-+.0-9eE]+|true|false|null)\s*,\s*)*?"model"'
+    + rb"\s*:\s*(" + _STRING + rb")"
+)
 _KEY = b'"model"'
 _QUOTE = ord('"')
 _OPENING = frozenset(b"{[")
@@ -36,6 +43,9 @@ def with_model(data: bytes, name: bytes) -> bytes:
     start = data.find(b"{")  # past an SSE event's field names
     if start < 0:
         return data
+    leading = _LEADING.match(data, start)
+    if leading is not None:
+        return data[: leading.start(1)] + name + data[leading.end(1) :]
     depth = 0
     for token in _TOKEN.finditer(data, start):
         first = data[token.start()]

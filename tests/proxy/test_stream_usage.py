@@ -64,9 +64,13 @@ def catalog(sim) -> dict:
     return {"response_model": "requested", "providers": providers, "models": models}
 
 
+# The longest SSE event taken from an upstream: small, so that one long chunk passes it.
+EVENT_BOUND = 2048
+
+
 @pytest.fixture(scope="module")
 def proxy(api, sim):
-    with serving(api, catalog(sim)) as own:
+    with serving(api, catalog(sim), max_sse_event_bytes=EVENT_BOUND) as own:
         yield own
 
 
@@ -182,6 +186,22 @@ def test_a_stream_cut_mid_way_sends_the_ledgers_usage_before_its_error(proxy, to
     assert event["completion_tokens"] > 0
     assert usage_chunk["usage"] == ledger_usage(event)
     assert usage_chunk["choices"] == [] and usage_chunk["id"] == event["upstream_id"]
+    assert usage_chunks(data) == [usage_chunk]
+
+
+def test_a_stream_cut_by_a_bound_sends_the_ledgers_usage_then_its_error_and_no_done(
+    proxy, token
+):
+    body = stream_body("oa", "Long sim:tokens=2000 sim:chunks=2")
+    response = post(proxy, token, body)
+    assert response.status_code == 200
+    data = data_of(response.content)
+    assert json.loads(data[-1])["error"]["code"] == "upstream_event_too_large"
+    usage_chunk = json.loads(data[-2])
+    event = one_event(proxy, token)
+    assert event["status"] == "event_too_large"
+    assert usage_chunk["usage"] == ledger_usage(event)
+    assert usage_chunk["choices"] == [] and "[DONE]" not in data
     assert usage_chunks(data) == [usage_chunk]
 
 
