@@ -20,10 +20,8 @@ _TOKEN = re.compile(_STRING + rb"|[{}\[\]]")
 _STRING_VALUE = re.compile(rb"\s*:\s*(" + _STRING + rb")")
 # The common case in one match: the object's opening, members whose values are strings, numbers
 # or literals (so all of them top-level), then `model` and its string value.
-_LEADING = re.compile(
-    rb"\{\s*(?:" + _STRING + rb"\s*:\s*(?:" + _STRING + rb'|[-+.0-9eE]+|true|false|null)\s*,\s*)*?"model"'
-    + rb"\s*:\s*(" + _STRING + rb")"
-)
+_SCALAR_MEMBER = _STRING + rb"\s*:\s*(?:" + _STRING + rb"|[-+.0-9eE]+|true|false|null)\s*,\s*"
+_LEADING = re.compile(rb"\{\s*(?:" + _SCALAR_MEMBER + rb')*?"model"\s*:\s*(' + _STRING + rb")")
 _KEY = b'"model"'
 _QUOTE = ord('"')
 _OPENING = frozenset(b"{[")

@@ -189,9 +189,7 @@ def test_a_stream_cut_mid_way_sends_the_ledgers_usage_before_its_error(proxy, to
     assert usage_chunks(data) == [usage_chunk]
 
 
-def test_a_stream_cut_by_a_bound_sends_the_ledgers_usage_then_its_error_and_no_done(
-    proxy, token
-):
+def test_a_stream_cut_by_a_bound_sends_the_ledgers_usage_then_its_error_and_no_done(proxy, token):
     body = stream_body("oa", "Long sim:tokens=2000 sim:chunks=2")
     response = post(proxy, token, body)
     assert response.status_code == 200
