@@ -54,6 +54,7 @@ from metering.reports.endpoints import MAX_EXPORT_BYTES
 from metering.reports.endpoints import router as reports_router
 from metering.reports.prometheus import router as metrics_router
 from metering.requestid import RequestId
+from metering.responses.endpoints import router as responses_router
 from metering.settings import Catalog, Settings, load_catalog
 from metering.text import declare_parameters, valid_parameters
 
@@ -230,7 +231,11 @@ def create_app(
 
         scheduler = (
             jobs.start_scheduler(
-                db, settings.hold_ttl_s, settings.retention_days, settings.run_idle_s
+                db,
+                settings.hold_ttl_s,
+                settings.retention_days,
+                settings.run_idle_s,
+                settings.responses_retention_days,
             )
             if run_jobs
             else None
@@ -306,6 +311,7 @@ def create_app(
     app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(proxy_router)
+    app.include_router(responses_router)
     app.include_router(identity_router)
     app.include_router(budgets_router)
     app.include_router(reports_router)

@@ -17,6 +17,7 @@ from metering.db import Database, utcnow
 from metering.ledger import retention, rollup
 from metering.ledger.outcome import unsettled_event
 from metering.models import Budget, Hold
+from metering.responses import store as responses_store
 
 log = logging.getLogger("metering.jobs")
 RETENTION_EVERY_S = 600
@@ -78,6 +79,7 @@ def start_scheduler(
     hold_ttl_s: int,
     retention_days: int | None = None,
     run_idle_s: int | None = None,
+    responses_retention_days: int = 30,
 ) -> AsyncIOScheduler:
     scheduler = AsyncIOScheduler(timezone="UTC")
     # The scheduler keeps the wall clock's time, whatever the clock the jobs read.
@@ -101,6 +103,7 @@ def start_scheduler(
     if run_idle_s is not None:
         every(60, "expire_runs", expire_runs, db, run_idle_s)
     every(EXPIRING_EVERY_S, "expiring_tokens", alerts.expiring_tokens, db)
+    every(RETENTION_EVERY_S, "sweep_responses", responses_store.sweep, db, responses_retention_days)
     if retention_days is not None:
         every(
             RETENTION_EVERY_S,

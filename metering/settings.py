@@ -147,6 +147,15 @@ class Settings(BaseSettings):
     """Events older than this many days move to `ledger_events_archive` (spend reports keep
     them; /v1/usage no longer lists them); older refusals, alert events and finished webhook
     deliveries are deleted. Unset: everything is kept."""
+    responses_store: bool = True
+    """Whether the Responses API stores responses (`store`, true unless the request says false).
+    False: a request that asks to be stored is refused with a 400 and nothing is kept."""
+    responses_retention_days: int = Field(default=30, ge=1, le=36500)
+    """Stored responses older than this many days are gone: unreadable at once, deleted by the
+    scheduler's sweep."""
+    responses_max_stored_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """The most JSON a stored response's input and instructions may hold, and a conversation
+    rebuilt from `previous_response_id` (a request past it: 400)."""
     focus_billing_account: str = Field(default="metering", min_length=1, max_length=200)
     """The FOCUS export's BillingAccountId and BillingAccountName (GET /v1/exports/focus)."""
     run_idle_s: int = Field(default=3600, ge=1, le=30 * 86400)

@@ -7,6 +7,7 @@ from sqlalchemy import create_engine, pool
 from metering import models  # noqa: F401
 from metering.db import Base, sync_url
 from metering.ledger import tables  # noqa: F401
+from metering.responses import tables as responses_tables  # noqa: F401
 from metering.settings import Settings
 
 config = context.config

@@ -31,6 +31,7 @@ class Attribution:
     run_id: str | None = None  # the run (x-metering-run) it is also held against
     end_user: str | None = None  # who it was made for, within the team
     tags: str = "{}"  # its tags, as the event keeps them (metering.ledger.attribution)
+    endpoint: str = "chat.completions"  # the API the client called: chat.completions | responses
 
     @property
     def subjects(self) -> list[str]:

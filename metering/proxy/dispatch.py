@@ -10,6 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering.auth.principal import authenticate, refreshed_headers, user_principal
 from metering.proxy.request import read_body
+from metering.proxy.responses.service import create_response
 from metering.proxy.runtime import ProxyServices
 from metering.proxy.service import chat_completion
 from metering.requestid import new_request_id, request_id_header
@@ -17,6 +18,9 @@ from metering.requestid import new_request_id, request_id_header
 log = logging.getLogger("metering")
 
 CHAT_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
+# The paths served here, each by its service.
+SERVED = {CHAT_PATH: chat_completion, RESPONSES_PATH: create_response}
 
 
 class DirectChat:
@@ -45,7 +49,7 @@ class DirectChat:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] != "http"
-            or scope["path"] != CHAT_PATH
+            or scope["path"] not in SERVED
             or scope["method"] != "POST"
             or any(name == b"content-encoding" for name, _ in scope["headers"])
         ):
@@ -73,7 +77,8 @@ class DirectChat:
             principal = await user_principal(await authenticate(request, services))
             t0 = time.perf_counter()
             raw = await read_body(request, services.settings.max_body_bytes)
-            response = await chat_completion(request.headers, state, raw, principal, services, t0)
+            serve = SERVED[scope["path"]]
+            response = await serve(request.headers, state, raw, principal, services, t0)
             await response(scope, receive, send_with_headers)
         except Exception as exc:
             if started:

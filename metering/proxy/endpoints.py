@@ -23,6 +23,8 @@ from metering.ledger.attribution import (
 from metering.money import POSITIVE_USD_PATTERN
 from metering.proxy import admission, request_schema, service
 from metering.proxy.request import read_body
+from metering.proxy.responses import request as responses_request
+from metering.proxy.responses import service as responses_service
 from metering.proxy.runtime import ProxyServices
 
 router = APIRouter(prefix="/v1")
@@ -166,6 +168,138 @@ async def chat_completions(
         request.headers, request.scope["state"], raw, principal, services, t0
     )
     assert isinstance(answer, Response)  # metering.proxy.forward answers with Starlette's
+    return answer
+
+
+# The Responses request's rules no schema can say: what each item, tool and format must be
+# to be bridged to a chat model (metering.proxy.responses.request), and what a stored response
+# may hold.
+RESPONSES_RULES: dict[str | None, str] = {
+    **CHAT_RULES,
+    "input": "each item a message (role user, assistant, system or developer; content text or "
+    "input_text/output_text/refusal parts, input_image with an image_url), a function_call "
+    "(call_id, name, arguments) or a function_call_output (call_id, output), or a reasoning "
+    "item (left out); stored (store true): at most METERING_RESPONSES_MAX_STORED_BYTES",
+    "tools": "function tools only, each with a name (hosted tools are not bridged)",
+    "tool_choice": 'auto, none, required or {"type": "function", "name": ...}',
+    "text": "format text, json_object, or json_schema with a name and a schema object",
+    "store": "true only where METERING_RESPONSES_STORE is on",
+    "previous_response_id": "a conversation of at most 1,000 responses and "
+    "METERING_RESPONSES_MAX_STORED_BYTES",
+}
+RESPONSES_RESPONSES = {
+    200: {
+        "description": "A Response object; or (stream) server-sent Responses events, "
+        "`response.created` first and `response.completed`, `response.incomplete` or "
+        "`response.failed` last",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **error_responses(
+        400, 402, 404, 413, 415, 502, 504, *RULE_ERRORS["user"], rules=RESPONSES_RULES
+    ),
+    "4XX": {
+        "model": ErrorResponse,
+        "description": "An upstream's own refusal (e.g. 422), passed on with its status",
+    },
+}
+_CHAT_BODY = CHAT_OPENAPI["requestBody"]["content"]["application/json"]["schema"]["properties"]
+_NULLABLE_OBJECT = {"type": ["object", "null"]}
+RESPONSES_OPENAPI = {
+    "parameters": CHAT_OPENAPI["parameters"],
+    "requestBody": {
+        "required": True,
+        "description": "OpenAI's Responses API request, bridged to the provider's chat dialect "
+        "(docs/api/responses.md); a field the bridge cannot carry (hosted tools, `background`, "
+        "`conversation`, `prompt`) is a 400 naming it",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "required": ["model", "input"],
+                    "properties": {
+                        "model": request_schema.FIELDS["model"],
+                        "input": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {
+                                    "type": "array",
+                                    "minItems": 1,
+                                    "maxItems": responses_request.MAX_ITEMS,
+                                    "items": {"type": "object"},
+                                },
+                            ]
+                        },
+                        "instructions": {"type": ["string", "null"]},
+                        "max_output_tokens": request_schema.FIELDS["max_tokens"],
+                        "temperature": request_schema.FIELDS["temperature"],
+                        "top_p": request_schema.FIELDS["top_p"],
+                        "stream": {"type": ["boolean", "null"]},
+                        "stream_options": _NULLABLE_OBJECT,
+                        "store": {"type": ["boolean", "null"]},
+                        "previous_response_id": {
+                            "type": ["string", "null"],
+                            "minLength": 1,
+                        },
+                        "tools": {
+                            "type": ["array", "null"],
+                            "maxItems": responses_request.MAX_TOOLS,
+                            "items": {"type": "object"},
+                        },
+                        "tool_choice": {
+                            "anyOf": [
+                                {"type": "string"},
+                                {"type": "object"},
+                                {"type": "null"},
+                            ]
+                        },
+                        "parallel_tool_calls": {"type": ["boolean", "null"]},
+                        "text": {
+                            "type": ["object", "null"],
+                            "properties": {"format": _NULLABLE_OBJECT, "verbosity": {}},
+                            "additionalProperties": False,
+                        },
+                        "reasoning": {
+                            "type": ["object", "null"],
+                            "properties": {
+                                "effort": {
+                                    "enum": [*sorted(responses_request.EFFORTS), None],
+                                },
+                                "summary": {},
+                                "generate_summary": {},
+                            },
+                            "additionalProperties": False,
+                        },
+                        "include": {"type": ["array", "null"]},
+                        "prompt_cache_key": {"type": ["string", "null"]},
+                        "truncation": {"enum": ["disabled", None]},
+                        "service_tier": {},
+                        "background": {"enum": [False, None]},
+                        "user": _CHAT_BODY["user"],
+                        "safety_identifier": _CHAT_BODY["safety_identifier"],
+                        "metadata": _CHAT_BODY["metadata"],
+                    },
+                    "additionalProperties": False,
+                }
+            }
+        },
+    },
+}
+
+
+@router.post("/responses", responses=RESPONSES_RESPONSES, openapi_extra=RESPONSES_OPENAPI)
+async def create_response(
+    request: Request,
+    principal: UserPrincipal,
+    services: ProxyServicesDep,
+) -> Response:
+    """A Responses API request, served on the chat completion's path (nearly every one
+    reaches it straight from metering.proxy.dispatch)."""
+    t0 = time.perf_counter()
+    raw = await read_body(request, services.settings.max_body_bytes)
+    answer = await responses_service.create_response(
+        request.headers, request.scope["state"], raw, principal, services, t0
+    )
+    assert isinstance(answer, Response)
     return answer
 
 

@@ -5,6 +5,9 @@
 - a stream assembled into one completion, for a non-streaming client of an upstream that only
   streams (metering.proxy.assemble).
 
+A Responses API request bridged to chat takes the same ways, its answer written in Responses
+terms at the end (metering.proxy.responses.answer).
+
 Each way records the attempt's outcome; the attempt settles it when it ends.
 """
 
@@ -13,20 +16,28 @@ from starlette.responses import Response
 from metering.proxy.assemble import answer_from_stream
 from metering.proxy.attempt import Attempt
 from metering.proxy.completion import relay_completion
+from metering.proxy.responses.answer import ResponsesAnswer, ResponsesStream
 from metering.proxy.stream import MeteredStream
 from metering.proxy.transport import open_upstream
 
 
 async def forward(attempt: Attempt) -> Response:
+    bridge = attempt.chat.bridge  # a Responses API request: answered in its terms
     if not attempt.chat.stream and attempt.dialect.stream_only:
-        return await answer_from_stream(attempt)
+        answer = await answer_from_stream(attempt)
+        return answer if bridge is None else ResponsesAnswer(attempt, bridge, answer)
     upstream = await open_upstream(attempt)
     if (
         attempt.chat.stream
         and upstream.status_code < 400
         and "text/event-stream" in upstream.headers.get("content-type", "")
     ):
+        if bridge is not None:
+            return ResponsesStream(attempt, bridge, upstream)
         return MeteredStream(attempt, upstream)
     # A completion; or a stream request the upstream refused, or answered with one JSON body
     # (passed on as it came).
-    return await relay_completion(attempt, upstream)
+    answer = await relay_completion(attempt, upstream)
+    if bridge is None or answer.status_code >= 400:
+        return answer
+    return ResponsesAnswer(attempt, bridge, answer)

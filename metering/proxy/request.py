@@ -34,6 +34,9 @@ class ChatRequest:
     wants_usage: bool  # the client asked for stream_options.include_usage
     max_tokens: int | None
     choices: int
+    # A Responses API request bridged to chat (metering.proxy.responses.answer.Bridge): its
+    # answer is written in Responses terms. None: a chat completion, answered as it came.
+    bridge: Any = None
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -7,7 +7,7 @@ straight from the raw ASGI dispatcher (metering.proxy.dispatch.DirectChat): noth
 which of the two called it."""
 
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -106,6 +106,17 @@ def encode(body: dict[str, Any]) -> bytes:
         ) from None
 
 
+# How a request's body becomes the chat request served: a chat completion's is validated as
+# it is; a Responses API request's is translated first (metering.proxy.responses.service).
+Prepare = Callable[[bytes, dict[str, Any], Principal, ProxyServices], Awaitable[ChatRequest]]
+
+
+async def as_chat(
+    raw: bytes, state: dict[str, Any], principal: Principal, services: ProxyServices
+) -> ChatRequest:
+    return validate(parse_json(raw), len(raw))
+
+
 async def chat_completion(
     headers: Mapping[str, str],
     state: dict[str, Any],
@@ -113,20 +124,23 @@ async def chat_completion(
     principal: Principal,
     services: ProxyServices,
     t0: float,
+    prepare: Prepare = as_chat,
 ) -> Answer:
     """POST /v1/chat/completions for an authenticated user, from its headers, the request's
     state (its `request_id`, set to the attempt that answered) and its body as read within its
-    bound: validated, then served; a refusal by a limit or a budget is recorded before it is
-    raised. `t0`: when the request arrived (time.perf_counter). Traced when tracing is on
-    (metering.proxy.tracing)."""
+    bound: validated (`prepare`), then served; a refusal by a limit or a budget is recorded
+    before it is raised. `t0`: when the request arrived (time.perf_counter). Traced when
+    tracing is on (metering.proxy.tracing)."""
     tracing = services.tracing
     if tracing is not None:
         return await tracing.traced(
             headers,
             principal,
-            lambda trace: _chat_completion(headers, state, raw, principal, services, t0, trace),
+            lambda trace: _chat_completion(
+                headers, state, raw, principal, services, t0, trace, prepare
+            ),
         )
-    return await _chat_completion(headers, state, raw, principal, services, t0, None)
+    return await _chat_completion(headers, state, raw, principal, services, t0, None, prepare)
 
 
 async def _chat_completion(
@@ -137,8 +151,9 @@ async def _chat_completion(
     services: ProxyServices,
     t0: float,
     trace: RequestTrace | None,
+    prepare: Prepare,
 ) -> Answer:
-    chat = validate(parse_json(raw), len(raw))
+    chat = await prepare(raw, state, principal, services)
     if trace is not None:
         trace.requested(chat)
     try:
@@ -283,6 +298,7 @@ async def try_route(
         run_id=run.run_id if run is not None else None,
         end_user=end_user,
         tags=tags,
+        endpoint="chat.completions" if chat.bridge is None else "responses",
     )
     spec = HoldSpec(
         billing,
@@ -311,5 +327,7 @@ async def try_route(
             attempt.headers.update(spec.rates.headers)
         # Built inside: a body that cannot be sent gives its hold back too.
         upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
+        if chat.bridge is not None:
+            chat.bridge.face.bridged.upstream_extras(upstream_body, dialect.reasoning_effort)
         attempt.upstream_body = encode(upstream_body)
         return await forward(attempt)

@@ -212,15 +212,31 @@ class MeteredStream(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        translate = self.translate
 
-        async def pass_on(body: bytes) -> None:
+        async def write(body: bytes) -> None:
             try:
                 await send({"type": "http.response.body", "body": body, "more_body": True})
             except OSError:
                 self.client_gone = True
                 raise
 
-        await self.relay.run(pass_on)
+        async def pass_on(body: bytes) -> None:
+            body = translate(body)
+            if body:
+                await write(body)
+
+        head = self.head()
+        if head:
+            await write(head)
+        await self.relay.run(write if translate is None else pass_on)
+
+    # What another API's stream (metering.proxy.responses.stream) changes: its first events,
+    # each relayed part in its terms (None: the upstream's bytes as they came), and its end.
+    translate: Callable[[bytes], bytes] | None = None
+
+    def head(self) -> bytes:
+        return b""
 
     async def _finish(self, send: Send) -> None:
         with anyio.CancelScope(shield=True):
@@ -234,17 +250,21 @@ class MeteredStream(Response):
             await self.attempt.end()
             if self.client_gone:
                 return
-            if relay.limit is not None:
-                # The answer is cut: an error event, and no [DONE], which would say it ended.
-                error = error_body(502, relay.limit.code, outcome.error or "")
-                tail = b"data: " + json.dumps(error).encode() + b"\n\n"
-            elif outcome.status in ("upstream_disconnected", "timeout"):
-                error = error_body(502, "upstream_error", "the upstream stream ended early")
-                tail = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE
-            else:
-                tail = relay.done or DONE
-            # The ledger's usage, when the client asked for usage and the upstream sent none:
-            # ahead of the tail, an error event included (a client reads it before it raises).
-            tail = usage_tail(self.attempt, relay.observer) + tail
+            tail = await self.tail(relay, outcome)
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+    async def tail(self, relay: StreamRelay, outcome: Outcome) -> bytes:
+        """The stream's last bytes, once its attempt has ended (its event settled)."""
+        if relay.limit is not None:
+            # The answer is cut: an error event, and no [DONE], which would say it ended.
+            error = error_body(502, relay.limit.code, outcome.error or "")
+            tail = b"data: " + json.dumps(error).encode() + b"\n\n"
+        elif outcome.status in ("upstream_disconnected", "timeout"):
+            error = error_body(502, "upstream_error", "the upstream stream ended early")
+            tail = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE
+        else:
+            tail = relay.done or DONE
+        # The ledger's usage, when the client asked for usage and the upstream sent none:
+        # ahead of the tail, an error event included (a client reads it before it raises).
+        return usage_tail(self.attempt, relay.observer) + tail

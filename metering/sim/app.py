@@ -158,6 +158,8 @@ class Exchange:
     def steps(self) -> list[Step]:
         reasoning = split_chunks(self.answer.reasoning, self.chunks)
         content = split_chunks(self.answer.content, self.chunks)
+        if self.answer.tool_call is not None:
+            return tool_call_steps(self.answer.tool_call, self.chunks)
         return self.provider.steps(reasoning, content, self.answer.finish_reason)
 
     def usage_of(self, steps: list[Step]) -> dict:
@@ -235,6 +237,59 @@ async def _events(exchange: Exchange, sent: list[Step], framer: Framer) -> Async
 
 
 # --- answering ------------------------------------------------------------------------------
+
+
+def _value(schema: object) -> object:
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return {"integer": 1, "number": 1.5, "boolean": True, "array": [], "object": {}}.get(
+        kind if isinstance(kind, str) else "", "sim"
+    )
+
+
+def planned_call(body: dict, directives: Directives, provider: SimProvider) -> tuple | None:
+    """A function call, where the dialect takes tools: the one `sim:tool=NAME` names, or the
+    first tool when tool_choice requires one (a named choice: that one); never in answer to a
+    tool's output."""
+    tools = body.get("tools")
+    if not tools or "tools" not in provider.rules.params or body.get("tool_choice") == "none":
+        return None
+    if body["messages"][-1].get("role") == "tool":
+        return None
+    choice = body.get("tool_choice")
+    names = [tool["function"]["name"] for tool in tools]
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+    elif directives.tool is not None and directives.tool in names:
+        name = directives.tool
+    elif choice == "required":
+        name = names[0]
+    else:
+        return None
+    function = next(t["function"] for t in tools if t["function"]["name"] == name)
+    properties = (function.get("parameters") or {}).get("properties") or {}
+    arguments = json.dumps({key: _value(spec) for key, spec in properties.items()})
+    return ("call_" + uuid.uuid4().hex[:24], name, arguments)
+
+
+def tool_call_steps(call: tuple[str, str, str], chunks: int | None) -> list[Step]:
+    """A function call streamed as OpenAI streams one: its id and name first, then its
+    arguments in pieces, then finish_reason tool_calls."""
+    call_id, name, arguments = call
+    first = {
+        "index": 0,
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": ""},
+    }
+    steps = [
+        Step({"role": "assistant", "content": None}),
+        Step({"tool_calls": [first]}, kind="content", text=name),
+    ]
+    for piece in split_chunks(arguments, chunks):
+        delta = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+        steps.append(Step(delta, kind="content", text=piece))
+    steps.append(Step({}, "tool_calls"))
+    return steps
 
 
 @dataclass
@@ -417,6 +472,11 @@ async def chat(request: Request) -> Response:
         reasons=provider.reasons,
         caches=provider.caches,
     )
+    call = planned_call(body, directives, provider)
+    if call is not None:
+        answer = replace(
+            answer, content="", reasoning="", finish_reason="tool_calls", tool_call=call
+        )
     _record_answer(record, answer)
     record["fault"] = directives.fault
     reply = Reply(

@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 Check = Callable[[str, object], str | None]
 
@@ -124,10 +124,19 @@ class RequestRules:
     def check_messages(self, messages: object) -> str | None:
         if not isinstance(messages, list) or not messages:
             return "messages must be a non-empty list"
+        calls: set[str] = set()  # the tool calls made so far, which a tool message answers
         for index, message in enumerate(messages):
             if not isinstance(message, dict):
                 return f"messages[{index}] must be an object"
             role = message.get("role")
+            for call in message.get("tool_calls") or [] if role == "assistant" else []:
+                if isinstance(call, dict) and isinstance(call.get("id"), str):
+                    calls.add(call["id"])
+            if role == "tool" and "tool" in self.roles and message.get("tool_call_id") not in calls:
+                return (
+                    f"messages[{index}]: a message with role 'tool' must be a response to a "
+                    "preceding message with 'tool_calls'"
+                )
             if role not in self.roles:
                 return f"messages[{index}].role: unsupported role {role!r}"
             if self.message_fields is not None:
@@ -158,6 +167,33 @@ class RequestRules:
         return None
 
 
+def tools(name: str, value: Any) -> str | None:
+    """OpenAI's chat tools: each `{"type": "function", "function": {"name", ...}}`. A
+    Responses-shaped tool (`name` at the top, no `function`) or a hosted one is refused."""
+    if not isinstance(value, list):
+        return f"{name} must be an array"
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            return f"{name}[{i}].type: only function tools are supported"
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            return f"Missing required parameter: '{name}[{i}].function'."
+        extra = set(tool) - {"type", "function"}
+        if extra:
+            return f"Unrecognized parameter: '{name}[{i}].{sorted(extra)[0]}'."
+    return None
+
+
+def tool_choice(name: str, value: Any) -> str | None:
+    if value in ("auto", "none", "required"):
+        return None
+    if isinstance(value, dict) and value.get("type") == "function":
+        function = value.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            return None
+    return f"{name} must be auto, none, required or a named function"
+
+
 SAMPLING = {
     "temperature": number(0, 2),
     "top_p": number(0, 1),
@@ -182,8 +218,8 @@ OPENAI = RequestRules(
         "top_logprobs": integer(0, 20),
         "logit_bias": anything,
         "response_format": anything,
-        "tools": anything,
-        "tool_choice": anything,
+        "tools": tools,
+        "tool_choice": tool_choice,
         "parallel_tool_calls": boolean,
         "functions": anything,
         "function_call": anything,

@@ -89,6 +89,16 @@ class SimProvider:
         message = {"role": "assistant", "content": answer.content}
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
+        if answer.tool_call is not None:
+            call_id, name, arguments = answer.tool_call
+            message["content"] = None
+            message["tool_calls"] = [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": arguments},
+                }
+            ]
         return message
 
     def completion(self, reply: Reply, answer: Answer) -> dict:

@@ -41,6 +41,7 @@ class Directives:
     wait_ms: int = 0  # before the answer starts (headers and all): a slow first byte
     pending: int | None = None
     fault: str | None = None
+    tool: str | None = None  # call this function (of the request's tools)
     fault_after: int = DEFAULT_FAULT_AFTER
     crlf: bool = False
     comments: bool = False
@@ -50,7 +51,7 @@ def parse_directives(text: str) -> Directives:
     fields = {field.name: field for field in dataclasses.fields(Directives)}
     values: dict[str, Any] = {}
     for key, raw in _DIRECTIVE.findall(text):
-        if key == "fault":
+        if key in ("fault", "tool"):
             values[key] = raw
         elif key in fields and raw.isdigit():
             values[key] = bool(int(raw)) if fields[key].type is bool else int(raw)
@@ -110,6 +111,8 @@ class Answer:
     reasoning: str
     content: str
     finish_reason: str
+    # A function call instead of text: (call id, name, arguments as JSON).
+    tool_call: tuple[str, str, str] | None = None
 
     @property
     def reasoning_tokens(self) -> int:
@@ -117,7 +120,9 @@ class Answer:
 
     @property
     def completion_tokens(self) -> int:
-        return count_tokens(self.reasoning) + count_tokens(self.content)
+        call = self.tool_call
+        called = count_tokens(call[1]) + count_tokens(call[2]) if call else 0
+        return count_tokens(self.reasoning) + count_tokens(self.content) + called
 
 
 def plan_answer(

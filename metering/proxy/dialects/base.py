@@ -39,6 +39,9 @@ class Dialect:
     # Which of `user` and `safety_identifier` the upstream's document takes: the others are
     # left out of what is sent up.
     identifiers: frozenset[str] = frozenset()
+    # Whether the upstream's document takes `reasoning_effort` (a bridged Responses request's
+    # `reasoning.effort` goes only to one that does).
+    reasoning_effort = False
 
     def __init__(self) -> None:
         # The client's fields never sent up, as one set: the body is copied once, without them.

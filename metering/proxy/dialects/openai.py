@@ -8,5 +8,6 @@ from metering.proxy.dialects.base import IDENTIFIERS, Dialect
 
 class OpenAIDialect(Dialect):
     name = "openai"
+    reasoning_effort = True
     max_tokens_key = None  # OpenAI takes both, and its reasoning models only the newer one
     identifiers = IDENTIFIERS

@@ -1,0 +1,340 @@
+"""The Responses API (POST /v1/responses) end to end: the official `openai` SDK's
+`responses.*` -> the proxy's bridge -> each of the simulator's chat dialects, and back.
+
+Every request that reaches an upstream is one ledger event whose counts are the answer's
+`usage`; every refusal comes before anything is held; stored responses are their owner's."""
+
+import json
+from decimal import Decimal
+
+import httpx
+import openai
+import pytest
+
+from tests.proxy.conftest import serving, sim_log
+from tests.proxy.test_dialects import MODELS, dialect_catalog, records_since
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def proxy(api, sim):
+    with serving(api, dialect_catalog(sim)) as own:
+        yield own
+
+
+@pytest.fixture
+def token(api):
+    return api.principal()[2]
+
+
+def client(proxy, token) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key=token["token"], max_retries=0)
+
+
+def events(proxy, token) -> list[dict]:
+    return proxy.request("GET", "/v1/usage", params={"token_id": token["id"]}).json()["data"]
+
+
+def sse(raw: bytes) -> list[tuple[str, dict]]:
+    """Each event's `event:` name and its data."""
+    out = []
+    for block in raw.decode().split("\n\n"):
+        lines = block.split("\n")
+        names = [line[7:] for line in lines if line.startswith("event: ")]
+        datas = [line[6:] for line in lines if line.startswith("data: ")]
+        if datas:
+            out.append((names[0] if names else "", json.loads("\n".join(datas))))
+    return out
+
+
+def usage_equals_event(usage, event: dict) -> None:
+    assert usage.input_tokens == event["prompt_tokens"]
+    assert (
+        usage.input_tokens_details.cached_tokens == event["prompt_tokens_details"]["cached_tokens"]
+    )
+    assert usage.output_tokens == event["completion_tokens"]
+    reasoning = (event.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
+    assert usage.output_tokens_details.reasoning_tokens == reasoning
+    assert usage.total_tokens == event["total_tokens"]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_response_from_every_dialect_is_one_event_its_usage_the_ledgers(proxy, token, model):
+    raw = client(proxy, token).responses.with_raw_response.create(
+        model=model,
+        instructions="Be brief.",
+        input="Say hello sim:tokens=9",
+        max_output_tokens=200,
+    )
+    response = raw.parse()
+    assert response.id.startswith("resp_") and response.status == "completed"
+    [message] = [item for item in response.output if item.type == "message"]
+    assert message.id.startswith("msg_") and response.output_text
+    [event] = events(proxy, token)
+    assert event["id"] == raw.headers["x-request-id"]
+    assert event["model"] == model and event["completion_tokens"] == 9
+    usage_equals_event(response.usage, event)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_streamed_response_from_every_dialect_reaches_the_sdk_s_final_response(
+    proxy, token, model
+):
+    with client(proxy, token).responses.stream(
+        model=model, input="Stream to me sim:tokens=12", store=False
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert "response.output_text.delta" in kinds
+    [event] = events(proxy, token)
+    assert event["completion_tokens"] == 12 and event["stream"] is True
+    usage_equals_event(final.usage, event)
+    assert final.output_text
+
+
+def test_the_event_sequence_is_ordered_named_and_numbered(proxy, token):
+    answer = httpx.post(
+        f"{proxy.url}/v1/responses",
+        json={"model": "oa-m25", "input": "Think sim:tokens=8 sim:reasoning=3", "stream": True},
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    )
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    stream = sse(answer.content)
+    assert all(name == data["type"] for name, data in stream)
+    numbers = [data["sequence_number"] for _, data in stream]
+    assert numbers == list(range(len(numbers)))
+    kinds = [data["type"] for _, data in stream]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == "response.completed"
+    first_text = kinds.index("response.output_text.delta")
+    assert kinds.index("response.content_part.added") < first_text
+    assert kinds.index("response.output_text.done") > first_text
+    assert "response.reasoning_text.delta" in kinds
+    done = stream[-1][1]["response"]
+    assert [item["type"] for item in done["output"]] == ["reasoning", "message"]
+    assert done["output"][0]["id"].startswith("rs_")
+    assert "chatcmpl" not in answer.text
+    assert stream[0][1]["response"]["id"] == done["id"]
+    [event] = events(proxy, token)
+    assert done["usage"]["output_tokens"] == event["completion_tokens"] == 8
+    assert done["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(proxy, token):
+    response = client(proxy, token).responses.create(
+        model="oa-m25", input="Go on sim:tokens=50", max_output_tokens=5
+    )
+    assert response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_cached_and_reasoning_tokens_are_charged_at_their_prices(proxy, token):
+    response = client(proxy, token).responses.create(
+        model="oa-m25", input="Cache sim:tokens=10 sim:cached=6 sim:reasoning=4"
+    )
+    [event] = events(proxy, token)
+    usage_equals_event(response.usage, event)
+    assert response.usage.input_tokens_details.cached_tokens == 6
+    _, _, _, price_in, price_cached, price_out = MODELS["oa-m25"]
+    prompt = event["prompt_tokens"]
+    expected = (
+        (prompt - 6) * Decimal(price_in) + 6 * Decimal(price_cached) + 10 * Decimal(price_out)
+    ) / 1_000_000
+    assert Decimal(event["cost"]) == expected
+
+
+def test_a_mid_stream_failure_ends_with_response_failed_and_bills_what_was_delivered(
+    proxy, sim, token
+):
+    before = len(sim_log(sim))
+    answer = httpx.post(
+        f"{proxy.url}/v1/responses",
+        json={
+            "model": "tc-m25",
+            "input": "Break sim:tokens=30 sim:fault=stream_error sim:fault_after=2",
+            "stream": True,
+        },
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    )
+    stream = sse(answer.content)
+    assert stream[-1][0] == "response.failed"
+    failed = stream[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"]
+    assert not any(name == "" for name, _ in stream)  # never a bare error envelope
+    [record] = records_since(sim, before)
+    [event] = events(proxy, token)
+    assert event["status"] == "stream_error"
+    assert event["completion_tokens"] == record["delivered_completion_tokens"] > 0
+    assert failed["usage"]["output_tokens"] == event["completion_tokens"]
+
+
+def test_a_client_that_leaves_mid_stream_is_metered_once(proxy, token):
+    with httpx.stream(
+        "POST",
+        f"{proxy.url}/v1/responses",
+        json={"model": "oa-m25", "input": "Long sim:tokens=400 sim:delay_ms=5", "stream": True},
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    ) as answer:
+        for line in answer.iter_lines():
+            if "output_text.delta" in line:
+                break
+    for _ in range(200):
+        found = events(proxy, token)
+        if found:
+            break
+        httpx.get(f"{proxy.url}/healthz")
+    [event] = found
+    assert event["status"] == "client_disconnected"
+
+
+def test_function_tools_both_ways(proxy, token):
+    oa = client(proxy, token)
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    first = oa.responses.create(
+        model="oa-m25",
+        input="Weather in Paris? sim:tool=get_weather",
+        tools=tools,
+        tool_choice="required",
+        store=False,
+    )
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.id.startswith("fc_") and call.name == "get_weather"
+    assert json.loads(call.arguments) is not None
+    second = oa.responses.create(
+        model="oa-m25",
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+        ],
+        tools=tools,
+        store=False,
+    )
+    assert second.status == "completed" and second.output_text
+    assert len(events(proxy, token)) == 2
+
+
+def test_a_codex_shaped_request(proxy, token):
+    answer = httpx.post(
+        f"{proxy.url}/v1/responses",
+        json={
+            "model": "oa-m25",
+            "instructions": "You are a coding agent.",
+            "input": [
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "fix it sim:tokens=7"}],
+                },
+                {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"},
+            ],
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "shell",
+                    "parameters": {"type": "object", "properties": {}},
+                    "strict": False,
+                }
+            ],
+            "tool_choice": "auto",
+            "parallel_tool_calls": False,
+            "reasoning": {"effort": "medium", "summary": "auto"},
+            "store": False,
+            "stream": True,
+            "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "session-1",
+        },
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    )
+    assert answer.status_code == 200, answer.text
+    stream = sse(answer.content)
+    assert stream[-1][0] == "response.completed"
+    assert stream[-1][1]["response"]["id"].startswith("resp_")
+    assert len(events(proxy, token)) == 1
+
+
+BAD = [
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "unknown_field": 1}, "unknown_field"),
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
+    ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning"),
+    ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD)
+def test_what_the_bridge_cannot_carry_is_a_400_before_anything_is_held(
+    proxy, sim, token, body, param
+):
+    before = len(sim_log(sim))
+    answer = httpx.post(
+        f"{proxy.url}/v1/responses",
+        json={"model": "oa-m25", **body},
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    )
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    assert answer.headers["x-should-retry"] == "false"
+    assert len(sim_log(sim)) == before and events(proxy, token) == []
+
+
+def test_an_image_goes_up_where_the_dialect_takes_one_and_is_refused_where_not(proxy, sim, token):
+    image = {
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": "What is this? sim:tokens=3"},
+            {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="},
+        ],
+    }
+    oa = client(proxy, token)
+    assert oa.responses.create(model="oa-m25", input=[image], store=False).status == "completed"
+    with pytest.raises(openai.BadRequestError):
+        oa.responses.create(model="nim-m25", input=[image], store=False)
+    assert len(events(proxy, token)) == 1
+
+
+def test_budgets_refuse_before_the_upstream(api, proxy, sim, token):
+    api.request("PATCH", f"/v1/tokens/{token['id']}", json={"credit_limit": "0.000001"})
+    before = len(sim_log(sim))
+    with pytest.raises(openai.APIStatusError) as refused:
+        client(proxy, token).responses.create(model="oa-m25", input="hi", max_output_tokens=500)
+    assert refused.value.status_code == 402
+    assert len(sim_log(sim)) == before and events(proxy, token) == []
+
+
+def test_rpm_and_allow_lists_hold(api, proxy, token):
+    api.request("PATCH", f"/v1/tokens/{token['id']}", json={"allowed_models": ["gen-m25"]})
+    with pytest.raises(openai.PermissionDeniedError):
+        client(proxy, token).responses.create(model="oa-m25", input="hi")
+    api.request("PATCH", f"/v1/tokens/{token['id']}", json={"allowed_models": None, "rpm_limit": 0})
+    with pytest.raises(openai.RateLimitError):
+        client(proxy, token).responses.create(model="gen-m25", input="hi")
+    assert events(proxy, token) == []
