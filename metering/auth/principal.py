@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metering.auth import service
-from metering.auth.rules import SUBJECT_PARAMS, rule
+from metering.auth.rules import OWNED_PARAMS, SUBJECT_PARAMS, rule
 from metering.auth.runtime import AuthServices
 from metering.auth.service import Principal
 from metering.container import get_services
@@ -111,7 +111,7 @@ async def any_principal(
         principal.ensure_user(await service.token_owner(services.db, params["token_id"]))
     if "team_id" in params and params["team_id"] != principal.team_id:
         raise Forbidden("this credential may only act on its own team")
-    unknown = set(params) - set(SUBJECT_PARAMS)
+    unknown = set(params) - set(SUBJECT_PARAMS) - set(OWNED_PARAMS)
     if unknown:
         raise Forbidden(f"this credential may not name {', '.join(sorted(unknown))}")
     return principal

@@ -24,6 +24,9 @@ RULES = ("open", "admin", "self", "user", "ingest")
 # Path parameters by which a *self* route names what it acts on (an end user is named within
 # its team, whose id the same path carries).
 SUBJECT_PARAMS = ("user_id", "token_id", "team_id", "end_user")
+# Path parameters naming what the route itself finds its owner of, answering 404 to anyone
+# else (a stored response: metering.responses.store.visible).
+OWNED_PARAMS = ("response_id",)
 
 Dependency = TypeVar("Dependency", bound=Callable[..., Any])
 

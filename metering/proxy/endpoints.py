@@ -202,7 +202,9 @@ RESPONSES_RESPONSES = {
         "description": "An upstream's own refusal (e.g. 422), passed on with its status",
     },
 }
-_CHAT_BODY = CHAT_OPENAPI["requestBody"]["content"]["application/json"]["schema"]["properties"]
+_CHAT_BODY: dict[str, Any] = CHAT_OPENAPI["requestBody"]["content"]["application/json"][  # type: ignore[index]
+    "schema"
+]["properties"]
 _NULLABLE_OBJECT = {"type": ["object", "null"]}
 RESPONSES_OPENAPI = {
     "parameters": CHAT_OPENAPI["parameters"],

@@ -222,6 +222,7 @@ class MeteredStream(Response):
                 raise
 
         async def pass_on(body: bytes) -> None:
+            assert translate is not None
             body = translate(body)
             if body:
                 await write(body)

@@ -158,7 +158,8 @@ async def load_chain(
     carried. 400 past MAX_CHAIN links or `max_bytes` of items."""
     oldest = utcnow() - timedelta(days=retention_days)
     turns: list[list[dict[str, Any]]] = []
-    size, seen, current = 0, set(), response_id
+    size, seen = 0, set()
+    current: str | None = response_id
     while current is not None:
         if len(turns) >= MAX_CHAIN or current in seen:
             raise InvalidRequest(

@@ -86,7 +86,7 @@ class SimProvider:
         }
 
     def message(self, answer: Answer) -> dict:
-        message = {"role": "assistant", "content": answer.content}
+        message: dict[str, Any] = {"role": "assistant", "content": answer.content}
         if answer.reasoning:
             message["reasoning_content"] = answer.reasoning
         if answer.tool_call is not None:

@@ -146,7 +146,7 @@ class Face:
                     item_id("fc"),
                     str(call.get("id") or item_id("call")),
                     str(function.get("name") or ""),
-                    function.get("arguments") if isinstance(function.get("arguments"), str) else "",
+                    str(function.get("arguments") or ""),
                     "completed",
                 )
             )
@@ -284,7 +284,7 @@ class EventWriter:
             if kind_ == "reasoning"
             else "response.output_text.delta"
         )
-        extra = {} if kind_ == "reasoning" else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind_ == "reasoning" else {"logprobs": []}
         self.emit(name, item_id=rid, output_index=index, content_index=0, delta=text, **extra)
 
     def _close_text(self) -> None:
@@ -327,7 +327,9 @@ class EventWriter:
         position = call.get("index", 0)
         if not isinstance(position, int):
             position = 0
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        function: dict[str, Any] = (
+            call["function"] if isinstance(call.get("function"), dict) else {}
+        )
         slot = self.calls.get(position)
         if slot is None:
             self._close_text()

@@ -91,7 +91,9 @@ def _bad(message: str, param: str) -> InvalidRequest:
     return InvalidRequest(message, param=param.split(".", 1)[0])
 
 
-def _text_of(parts: Any, where: str, images: list[dict[str, Any]] | None) -> str | list:
+def _text_of(
+    parts: Any, where: str, images: list[dict[str, Any]] | None
+) -> str | list[dict[str, Any]]:
     """A content's text (a string, or the text parts joined) and, where `images` is given, its
     image parts as chat image parts."""
     if isinstance(parts, str):
@@ -376,8 +378,9 @@ def translate(body: dict[str, Any]) -> tuple[dict[str, Any], Bridged]:
     for key in ("temperature", "top_p", "metadata", "max_output_tokens", "user"):
         if body.get(key) is not None:
             echo[key] = body[key]
+    model = body.get("model")
     bridged = Bridged(
-        model=body.get("model") if isinstance(body.get("model"), str) else "",
+        model=model if isinstance(model, str) else "",
         instructions=instructions,
         input_items=items,
         store=store,
