@@ -171,6 +171,8 @@ class Hold(Base):
     # expiry is attributed like the request: its end user, and its tags as JSON text.
     end_user: Mapped[str | None] = mapped_column(String(256))
     tags: Mapped[str | None] = mapped_column(Text)
+    # The API called (chat.completions or responses; None: chat.completions).
+    endpoint: Mapped[str | None] = mapped_column(String(32))
     # The end user's budget (metering.budgets.end_users) the hold is reserved in too, if any:
     # whoever ends the hold gives it back there, whatever the end user's limit became since.
     end_user_budget: Mapped[str | None] = mapped_column(String(40))

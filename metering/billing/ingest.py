@@ -42,7 +42,7 @@ from metering.db import Database, dialect_name, utcnow
 from metering.ids import time_ordered
 from metering.ledger import rollup, writer
 from metering.ledger.attribution import NO_TAGS
-from metering.ledger.event import DETAIL_FIELDS, Event
+from metering.ledger.event import CHAT, DETAIL_FIELDS, ENDPOINTS, Event
 from metering.ledger.external import ingested_event
 from metering.ledger.prices import PriceBook
 from metering.limits import Limits
@@ -68,6 +68,7 @@ FIELDS = frozenset(
         "occurred_at",
         "end_user",
         "tags",
+        "endpoint",
     )
 )
 # An event's `reason` when it is rejected: what it broke.
@@ -217,6 +218,9 @@ def _prepare(item: Item, raw, ctx: dict) -> None:
         raise Rejected(f"provider {provider!r} does not offer {model!r}")
     usage = usage_of(raw)
     end_user, tags = attributed(raw)
+    endpoint = raw.get("endpoint", CHAT)
+    if endpoint not in ENDPOINTS:
+        raise Rejected(f"endpoint must be one of {', '.join(ENDPOINTS)}")
     now = ctx["now"]
     given_at = occurred_at(raw, now)
     token_id, user_id, team_id = _who(raw, ctx["principal"], *ctx["owners"])
@@ -243,6 +247,7 @@ def _prepare(item: Item, raw, ctx: dict) -> None:
             # Only when sent: the digest of an event without them is the one it always had.
             **({"end_user": end_user} if end_user is not None else {}),
             **({"tags": tags} if tags != NO_TAGS else {}),
+            **({"endpoint": endpoint} if endpoint != CHAT else {}),
         }
     )
     item.event = ingested_event(
@@ -257,6 +262,7 @@ def _prepare(item: Item, raw, ctx: dict) -> None:
         occurred_at=at,
         end_user=end_user,
         tags=tags,
+        endpoint=endpoint,
     )
 
 

@@ -44,7 +44,7 @@ from metering.errors import InvalidRequest, NotFound
 from metering.ledger import writer
 from metering.ledger.attribution import NO_TAGS
 from metering.ledger.bounds import past_ceiling
-from metering.ledger.event import ADJUSTMENT, UNSETTLED, USAGE, Event, bounded
+from metering.ledger.event import ADJUSTMENT, CHAT, UNSETTLED, USAGE, Event, bounded
 from metering.ledger.external import MANUAL, RERATED, adjustment_event
 from metering.ledger.prices import PriceBook
 from metering.ledger.tables import LedgerEvent
@@ -206,6 +206,7 @@ async def _rerate_chunk(
             upstream_id=row.upstream_id,  # reconciled with the request it corrects
             end_user=row.end_user,
             tags=row.tags,
+            endpoint=row.endpoint,
         )
         adjustments.append(event)
     charged: list[Charged] = []
@@ -323,7 +324,7 @@ async def adjust(
         check_at(at, now, retention_days)
     model = provider = upstream_model = ""
     upstream_id = end_user = None
-    tags = NO_TAGS
+    tags, endpoint = NO_TAGS, CHAT
     async with db.reads() as session:
         if corrects_event_id is not None:
             row = (await session.execute(select(_t).where(_t.c.id == corrects_event_id))).first()
@@ -332,7 +333,7 @@ async def adjust(
             token_id, user_id, team_id = row.token_id, row.user_id, row.team_id
             model, provider, upstream_model = row.model, row.provider, row.upstream_model
             upstream_id, at = row.upstream_id, at or row.created_at
-            end_user, tags = row.end_user, row.tags
+            end_user, tags, endpoint = row.end_user, row.tags, row.endpoint
         elif user_id is not None or token_id is not None:
             if token_id is not None:
                 owner = await session.scalar(
@@ -368,6 +369,7 @@ async def adjust(
         upstream_id=upstream_id,
         end_user=end_user,
         tags=tags,
+        endpoint=endpoint,
     )
     async with db.begin() as conn:
         # Budgets first (locked, in the order every writer takes them), then the rollups.

@@ -35,6 +35,9 @@ class UsageEventIn(RequestBody):
         "line-break, zero-width or bidi-control character",
         json_schema_extra={"pattern": END_USER_PATTERN},
     )
+    endpoint: Literal["chat.completions", "responses"] = Field(
+        "chat.completions", description="the API the usage was for"
+    )
     tags: dict[str, str] | None = Field(
         None,
         max_length=16,

@@ -256,6 +256,7 @@ def hold_row(
         "run_id": spec.run.run_id if spec.run is not None else None,
         "end_user": billing.end_user,
         "tags": billing.tags,
+        "endpoint": billing.endpoint,
         "end_user_budget": end_user_budget,
     }
 

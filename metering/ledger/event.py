@@ -30,6 +30,9 @@ UNSETTLED = "unsettled"  # status and usage_source of a hold charged in full on 
 INGESTED = "ingested"  # usage_source of usage recorded through POST /v1/events
 USAGE = "usage"  # kind of an event that records usage
 ADJUSTMENT = "adjustment"  # kind of an event that corrects another's charge (or credits one)
+CHAT = "chat.completions"  # endpoint of a chat completion (and the default of usage ingested)
+RESPONSES = "responses"  # endpoint of a Responses API request
+ENDPOINTS = (CHAT, RESPONSES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,8 @@ class Event:
     # The request's tags (its `metadata` merged with x-metering-tags): a JSON object of string
     # values as compact text, its keys sorted; "{}" when none (metering.ledger.attribution).
     tags: str = column(Text(), limit=None, server_default="{}", default="{}", json_text=True)
+    # The API the client called: chat.completions, or responses (the Responses API).
+    endpoint: str = column(String(32), server_default=CHAT, default=CHAT)
 
     def params(self) -> dict[str, Any]:
         """The event as the insert's parameters (replaced below by its written-out form)."""

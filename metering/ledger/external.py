@@ -9,7 +9,7 @@ from datetime import datetime
 from metering.ids import time_ordered
 from metering.ledger.attribution import NO_TAGS
 from metering.ledger.charge import Usage
-from metering.ledger.event import ADJUSTMENT, INGESTED, Event, bounded
+from metering.ledger.event import ADJUSTMENT, CHAT, INGESTED, Event, bounded
 from metering.ledger.outcome import NO_USAGE
 from metering.money import cost_pico
 
@@ -34,6 +34,7 @@ def ingested_event(
     occurred_at: datetime,
     end_user: str | None = None,
     tags: str = NO_TAGS,
+    endpoint: str = CHAT,
 ) -> Event:
     """Usage reported from outside, priced at `prices` (those in force when it happened) and
     charged in full: no hold bounds it. `end_user`, `tags`: as metering.ledger.attribution
@@ -67,6 +68,7 @@ def ingested_event(
         error=None,
         end_user=end_user,
         tags=tags,
+        endpoint=endpoint,
     )
 
 
@@ -89,6 +91,7 @@ def adjustment_event(
     upstream_id: str | None = None,
     end_user: str | None = None,
     tags: str = NO_TAGS,
+    endpoint: str = CHAT,
 ) -> Event:
     """An adjustment of `difference` picodollars (negative: a credit), charged in the hour of
     `at` (the corrected event's, so every report over any range equals a recomputation at the
@@ -127,4 +130,5 @@ def adjustment_event(
         reason=bounded("reason", reason),
         end_user=end_user,
         tags=tags,
+        endpoint=endpoint,
     )

@@ -7,7 +7,7 @@ from typing import Any
 
 from metering.db import utcnow
 from metering.ledger.charge import Allowance, Usage, charge_for
-from metering.ledger.event import UNSETTLED, Event, bounded
+from metering.ledger.event import CHAT, UNSETTLED, Event, bounded
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +125,7 @@ def event_for(
         run_id=attribution.run_id,
         end_user=attribution.end_user,
         tags=attribution.tags,
+        endpoint=attribution.endpoint,
     )
 
 
@@ -164,4 +165,5 @@ def unsettled_event(hold: Any, now: datetime) -> Event:
         run_id=hold.run_id,
         end_user=hold.end_user,
         tags=hold.tags or "{}",
+        endpoint=hold.endpoint or CHAT,
     )

@@ -2,6 +2,7 @@
 /v1/exports/focus, POST /v1/reconciliations and GET /v1/reconciliations/{id} (admin)."""
 
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -99,6 +100,9 @@ async def list_usage(
         json_schema_extra={"pattern": END_USER_PATTERN},
     ),
     tag: list[str] | None = Query(None, description=TAG_DOC, json_schema_extra=TAG_FILTERS),
+    endpoint: Literal["chat.completions", "responses"] | None = Query(
+        None, description="the events of requests to this API only"
+    ),
     limit: int | None = Query(
         None,
         ge=1,
@@ -121,6 +125,7 @@ async def list_usage(
             model=model,
             provider=provider,
             end_user=end_user,
+            endpoint=endpoint,
         ),
         tags=tag,
     )
@@ -178,7 +183,8 @@ async def spend(
         max_length=200,
         json_schema_extra={"pattern": SPEND_GROUP_BY},
         description="Comma-separated keys among team, user, token, model, provider, day, hour, "
-        "end_user and tag:<key> (the value of that tag: row key `tag:<key>`; repeat for more "
+        "end_user, endpoint (chat.completions or responses; not with end_user or a tag) and "
+        "tag:<key> (the value of that tag: row key `tag:<key>`; repeat for more "
         "keys). By end_user or tag:<key>, the row whose key is null sums the requests without an "
         f"end user or without that tag. A grouping that could give more than {MAX_REPORT_ROWS:,} "
         "rows over the range is a 400 (`report_too_large`).",

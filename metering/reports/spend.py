@@ -47,7 +47,7 @@ from sqlalchemy import (
 from metering.auth.service import Principal
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
-from metering.ledger.event import ADJUSTMENT
+from metering.ledger.event import ADJUSTMENT, ENDPOINTS
 from metering.ledger.rollup import (
     PENDING,
     ROLLUPS,
@@ -98,7 +98,10 @@ GROUPS = {
     "day": "day",
     "hour": "hour",
     "end_user": "end_user",
+    "endpoint": "endpoint",
 }
+# Keys no rollup carries: a report by one of them sums the ledger itself, over its whole range.
+LEDGER_ONLY = frozenset({"endpoint"})
 METRICS = attributed.METRICS  # the sums of every report, its rollups' columns
 MONEY = ("cost", "uncharged", "adjustments")
 
@@ -134,6 +137,12 @@ def parse_group_by(value: str | None) -> list[str]:
             )
         if name not in names:
             names.append(name)
+    if "endpoint" in names and any(n == "end_user" or n.startswith(attributed.TAG) for n in names):
+        raise InvalidRequest(
+            "group_by: endpoint groups with team, user, token, model, provider, day and hour, "
+            "not with end_user or tag:<key>",
+            param="group_by",
+        )
     return names
 
 
@@ -294,6 +303,11 @@ def _source(
     parts = []
     if attrs.applies(keys):
         parts = attributed.parts(dialect, keys, filters, attrs, start, end, valued)
+    elif LEDGER_ONLY & set(keys):
+        parts = [
+            _ledger_part(table, dialect, keys, filters, start, end)
+            for table in (LedgerEvent.__table__, LedgerEventArchive.__table__)
+        ]
     for name, a, b in [] if parts else sources(keys, start, end):
         if name == "ledger":
             for table in (LedgerEvent.__table__, LedgerEventArchive.__table__):
@@ -466,7 +480,10 @@ async def check_size(
             for count, name in zip(counts, named, strict=True):
                 bound *= count
                 parts.append(f"{count:,} {_named(name)}")
-    if not joint and any(k not in ("day", "hour") for k in keys):
+    if "endpoint" in keys:
+        bound *= len(ENDPOINTS)
+        parts.append(f"{len(ENDPOINTS)} endpoints")
+    if not joint and any(k not in ("day", "hour", "endpoint") for k in keys):
         async with db.reads() as session:
             who, what = (await session.execute(bound_query(keys, filters, start, end))).one()
         for count, label in ((who, _who_label(keys)), (what, _what_label(keys))):

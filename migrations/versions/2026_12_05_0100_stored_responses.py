@@ -1,7 +1,7 @@
 """stored responses: the Responses API's stored responses (metering.responses.tables).
 
 Revision ID: 0025
-Revises: 0023
+Revises: 0024
 """
 
 from collections.abc import Sequence
@@ -12,7 +12,7 @@ from alembic import op
 import metering.db
 
 revision: str = "0025"
-down_revision: str | None = "0023"
+down_revision: str | None = "0024"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

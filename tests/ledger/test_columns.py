@@ -95,7 +95,7 @@ def sample_event(**values) -> Event:
 
 def test_the_typed_event_is_the_declaration():
     assert tuple(f.name for f in fields(Event)) == NAMES
-    assert len(NAMES) == 42
+    assert len(NAMES) == 43
     assert {
         "token_id",
         "upstream_id",

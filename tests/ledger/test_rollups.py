@@ -173,6 +173,7 @@ async def test_the_0008_migration_fills_the_new_rollups_from_spend_hourly(reques
         "run_id",
         "end_user",
         "tags",
+        "endpoint",
     )
     old = [{k: v for k, v in e.params().items() if k not in added} for e in events[:50]]
     with engine.begin() as conn:
