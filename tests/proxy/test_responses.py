@@ -340,3 +340,62 @@ def test_rpm_and_allow_lists_hold(proxy, token):
     with pytest.raises(openai.RateLimitError):
         client(proxy, token).responses.create(model="gen-m25", input="hi")
     assert events(proxy, token) == []
+
+
+def test_every_event_says_its_endpoint_and_reports_split_by_it(proxy, token):
+    oa = client(proxy, token)
+    oa.chat.completions.create(model="oa-m25", messages=[{"role": "user", "content": "a"}])
+    oa.responses.create(model="oa-m25", input="b sim:tokens=3", store=False)
+    oa.responses.create(model="gen-m25", input="c sim:tokens=4", store=False)
+    found = {e["id"]: e["endpoint"] for e in events(proxy, token)}
+    assert sorted(found.values()) == ["chat.completions", "responses", "responses"]
+    only = proxy.ok("GET", "/v1/usage", params={"token_id": token["id"], "endpoint": "responses"})
+    assert len(only["data"]) == 2
+    assert proxy.request("GET", "/v1/usage", params={"endpoint": "chat"}).status_code == 400
+    report = proxy.ok(
+        "GET", "/v1/spend", params={"token_id": token["id"], "group_by": "endpoint,model"}
+    )
+    rows = {(r["endpoint"], r["model"]): r for r in report["rows"]}
+    assert set(rows) == {
+        ("chat.completions", "oa-m25"),
+        ("responses", "oa-m25"),
+        ("responses", "gen-m25"),
+    }
+    for (endpoint, model), row in rows.items():
+        mine = [e for e in events(proxy, token) if (e["endpoint"], e["model"]) == (endpoint, model)]
+        assert row["requests"] == len(mine) == 1
+        assert Decimal(row["cost"]) == sum(Decimal(e["cost"]) for e in mine)
+    refused = proxy.request("GET", "/v1/spend", params={"group_by": "endpoint,end_user"})
+    assert refused.status_code == 400
+    csv = proxy.request(
+        "GET", "/v1/usage", params={"token_id": token["id"], "format": "csv"}
+    ).text.splitlines()
+    assert "endpoint" in csv[0].split(",")
+
+
+def test_ingested_usage_names_its_endpoint(proxy, token):
+    sent = {
+        "idempotency_key": f"k-{token['id']}",
+        "model": "oa-m25",
+        "token_id": token["id"],
+        "prompt_tokens": 3,
+        "completion_tokens": 4,
+    }
+    answer = proxy.ok(
+        "POST",
+        "/v1/events",
+        json={
+            "events": [
+                sent,
+                {**sent, "idempotency_key": f"r-{token['id']}", "endpoint": "responses"},
+            ]
+        },
+    )
+    assert [r["status"] for r in answer["data"]] == ["created", "created"], answer
+    bad = proxy.ok(
+        "POST",
+        "/v1/events",
+        json={"events": [{**sent, "idempotency_key": "x", "endpoint": "chat"}]},
+    )
+    assert bad["data"][0]["status"] == "rejected"
+    assert sorted(e["endpoint"] for e in events(proxy, token)) == ["chat.completions", "responses"]
