@@ -258,6 +258,9 @@ class Provider:
     poll_timeout_s: float = 300.0
     # `requested`: answers name the model as the client asked for it (metering.proxy.rename).
     response_model: str = "upstream"
+    # The upstream serves the Responses API itself (POST {base_url}/responses): a Responses
+    # request to it is forwarded as sent, not bridged to chat (metering.proxy.responses.native).
+    responses: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +325,15 @@ def _provider(name: str, entry: dict, environ: dict, response_model: str) -> Pro
         poll_interval_s=_positive(entry, "poll_interval_s", 0.5, where),
         poll_timeout_s=_positive(entry, "poll_timeout_s", 300, where),
         response_model=_response_model(entry, f"{where}.", response_model),
+        responses=_flag(entry, "responses", where),
     )
+
+
+def _flag(entry: dict, key: str, where: str) -> bool:
+    value = entry.get(key, False)
+    if not isinstance(value, bool):
+        raise CatalogError(f"{where}.{key} must be true or false")
+    return value
 
 
 def _positive(entry: dict, key: str, default: float, where: str) -> float:

@@ -17,12 +17,15 @@ from metering.proxy.assemble import answer_from_stream
 from metering.proxy.attempt import Attempt
 from metering.proxy.completion import relay_completion
 from metering.proxy.responses.answer import ResponsesAnswer, ResponsesStream
+from metering.proxy.responses.native import NativeStream, relay_response
 from metering.proxy.stream import MeteredStream
 from metering.proxy.transport import open_upstream
 
 
 async def forward(attempt: Attempt) -> Response:
     bridge = attempt.chat.bridge  # a Responses API request: answered in its terms
+    if bridge is not None and bridge.native:
+        return await forward_native(attempt)
     if not attempt.chat.stream and attempt.dialect.stream_only:
         answer = await answer_from_stream(attempt)
         return answer if bridge is None else ResponsesAnswer(attempt, bridge, answer)
@@ -41,3 +44,15 @@ async def forward(attempt: Attempt) -> Response:
     if bridge is None or answer.status_code >= 400:
         return answer
     return ResponsesAnswer(attempt, bridge, answer)
+
+
+async def forward_native(attempt: Attempt) -> Response:
+    """A Responses request to a provider that serves it: relayed as it comes."""
+    upstream = await open_upstream(attempt)
+    if (
+        attempt.chat.stream
+        and upstream.status_code < 400
+        and "text/event-stream" in upstream.headers.get("content-type", "")
+    ):
+        return NativeStream(attempt, upstream)
+    return await relay_response(attempt, upstream)

@@ -276,6 +276,10 @@ class StreamObserver:
         "_tokens",
     )
 
+    # A chat stream ends at [DONE], never at an event of its own (a Responses stream does:
+    # metering.proxy.responses.native.ResponsesObserver).
+    finished = False
+
     def __init__(self, lazy: bool = False) -> None:
         self.usage: Usage | None = None  # the last non-null usage seen
         self.finish_reason: str | None = None  # the last non-null finish_reason seen

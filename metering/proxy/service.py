@@ -328,6 +328,8 @@ async def try_route(
         # Built inside: a body that cannot be sent gives its hold back too.
         upstream_body = dialect.prepare(chat.body, route, max_tokens=reservation.max_tokens)
         if chat.bridge is not None:
-            chat.bridge.face.bridged.upstream_extras(upstream_body, dialect.reasoning_effort)
+            upstream_body = chat.bridge.upstream(
+                upstream_body, provider, route, reservation, dialect
+            )
         attempt.upstream_body = encode(upstream_body)
         return await forward(attempt)

@@ -119,6 +119,11 @@ class StreamRelay:
                     self.done = event.raw
                     break
                 obj = observer.observe(data)
+                if observer.finished:
+                    # A Responses stream's last event (metering.proxy.responses.native): kept
+                    # for the end, as [DONE] is.
+                    self.done = event.raw
+                    break
                 if obj is not None:
                     if self.on_chunk is not None:
                         self.on_chunk(obj)

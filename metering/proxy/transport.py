@@ -56,7 +56,10 @@ def passed_headers(attempt: Attempt, upstream: httpx.Response) -> dict[str, str]
 async def open_upstream(attempt: Attempt) -> httpx.Response:
     """Send the request; on a failure before any answer, record it (if it went out) and raise."""
     services, provider = attempt.services, attempt.provider
-    request = services.upstreams.chat_request(provider, attempt.dialect, attempt.upstream_body)
+    native = attempt.chat.bridge is not None and attempt.chat.bridge.native
+    request = services.upstreams.chat_request(
+        provider, attempt.dialect, attempt.upstream_body, native
+    )
     if attempt.trace is not None:
         # Ended when the attempt ends; the upstream continues the trace from it.
         attempt.upstream_span = attempt.trace.upstream(provider, request.headers)

@@ -144,10 +144,25 @@ class Upstreams:
     def client(self, provider: str) -> httpx.AsyncClient:
         return self.clients[provider]
 
-    def chat_request(self, provider: Provider, dialect: Dialect, content: bytes) -> httpx.Request:
+    def chat_request(
+        self, provider: Provider, dialect: Dialect, content: bytes, native: bool = False
+    ) -> httpx.Request:
         """A chat completion's request to `provider`, built as its client's build_request would
         build it (the client's default headers, the dialect's, the provider's timeouts) from
-        parts made once per provider: only the body is the request's own."""
+        parts made once per provider: only the body is the request's own. `native`: a
+        Responses API request to a provider that serves it (`{base_url}/responses`)."""
+        if native:
+            headers = httpx.Headers(self.clients[provider.name].headers)
+            headers.update(dialect.headers(provider))
+            headers["accept-encoding"] = "identity"
+            limits = httpx.Timeout(provider.timeout_s, connect=provider.connect_timeout_s)
+            return httpx.Request(
+                "POST",
+                f"{provider.base_url}/responses",
+                content=content,
+                headers=headers,
+                extensions={"timeout": limits.as_dict()},
+            )
         made = self._made.get(provider.name)
         if made is None or made[0] is not provider:
             headers = httpx.Headers(self.clients[provider.name].headers)

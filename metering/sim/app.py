@@ -34,6 +34,7 @@ from metering.sim.providers import (
     SimProvider,
     Step,
 )
+from metering.sim.responses import responses
 from metering.sim.text import (
     Answer,
     Directives,
@@ -554,6 +555,7 @@ def create_sim_app(settings: SimSettings | None = None) -> Starlette:
             Route("/_sim/log", sim_log, methods=["GET", "DELETE"]),
             Route("/nim/v2/nvcf/pexec/status/{request_id}", nim_status, methods=["GET"]),
             Route("/{dialect}/v1/chat/completions", chat, methods=["POST"]),
+            Route("/{dialect}/v1/responses", responses, methods=["POST"]),
             Route("/{dialect}/v1/models", models, methods=["GET"]),
             # A provider that always fails: as if every request said sim:fault={fault}.
             Route(

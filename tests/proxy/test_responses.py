@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.proxy.conftest import serving, sim_log
+from tests.proxy.conftest import provider_entry, serving, sim_log
 from tests.proxy.test_dialects import MODELS, dialect_catalog, records_since
 
 pytestmark = pytest.mark.e2e
@@ -399,3 +399,125 @@ def test_ingested_usage_names_its_endpoint(proxy, token):
     )
     assert bad["data"][0]["status"] == "rejected"
     assert sorted(e["endpoint"] for e in events(proxy, token)) == ["chat.completions", "responses"]
+
+
+# --- native pass-through: a provider that serves the Responses API itself ----------------------
+
+
+@pytest.fixture(scope="module")
+def native(api, sim):
+    catalog = dialect_catalog(sim)
+    catalog["providers"]["d-native"] = provider_entry(
+        sim.base_url("openai"), "openai", responses=True
+    )
+    catalog["models"].append(
+        {
+            "name": "native-m25",
+            "provider": "d-native",
+            "upstream_model": "MiniMaxAI/MiniMax-M2.5",
+            "input_usd_per_mtok": "0.15",
+            "cached_input_usd_per_mtok": "0.075",
+            "output_usd_per_mtok": "0.60",
+            "max_output_tokens": 16384,
+        }
+    )
+    with serving(api, catalog) as own:
+        yield own
+
+
+def test_a_native_provider_gets_the_body_as_sent_and_its_usage_is_charged(native, sim, token):
+    oa = client(native, token)
+    before = len(sim_log(sim))
+    raw = oa.responses.with_raw_response.create(
+        model="native-m25",
+        input="Native sim:tokens=9 sim:cached=4",
+        metadata={"project": "x"},
+        max_output_tokens=100,
+    )
+    response = raw.parse()
+    [record] = records_since(sim, before)
+    assert record["path"].endswith("/openai/v1/responses")
+    sent = record["received"]
+    assert (
+        sent["model"] == "MiniMaxAI/MiniMax-M2.5"
+        and sent["input"] == "Native sim:tokens=9 sim:cached=4"
+    )
+    assert "metadata" not in sent and sent["max_output_tokens"] == 100
+    assert response.id == record["id"]  # relayed as it came
+    [event] = events(native, token)
+    assert event["id"] == raw.headers["x-request-id"] and event["endpoint"] == "responses"
+    assert event["usage_source"] == "reported" and event["completion_tokens"] == 9
+    usage_equals_event(response.usage, event)
+    assert response.usage.input_tokens_details.cached_tokens == 4
+    # Stored here, and continued: the conversation goes up whole, without our ids.
+    second = oa.responses.create(
+        model="native-m25", previous_response_id=response.id, input="More sim:tokens=3"
+    )
+    sent = sim_log(sim)[-1]["received"]
+    assert "previous_response_id" not in sent and len(sent["input"]) == 3
+    assert all("id" not in item for item in sent["input"])
+    assert second.usage.input_tokens > response.usage.input_tokens
+
+
+def test_a_native_stream_is_relayed_as_it_comes_and_metered_from_response_completed(native, token):
+    with client(native, token).responses.stream(
+        model="native-m25", input="Stream sim:tokens=11", store=False
+    ) as stream:
+        final = stream.get_final_response()
+    [event] = events(native, token)
+    assert event["stream"] is True and event["completion_tokens"] == 11
+    usage_equals_event(final.usage, event)
+
+
+def test_a_native_stream_that_fails_is_billed_for_what_was_delivered(native, sim, token):
+    before = len(sim_log(sim))
+    answer = httpx.post(
+        f"{native.url}/v1/responses",
+        json={
+            "model": "native-m25",
+            "input": "Break sim:tokens=30 sim:fault=stream_error sim:fault_after=2",
+            "stream": True,
+        },
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    )
+    stream = sse(answer.content)
+    assert stream[-1][0] == "response.failed"
+    [record] = records_since(sim, before)
+    [event] = events(native, token)
+    assert event["status"] == "stream_error"
+    assert event["completion_tokens"] == record["delivered_completion_tokens"] > 0
+
+
+def test_a_native_request_over_budget_is_refused_before_the_upstream(native, sim, token):
+    native.ok("PATCH", f"/v1/tokens/{token['id']}", json={"credit_limit": "0.000001"})
+    before = len(sim_log(sim))
+    with pytest.raises(openai.APIStatusError) as refused:
+        client(native, token).responses.create(
+            model="native-m25", input="hi", max_output_tokens=500
+        )
+    assert refused.value.status_code == 402
+    assert len(sim_log(sim)) == before and events(native, token) == []
+
+
+def test_the_simulators_responses_api_refuses_chat_shaped_tools(sim):
+    answer = httpx.post(
+        f"{sim.base_url('openai')}/responses",
+        json={
+            "model": "m",
+            "input": "x",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        headers={"authorization": "Bearer sim-key"},
+    )
+    assert answer.status_code == 400
+    chat = httpx.post(
+        f"{sim.base_url('openai')}/chat/completions",
+        json={
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "name": "f"}],
+        },
+        headers={"authorization": "Bearer sim-key"},
+    )
+    assert chat.status_code == 400  # a Responses-shaped tool sent to chat, as a naive bridge would

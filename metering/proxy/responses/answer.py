@@ -14,10 +14,14 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from metering.budgets.reserve import Reservation
 from metering.ledger.outcome import Outcome
 from metering.proxy.attempt import Attempt
+from metering.proxy.dialects import Dialect
+from metering.proxy.responses import native
 from metering.proxy.responses.face import EventWriter, Face
 from metering.proxy.stream import MeteredStream, StreamRelay
+from metering.settings import ModelRoute, Provider
 
 log = logging.getLogger("metering.proxy")
 
@@ -29,10 +33,33 @@ Save = Callable[[Face], Awaitable[None]]
 class Bridge:
     """What a bridged request carries along the path: its face and how it is stored."""
 
-    __slots__ = ("face", "save")
+    __slots__ = ("face", "save", "native", "history")
 
     def __init__(self, face: Face, save: Save | None) -> None:
         self.face, self.save = face, save
+        # The attempt's provider serves the Responses API itself (metering.proxy.responses
+        # .native): forwarded as sent, not bridged.
+        self.native = False
+        self.history: list[dict[str, Any]] = []  # the stored conversation put before the input
+
+    def upstream(
+        self,
+        chat_body: dict[str, Any],
+        provider: Provider,
+        route: ModelRoute,
+        reservation: Reservation,
+        dialect: Dialect,
+    ) -> dict[str, Any]:
+        """What this attempt sends up: the client's Responses body to a provider that serves
+        the Responses API, else the chat body (with what only some dialects take)."""
+        self.native = provider.responses
+        bridged = self.face.bridged
+        if self.native:
+            return native.upstream_body(
+                bridged.body, self.history, route, reservation.max_tokens, dialect.withheld
+            )
+        bridged.upstream_extras(chat_body, dialect.reasoning_effort)
+        return chat_body
 
     async def saved(self) -> None:
         """Store the finished response; one that cannot be stored (the database is gone) is

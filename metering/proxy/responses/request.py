@@ -72,6 +72,7 @@ class Bridged:
     previous_response_id: str | None
     echo: dict[str, Any] = field(default_factory=dict)
     reasoning_effort: str | None = None
+    body: dict[str, Any] = field(default_factory=dict)  # as the client sent it
 
     def upstream_extras(self, upstream: dict[str, Any], takes_effort: bool) -> None:
         """What goes up only where the dialect takes it: `reasoning.effort`."""
@@ -387,5 +388,6 @@ def translate(body: dict[str, Any]) -> tuple[dict[str, Any], Bridged]:
         previous_response_id=previous,
         echo=echo,
         reasoning_effort=effort,
+        body=body,
     )
     return chat, bridged

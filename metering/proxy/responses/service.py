@@ -23,6 +23,7 @@ async def as_responses(
     """The chat request a Responses request is served as; every refusal (a field the bridge
     cannot carry, a conversation not visible, a store past its bounds) before anything is held."""
     settings = services.settings
+    bridge_history: list[dict[str, Any]] = []
     body = parse_json(raw)
     chat_body, bridged = translate(body)
     size = len(raw)
@@ -42,6 +43,7 @@ async def as_responses(
             settings.responses_max_stored_bytes,
         )
         bridged.continue_from(chat_body, history)
+        bridge_history = history
         size += len(orjson.dumps(history))  # the prompt's bound counts the whole conversation
     chat = validate(chat_body, size)
     face = Face(bridged, "resp_" + state["request_id"].partition("_")[2])
@@ -57,6 +59,7 @@ async def as_responses(
         )
 
     chat.bridge = Bridge(face, save if bridged.store else None)
+    chat.bridge.history = bridge_history
     return chat
 
 
