@@ -196,7 +196,7 @@ async def responses(request: Request) -> Response:
         part = {"type": "output_text", "text": "", "annotations": []}
         ids = {"item_id": message["id"], "output_index": 0, "content_index": 0}
         yield event("response.content_part.added", **ids, part=part)
-        sent = []
+        sent: list[str] = []
         for i, piece in enumerate(pieces):
             if directives.fault == "stream_error" and i == directives.fault_after:
                 done = count_tokens("".join(sent))
