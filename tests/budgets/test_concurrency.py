@@ -180,3 +180,44 @@ def test_token_limit_under_concurrency_in_process(api):
 
 def test_team_limit_under_concurrency_in_process(api):
     _team_burst(api, [api.url], 15 * COST_ESTIMATE, 60, 20)
+
+
+def _fire_responses(clients: list[openai.OpenAI], requests: int, threads: int) -> list[int]:
+    """`requests` Responses API requests, every other one streamed, from `threads` threads."""
+    tag = marker()
+
+    def one(i: int) -> int:
+        client = clients[i % len(clients)]
+        text = f"race {tag} {i} sim:tokens={MAX_TOKENS}"
+        try:
+            if i % 2:
+                with client.responses.stream(
+                    model="gpt-sim", input=text, max_output_tokens=MAX_TOKENS, store=False
+                ) as stream:
+                    stream.get_final_response()
+            else:
+                client.responses.create(
+                    model="gpt-sim", input=text, max_output_tokens=MAX_TOKENS, store=False
+                )
+            return 200
+        except openai.APIStatusError as exc:
+            return exc.status_code
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(one, range(requests)))
+
+
+@pytest.mark.postgres
+def test_responses_never_overspend_across_two_postgres_replicas(two_replicas):
+    """40 Responses requests at once, streamed and not, over two replicas: the token's limit
+    holds, every one served is one event, nothing stays reserved."""
+    admin = two_replicas[0].api()
+    team, user, token = admin.principal(token_limit=str(12 * COST_ESTIMATE))
+    clients = [
+        openai.OpenAI(base_url=f"{r.url}/v1", api_key=token["token"], max_retries=0)
+        for r in two_replicas
+    ]
+    statuses = _fire_responses(clients, 40, 20)
+    scopes = {"token": token["id"], "user": user["id"], "team": team["id"]}
+    _check_ledger(admin, statuses, scopes, "token")
+    assert {e["endpoint"] for e in admin.events(token_id=token["id"])} == {"responses"}
