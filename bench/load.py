@@ -25,6 +25,8 @@ class Target:
     # Credentials spread over the workers: worker i sends with spread[i % len(spread)] (one
     # token per worker, say) instead of `headers`.
     spread: list[dict[str, str]] | None = None
+    # How a complete stream ends: chat's [DONE], or a Responses stream's last event.
+    ends: bytes = b"data: [DONE]"
 
 
 @dataclass
@@ -106,7 +108,9 @@ async def _one(
         return
     elapsed = time.perf_counter() - started
     result.statuses[status] += 1
-    complete = not target.stream or body.rstrip().endswith(DONE)
+    complete = not target.stream or (
+        body.rstrip().endswith(DONE) if target.ends == DONE else target.ends in body[-4096:]
+    )
     if 200 <= status < 300 and complete:
         result.latencies_s.append(elapsed)
         if first is not None:

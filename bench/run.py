@@ -71,6 +71,7 @@ MODES = (
     "pg-end-users",
     "pg-end-user-budgets",
     "pg-off",
+    "pg-responses",
     "sqlite",
     "litellm",
 )
@@ -81,6 +82,7 @@ SERVER_OF = {
     "pg-nosync": "pg-nosync",
     "pg-pgbouncer": "pg-pgbouncer",
     "pg-limits": "pg",
+    "pg-responses": "pg",
     "pg-end-users": "pg",
     "pg-end-user-budgets": "pg",
     "pg-off": "pg",
@@ -318,6 +320,20 @@ def chat_body(
         # What the proxy sends upstream for a stream: it always asks for usage.
         body["stream_options"] = {"include_usage": True}
     return json.dumps(body).encode()
+
+
+def responses_body(chat: bytes) -> bytes:
+    """A chat body's request through the Responses API (not stored: as Codex sends it)."""
+    body = json.loads(chat)
+    return json.dumps(
+        {
+            "model": body["model"],
+            "input": body["messages"][0]["content"],
+            "max_output_tokens": body["max_tokens"],
+            "stream": body["stream"],
+            "store": False,
+        }
+    ).encode()
 
 
 class Admin:
@@ -704,6 +720,17 @@ def target_for(
         # The floor relays the body unchanged: it gets what the proxy would send upstream.
         return load.Target(url, json_type, chat_body(stream, *body_args, True, **extra), stream)
     body = chat_body(stream, *body_args, False, **extra)
+    if mode == "pg-responses":
+        # The same request through the Responses API: bridged to the same chat upstream.
+        token = server.principals[principal]["token"]["token"]
+        headers = {"authorization": f"Bearer {token}", **json_type}
+        return load.Target(
+            f"{server.base}/v1/responses",
+            headers,
+            responses_body(body),
+            stream,
+            ends=b"event: response.completed",
+        )
     if mode == "litellm":
         headers = {"authorization": f"Bearer {litellm_proxy.MASTER_KEY}", **json_type}
         return load.Target(url, headers, body, stream)

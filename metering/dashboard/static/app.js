@@ -26,7 +26,7 @@ const DIRECTORY_TTL_MS = 5 * 60 * 1000;
 const GROUPED_ROWS = 10_000; // rows of the spend-by-end-user (or tag) table asked for at once
 const MAX_TAG_FILTERS = 16; // a request holds at most 16 tags: more filters could match nothing
 const MAX_TEXT = 200; // the longest end user, tag key or tag filter the URL may carry here
-const PLAIN_GROUPS = ["team", "model", "provider", "end_user"];
+const PLAIN_GROUPS = ["team", "model", "provider", "end_user", "endpoint"];
 
 const $ = (id) => document.getElementById(id);
 const { html } = Charts;
@@ -754,10 +754,11 @@ function drawRecent(events, directory) {
       ]));
       statusCell.dataset.csv = `${statusText}; max_tokens clamped to ${clamped}`;
     }
-    const mode = e.stream ? "stream" : "";
+    // How it was asked: streamed, and through the Responses API rather than chat completions.
+    const mode = [e.stream ? "stream" : "", e.endpoint === "responses" ? "responses" : ""].filter(Boolean).join(" · ");
     const modelCell = cell(e.model);
     modelCell.append(html("span", { class: "sub" }, [`${e.provider}${mode ? " · " + mode : ""}`]));
-    modelCell.dataset.csv = `${e.model} (${e.provider}${mode ? ", " + mode : ""})`;
+    modelCell.dataset.csv = `${e.model} (${e.provider}${mode ? ", " + mode.replace(" · ", ", ") : ""})`;
     return html("tr", {
       "data-id": e.id,
       "data-clamped": clamped ?? "",
