@@ -13,11 +13,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import bindparam, insert, select, update
+from sqlalchemy import bindparam, insert, select, text, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from metering.db import dialect_name
 from metering.ledger import rollup
 from metering.ledger.event import NAMES, SPECS, UNSETTLED, Event
 from metering.ledger.tables import LedgerEvent
@@ -42,6 +43,9 @@ _REPLACED = tuple(name for name in NAMES if name not in _KEPT)
 _REPLACE = update(_table).where(
     _table.c.id == bindparam("placeholder_id"), _table.c.status == UNSETTLED
 )
+
+
+_RESURFACE = text("UPDATE ledger_events SET txid = pg_current_xact_id() WHERE id = :placeholder_id")
 
 
 async def append(conn: AsyncConnection | AsyncSession, event: Event) -> None:
@@ -114,6 +118,9 @@ async def replace_unsettled(conn: AsyncConnection | AsyncSession, event: Event) 
     )
     if replaced.rowcount != 1:
         return None  # replaced meanwhile by a concurrent settle of the same request
+    if dialect_name(conn) == "postgresql":
+        # The change feed (metering.reports.changes) shows the event again, as it is now.
+        await conn.execute(_RESURFACE, {"placeholder_id": event.id})
     event = replace(event, created_at=old.created_at)
     delta = event.cost - old.cost
     await rollup.pend(conn, [rollup.row_for(event, requests=0, cost=delta)])

@@ -16,9 +16,10 @@ from metering.auth.principal import (
 from metering.container import ServicesDep
 from metering.errors import InvalidRequest, NotFound, TooLarge, error_responses
 from metering.ledger.attribution import END_USER_PATTERN, MAX_TAGS, TAG_FILTER_PATTERN
-from metering.reports import focus, reconciliation, refusals, usage
+from metering.reports import changes, focus, reconciliation, refusals, usage
 from metering.reports.refusals import GROUP_BY_PATTERN as REFUSALS_GROUP_BY
 from metering.reports.schemas import (
+    ChangesOut,
     ReconciliationOut,
     RefusalsOut,
     RefusalSummaryOut,
@@ -72,6 +73,44 @@ def _attachment(filename: str) -> dict[str, str]:
 def _csv_stream(rows: AsyncIterator[bytes], headers: dict[str, str]) -> StreamingResponse:
     """Every matching row, streamed: without `limit` and `cursor`, a report's CSV is all of it."""
     return StreamingResponse(rows, media_type="text/csv", headers=headers)
+
+
+@router.get(
+    "/usage/changes",
+    response_model=ChangesOut,
+    responses={
+        200: {
+            "description": "The events after the cursor in the order they became visible, as "
+            "JSON or (format=csv) as CSV with the next cursor in `x-next-cursor`",
+            "content": CSV,
+        },
+        **error_responses(400, *USAGE_ERRORS, rules={"after": "a `next` this feed gave"}),
+    },
+)
+async def usage_changes(
+    principal: SelfPrincipal,
+    services: ServicesDep,
+    after: str | None = Query(
+        None,
+        min_length=1,
+        max_length=changes.MAX_CURSOR,
+        description="the `next` of the last poll; none: from the oldest event kept",
+    ),
+    limit: int = Query(100, ge=1, le=1000),
+    format: str = Query("json", pattern="^(json|csv)$"),
+) -> Response:
+    """The ledger's change feed, for an exporter: poll with `next` and every event comes once,
+    in the order events became visible, however late each committed (admin: every event; a
+    user's credential: its own)."""
+    rows, next_cursor = await changes.changes(services.db, principal, after, limit)
+    if format == "csv":
+        headers = {
+            **_attachment("changes.csv"),
+            **({"x-next-cursor": next_cursor} if next_cursor else {}),
+        }
+        body = await usage.csv_page(services.db, rows, False)
+        return Response(body, media_type="text/csv", headers=headers)
+    return JSONResponse({"data": [usage.event_out(row) for row in rows], "next": next_cursor})
 
 
 @router.get(

@@ -174,6 +174,14 @@ class UsageOut(BaseModel):
     next_cursor: str | None
 
 
+class ChangesOut(BaseModel):
+    """Events in the order they became visible; poll again with `next` (the same cursor when
+    nothing new was found; null only before the first event)."""
+
+    data: list[UsageEvent]  # type: ignore[valid-type]
+    next: str | None
+
+
 RefusalReason = Literal["budget", "rpm", "tpm", "parallel", "model"]
 
 
