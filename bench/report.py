@@ -23,6 +23,7 @@ LABEL = {
     "pg-limits": "ours, PostgreSQL, rate limits on",
     "pg-end-users": "ours, PostgreSQL, an end user on every request",
     "pg-end-user-budgets": "ours, PostgreSQL, an end user with a budget on every request",
+    "pg-responses": "ours, PostgreSQL, through the Responses API",
     "sqlite": "ours, SQLite",
     "litellm": "LiteLLM proxy",
 }

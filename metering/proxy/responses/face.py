@@ -6,15 +6,15 @@ Ids are ours (`resp_`, and `rs_`, `msg_`, `fc_` for the items), never the upstre
 `call_id`, which the client sends back with the call's output. `usage` is the ledger event's,
 in Responses terms, so the client reads what was charged."""
 
-import json
 import os
 import time
 from typing import Any
 
+import orjson
+
 from metering.ledger.event import Event
 from metering.proxy.responses.request import Bridged
 
-SEP = (",", ":")
 
 
 def item_id(prefix: str) -> str:
@@ -206,13 +206,7 @@ class EventWriter:
     def emit(self, kind: str, **data: Any) -> None:
         payload = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        self.out.append(
-            b"event: "
-            + kind.encode()
-            + b"\ndata: "
-            + json.dumps(payload, separators=SEP, ensure_ascii=False).encode()
-            + b"\n\n"
-        )
+        self.out.append(b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps(payload)))
 
     def take(self) -> bytes:
         out, self.out = b"".join(self.out), []
