@@ -16,7 +16,6 @@ from metering.ledger.event import Event
 from metering.proxy.responses.request import Bridged
 
 
-
 def item_id(prefix: str) -> str:
     return f"{prefix}_{os.urandom(12).hex()}"
 
