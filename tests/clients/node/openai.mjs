@@ -1,0 +1,39 @@
+// The `openai` Node SDK: stream usage with stream_options: { include_usage: true }.
+import OpenAI from "openai";
+import { BASE_URL, serve, usage } from "./protocol.mjs";
+
+const client = (step) => new OpenAI({ baseURL: `${BASE_URL}/v1`, apiKey: step.token });
+const messages = (step) => [{ role: "user", content: step.prompt }];
+
+await serve({
+  async text(step) {
+    const answer = await client(step).chat.completions.create({ model: step.model, messages: messages(step) });
+    const u = answer.usage;
+    return {
+      text: answer.choices[0].message.content,
+      model: answer.model,
+      usage: u ? usage(u.prompt_tokens, u.completion_tokens, u.total_tokens) : null,
+      extra: u ?? null,
+    };
+  },
+  async stream(step) {
+    const chunks = await client(step).chat.completions.create({
+      model: step.model,
+      messages: messages(step),
+      stream: true,
+      stream_options: { include_usage: true },
+    });
+    let text = "", model = null, u = null;
+    for await (const chunk of chunks) {
+      model = chunk.model || model;
+      text += chunk.choices?.[0]?.delta?.content ?? "";
+      if (chunk.usage) u = chunk.usage;
+    }
+    return {
+      text,
+      model,
+      usage: u ? usage(u.prompt_tokens, u.completion_tokens, u.total_tokens) : null,
+      extra: u,
+    };
+  },
+});

@@ -1,0 +1,28 @@
+// The Vercel AI SDK (`ai` + `@ai-sdk/openai`), its chat-completions model (openai.chat(...)):
+// it asks for usage on every stream.
+import { createOpenAI } from "@ai-sdk/openai";
+import { generateText, streamText } from "ai";
+import { BASE_URL, serve, usage } from "./protocol.mjs";
+
+const model = (step) => createOpenAI({ baseURL: `${BASE_URL}/v1`, apiKey: step.token }).chat(step.model);
+const counts = (u) => usage(u?.inputTokens, u?.outputTokens, u?.totalTokens);
+
+await serve({
+  async text(step) {
+    const result = await generateText({ model: model(step), prompt: step.prompt });
+    return { text: result.text, model: result.response.modelId, usage: counts(result.usage) };
+  },
+  async stream(step) {
+    let failure = null;
+    const result = streamText({
+      model: model(step),
+      prompt: step.prompt,
+      onError: ({ error }) => { failure = error; },
+    });
+    let text = "";
+    for await (const part of result.textStream) text += part;
+    if (failure) throw failure;
+    const response = await result.response;
+    return { text, model: response.modelId, usage: counts(await result.usage) };
+  },
+});

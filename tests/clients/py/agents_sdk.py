@@ -1,0 +1,49 @@
+"""The OpenAI Agents SDK's chat-completions model (OpenAIChatCompletionsModel on an AsyncOpenAI
+client at the proxy): stream usage only with ModelSettings(include_usage=True) off
+api.openai.com."""
+
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    Runner,
+    set_tracing_disabled,
+)
+from openai import AsyncOpenAI
+from protocol import BASE_URL, serve, usage
+
+set_tracing_disabled(True)
+
+
+def agent(step) -> Agent:
+    client = AsyncOpenAI(base_url=f"{BASE_URL}/v1", api_key=step["token"])
+    return Agent(
+        name="assistant",
+        instructions="You are a helpful assistant.",
+        model=OpenAIChatCompletionsModel(model=step["model"], openai_client=client),
+        model_settings=ModelSettings(include_usage=True),
+    )
+
+
+def answer(result) -> dict:
+    u = result.context_wrapper.usage
+    return {
+        "text": result.final_output,
+        "model": None,
+        "usage": usage(u.input_tokens, u.output_tokens, u.total_tokens),
+        "extra": {"requests": u.requests},
+    }
+
+
+async def text(step) -> dict:
+    return answer(await Runner.run(agent(step), step["prompt"]))
+
+
+async def stream(step) -> dict:
+    result = Runner.run_streamed(agent(step), step["prompt"])
+    async for _ in result.stream_events():
+        pass
+    return answer(result)
+
+
+serve({"text": text, "stream": stream})

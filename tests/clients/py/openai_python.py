@@ -1,0 +1,46 @@
+"""The `openai` Python SDK: stream usage with stream_options={"include_usage": True}."""
+
+import openai
+from protocol import BASE_URL, serve, usage
+
+
+def client(step) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key=step["token"])
+
+
+def text(step) -> dict:
+    answer = client(step).chat.completions.create(
+        model=step["model"], messages=[{"role": "user", "content": step["prompt"]}]
+    )
+    u = answer.usage
+    return {
+        "text": answer.choices[0].message.content,
+        "model": answer.model,
+        "usage": u and usage(u.prompt_tokens, u.completion_tokens, u.total_tokens),
+        "extra": u and u.model_extra,
+    }
+
+
+def stream(step) -> dict:
+    chunks = client(step).chat.completions.create(
+        model=step["model"],
+        messages=[{"role": "user", "content": step["prompt"]}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, model, u = [], None, None
+    for chunk in chunks:
+        model = chunk.model or model
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            u = chunk.usage
+    return {
+        "text": "".join(parts),
+        "model": model,
+        "usage": u and usage(u.prompt_tokens, u.completion_tokens, u.total_tokens),
+        "extra": u and u.model_extra,
+    }
+
+
+serve({"text": text, "stream": stream})
