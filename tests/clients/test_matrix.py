@@ -1,0 +1,104 @@
+"""The clients users bring, each as its users configure it, against a live server on the
+simulator's four dialects (issue 40): an answer and a stream (the client asking for stream
+usage its own way) whose usage, as the client reports it, is the ledger event's; every request
+metered once; a 402 the client raises as its own error without retrying (one refusal row); a
+429 that clears, retried after its retry-after and then served; a refusal that waiting cannot
+fix (rpm_limit 0), tried once."""
+
+from datetime import timedelta
+
+import httpx
+import pytest
+
+from metering.budgets.rates import window_of
+from tests.clients.conftest import DIALECTS, refusals_after_marker
+from tests.proxy.conftest import wait_events
+
+PLAIN = "m-openai"
+
+
+def one_event(api, token: dict) -> dict:
+    events = wait_events(api, token["id"], 1)
+    assert len(events) == 1, events
+    return events[0]
+
+
+def ledger_usage(event: dict) -> dict:
+    return {
+        "prompt_tokens": event["prompt_tokens"],
+        "completion_tokens": event["completion_tokens"],
+        "total_tokens": event["total_tokens"],
+    }
+
+
+def reported(answer: dict) -> dict:
+    """The counts the client reported (a client that gives no total: the sum)."""
+    usage = dict(answer["usage"])
+    if usage["total_tokens"] is None and None not in (
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+    ):
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    return usage
+
+
+@pytest.mark.parametrize("model", list(DIALECTS))
+@pytest.mark.parametrize("op", ["text", "stream"])
+def test_answer_and_usage_are_the_ledgers(api, proxy, client, model, op):
+    token = api.principal()[2]
+    answer = client.ask(op, token, model)
+    assert answer["ok"], answer
+    assert answer["text"]
+    event = one_event(api, token)
+    assert (event["model"], event["status"], event["stream"]) == (model, "ok", op == "stream")
+    # Every client reports the usage the ledger charged, on every dialect: the provider's own
+    # counts, or (a stream from a provider that sends none) the proxy's estimate.
+    assert answer["usage"] is not None, answer
+    assert reported(answer) == ledger_usage(event), (answer, event)
+
+
+def test_a_spent_budget_is_the_clients_own_error_and_is_not_retried(api, proxy, client):
+    token = api.principal(token_limit="0")[2]
+    answer = client.ask("text", token, PLAIN)
+    assert not answer["ok"], answer
+    assert answer["status"] == 402 or "402" in answer["message"], answer
+    rows = refusals_after_marker(api, proxy, token, PLAIN)
+    assert [(r["http_status"], r["reason"]) for r in rows] == [(402, "budget")], rows
+    assert api.events(token_id=token["id"]) == []
+
+
+def test_a_refusal_waiting_cannot_fix_is_tried_once(api, proxy, client):
+    token = api.principal()[2]
+    api.ok("PATCH", f"/v1/tokens/{token['id']}", json={"rpm_limit": 0})
+    answer = client.ask("text", token, PLAIN)
+    assert not answer["ok"], answer
+    assert answer["status"] == 429 or "429" in answer["message"], answer
+    rows = refusals_after_marker(api, proxy, token, PLAIN)
+    assert [(r["http_status"], r["reason"]) for r in rows] == [(429, "rpm")], rows
+    assert api.events(token_id=token["id"]) == []
+
+
+def test_a_429_that_clears_is_retried_after_retry_after_and_served(api, proxy, client, clock):
+    token = api.principal()[2]
+    api.ok("PATCH", f"/v1/tokens/{token['id']}", json={"rpm_limit": 1})
+    # The server's clock 2.5 s before its rate window ends: the one request the window allows
+    # is spent here, the client's is refused with a retry-after of 2 or 3 s and, retried after
+    # it, lands in the next window.
+    _, end = window_of(clock.now())
+    if end - clock.now() < timedelta(seconds=3):
+        end += timedelta(seconds=60)
+    clock.move_to(end - timedelta(seconds=2.5))
+    spent = httpx.post(
+        f"{proxy.url}/v1/chat/completions",
+        headers={"authorization": f"Bearer {token['token']}"},
+        json={"model": PLAIN, "messages": [{"role": "user", "content": "hi sim:tokens=3"}]},
+        timeout=30,
+    )
+    assert spent.status_code == 200, spent.text
+    answer = client.ask("text", token, PLAIN)
+    assert answer["ok"], answer
+    events = wait_events(api, token["id"], 2)
+    assert len(events) == 2, events
+    # Exactly one refusal: the client waited what retry-after said before its one retry.
+    rows = refusals_after_marker(api, proxy, token, PLAIN)
+    assert [(r["http_status"], r["reason"]) for r in rows] == [(429, "rpm")], rows
