@@ -18,6 +18,8 @@ ADMIN_KEY_MIN_CHARS = 32
 # METERING_DATABASE_POOLER's values (metering.db builds the engine for each).
 POOLERS = ("pgbouncer",)
 DIALECTS = ("openai", "exascale", "genesis", "tokenchange", "nim")
+# The `model` a client sees in an answer: the upstream's own name, or the one it asked for.
+RESPONSE_MODELS = ("upstream", "requested")
 
 
 class Settings(BaseSettings):
@@ -245,6 +247,8 @@ class Provider:
     status_url: str | None = None
     poll_interval_s: float = 0.5
     poll_timeout_s: float = 300.0
+    # `requested`: answers name the model as the client asked for it (metering.proxy.rename).
+    response_model: str = "upstream"
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,7 +285,14 @@ def _price(entry: dict, key: str, where: str) -> int:
         raise CatalogError(str(exc)) from None
 
 
-def _provider(name: str, entry: dict, environ: dict) -> Provider:
+def _response_model(entry: dict, where: str, default: str) -> str:
+    value = entry.get("response_model", default)
+    if value not in RESPONSE_MODELS:
+        raise CatalogError(f"{where}response_model must be one of {', '.join(RESPONSE_MODELS)}")
+    return str(value)
+
+
+def _provider(name: str, entry: dict, environ: dict, response_model: str) -> Provider:
     where = f"providers.{name}"
     dialect = entry.get("dialect", "openai")
     if dialect not in DIALECTS:
@@ -301,6 +312,7 @@ def _provider(name: str, entry: dict, environ: dict) -> Provider:
         status_url=entry.get("status_url"),
         poll_interval_s=_positive(entry, "poll_interval_s", 0.5, where),
         poll_timeout_s=_positive(entry, "poll_timeout_s", 300, where),
+        response_model=_response_model(entry, f"{where}.", response_model),
     )
 
 
@@ -355,8 +367,10 @@ def _effective_from(value, where: str) -> datetime | None:
 
 def parse_catalog(data: dict, environ: dict | None = None) -> Catalog:
     environ = dict(os.environ) if environ is None else environ
+    # Global, and per provider over it.
+    response_model = _response_model(data, "", "upstream")
     providers = {
-        name: _provider(name, entry, environ)
+        name: _provider(name, entry, environ, response_model)
         for name, entry in (data.get("providers") or {}).items()
     }
     catalog = Catalog(providers=providers)

@@ -38,7 +38,10 @@ async def answer_from_stream(attempt: Attempt) -> Response:
         error = relay.observer.error or {}
         message = error.get("message") or "the upstream stream ended early"
         raise UpstreamFailed(f"provider {attempt.provider.name}: {message}")
-    body = json.dumps(assembler.completion(), ensure_ascii=False).encode()
+    completion = assembler.completion()
+    if attempt.provider.response_model == "requested":
+        completion["model"] = attempt.chat.model
+    body = json.dumps(completion, ensure_ascii=False).encode()
     return Response(body, 200, headers=attempt.headers, media_type="application/json")
 
 

@@ -26,6 +26,7 @@ from metering.budgets.settle_queue import settle
 from metering.db import utcnow
 from metering.errors import MeteringError
 from metering.ledger.charge import Allowance
+from metering.ledger.event import Event
 from metering.ledger.outcome import Outcome, event_for
 from metering.proxy.dialects import Dialect
 from metering.proxy.estimate import estimate_prompt_tokens, estimate_text_tokens
@@ -55,6 +56,7 @@ class Attempt:
         "sent",
         "trace",
         "upstream_span",
+        "charged",
         "_handed_over",
         "_ended",
     )
@@ -91,6 +93,8 @@ class Attempt:
         # The request's spans when tracing is on, and the upstream call's once it is made.
         self.trace = trace
         self.upstream_span: Span | None = None
+        # The ledger event as it was settled (what its budgets were charged), once it was.
+        self.charged: Event | None = None
         self._handed_over = False
         self._ended = False
 
@@ -187,6 +191,7 @@ class Attempt:
             lambda: settle(self.services.budgets.settles, event, self.reservation),
         )
         if settled:
+            self.charged = event
             metrics.settled(time.perf_counter() - started)
             metrics.observe_event(event)
         if self.trace is not None:

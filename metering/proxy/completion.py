@@ -6,6 +6,7 @@ from starlette.responses import Response
 
 from metering.ledger.outcome import Outcome
 from metering.proxy.attempt import Attempt
+from metering.proxy.rename import requested_model, with_model
 from metering.proxy.reported import parse_json_object, summarize_object
 from metering.proxy.transport import (
     UpstreamFailed,
@@ -35,4 +36,7 @@ async def relay_completion(attempt: Attempt, upstream: httpx.Response) -> Respon
     if not attempt.chat.stream and parsed is None:
         outcome.status, outcome.error = "malformed", raw[:2000].decode("utf-8", "replace")
         raise UpstreamFailed(f"provider {attempt.provider.name} sent a malformed answer")
+    rename = requested_model(attempt)
+    if rename is not None:
+        raw = with_model(raw, rename)
     return Response(raw, upstream.status_code, headers=passed_headers(attempt, upstream))

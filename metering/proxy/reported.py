@@ -265,12 +265,25 @@ class StreamObserver:
     for (bounded as the text is).
     """
 
-    __slots__ = ("usage", "finish_reason", "upstream_id", "error", "lazy", "_tokens")
+    __slots__ = (
+        "usage",
+        "finish_reason",
+        "upstream_id",
+        "created",
+        "model",
+        "error",
+        "lazy",
+        "_tokens",
+    )
 
     def __init__(self, lazy: bool = False) -> None:
         self.usage: Usage | None = None  # the last non-null usage seen
         self.finish_reason: str | None = None  # the last non-null finish_reason seen
         self.upstream_id: str | None = None  # the first non-empty id seen
+        # The stream's `created` and `model`, from the first chunk that has them, read until
+        # the id is known (for a chunk of the proxy's own: metering.proxy.usage_chunk).
+        self.created: int | None = None
+        self.model: str | None = None
         self.error: dict[str, Any] | None = None  # the error object, if an error event came
         self.lazy = lazy
         self._tokens = TextTokens()
@@ -293,6 +306,12 @@ class StreamObserver:
             upstream_id = obj.get("id")
             if isinstance(upstream_id, str) and upstream_id:
                 self.upstream_id = upstream_id
+            if self.model is None:
+                model, created = obj.get("model"), obj.get("created")
+                if isinstance(model, str) and model:
+                    self.model = model
+                if type(created) is int and 0 <= created < 2**53:
+                    self.created = created
         error = _error(obj)
         if error is not None:
             self.error = error

@@ -26,10 +26,12 @@ from metering.proxy.answer_bounds import (
     AnswerBound,
 )
 from metering.proxy.attempt import Attempt
+from metering.proxy.rename import requested_model, with_model
 from metering.proxy.reported import StreamObserver, is_usage_only_chunk
 from metering.proxy.sse import SSEEvent, SSEParser
 from metering.proxy.transport import limit_message
 from metering.proxy.upstreams import failure_kind
+from metering.proxy.usage_chunk import usage_tail
 
 log = logging.getLogger("metering.proxy")
 
@@ -39,7 +41,8 @@ DONE = b"data: [DONE]\n\n"
 class StreamRelay:
     """One pass over an upstream stream. `run(pass_on)` hands `pass_on` the raw bytes of the
     events a client gets (a usage chunk the client did not ask for held back, `[DONE]` kept
-    for the end); `on_chunk`, if given, sees every parsed chunk."""
+    for the end; with `rename`, a JSON string, each event's `model` replaced by it:
+    metering.proxy.rename); `on_chunk`, if given, sees every parsed chunk."""
 
     __slots__ = (
         "attempt",
@@ -47,6 +50,7 @@ class StreamRelay:
         "observer",
         "withhold_usage",
         "on_chunk",
+        "rename",
         "done",
         "limit",
         "failure",
@@ -59,12 +63,14 @@ class StreamRelay:
         upstream: httpx.Response,
         withhold_usage: bool = False,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
+        rename: bytes | None = None,
     ) -> None:
         self.attempt, self.upstream = attempt, upstream
         # Every event is read when it comes only for a caller that is handed each one.
         self.observer = StreamObserver(lazy=on_chunk is None)
         self.withhold_usage = withhold_usage
         self.on_chunk = on_chunk
+        self.rename = rename
         self.done: bytes | None = None  # the raw [DONE] event, once it came
         self.limit: AnswerBound | None = None  # the bound the answer passed, if any
         self.failure: BaseException | None = None  # the connection's failure, if any
@@ -105,7 +111,7 @@ class StreamRelay:
 
     def _select(self, events: list[SSEEvent]) -> bytes:
         out = []
-        observer = self.observer
+        observer, rename = self.observer, self.rename
         for event in events:
             data = event.data
             if data is not None:
@@ -118,6 +124,9 @@ class StreamRelay:
                         self.on_chunk(obj)
                     if self.withhold_usage and is_usage_only_chunk(obj):
                         continue
+                if rename is not None:
+                    out.append(with_model(event.raw, rename))
+                    continue
             out.append(event.raw)
         return b"".join(out)
 
@@ -162,7 +171,12 @@ class MeteredStream(Response):
         self.status_code = upstream.status_code
         self.background = None
         self.attempt, self.upstream = attempt, upstream
-        self.relay = StreamRelay(attempt, upstream, withhold_usage=not attempt.chat.wants_usage)
+        self.relay = StreamRelay(
+            attempt,
+            upstream,
+            withhold_usage=not attempt.chat.wants_usage,
+            rename=requested_model(attempt),
+        )
         headers = {
             "content-type": upstream.headers.get("content-type", "text/event-stream"),
             "cache-control": "no-cache",
@@ -229,5 +243,8 @@ class MeteredStream(Response):
                 tail = b"data: " + json.dumps(error).encode() + b"\n\n" + DONE
             else:
                 tail = relay.done or DONE
+            # The ledger's usage, when the client asked for usage and the upstream sent none:
+            # ahead of the tail, an error event included (a client reads it before it raises).
+            tail = usage_tail(self.attempt, relay.observer) + tail
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": tail, "more_body": False})

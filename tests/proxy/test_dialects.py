@@ -151,8 +151,14 @@ def test_each_dialect_is_metered_as_its_upstream_reported(api, sim, proxy, token
     event = one_event(proxy, token)
     assert event["id"] == raw.headers["x-request-id"]
     if model in ("gen-m25", "nim-m25") and stream:
-        # Genesis and NIM streams carry no usage, asked or not: the proxy estimates it.
-        assert usage is None and record["usage"] is None
+        # Genesis and NIM streams carry no usage, asked or not: the proxy estimates it, and
+        # ends the stream with the estimate it charged (the client asked for usage).
+        assert record["usage"] is None
+        assert usage is not None and usage.model_extra == {"usage_source": "estimated"}
+        assert (usage.prompt_tokens, usage.completion_tokens) == (
+            event["prompt_tokens"],
+            event["completion_tokens"],
+        )
         assert "stream_options" not in record["received"]
         assert event["usage_source"] == "estimated" and event["status"] == "ok"
         assert within(event["prompt_tokens"], record["prompt_tokens"])
