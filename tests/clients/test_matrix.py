@@ -15,6 +15,8 @@ from tests.clients.conftest import DIALECTS, refusals_after_marker
 from tests.proxy.conftest import wait_events
 
 PLAIN = "m-openai"
+# The clients whose answer keeps the usage object whole (its usage_source too).
+RAW_USAGE = ("openai-python", "openai-node")
 
 
 def one_event(api, token: dict) -> dict:
@@ -55,6 +57,11 @@ def test_answer_and_usage_are_the_ledgers(api, proxy, client, model, op):
     # counts, or (a stream from a provider that sends none) the proxy's estimate.
     assert answer["usage"] is not None, answer
     assert reported(answer) == ledger_usage(event), (answer, event)
+    # The openai SDKs keep the usage object's other fields: an estimate says it is one.
+    if client.name in RAW_USAGE:
+        assert answer["extra"].get("usage_source") == (
+            "estimated" if event["usage_source"] == "estimated" else None
+        ), (answer, event)
 
 
 def test_a_spent_budget_is_the_clients_own_error_and_is_not_retried(api, proxy, client):
