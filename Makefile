@@ -154,7 +154,7 @@ tests/clients/node/node_modules/.package-lock.json: tests/clients/node/package-l
 
 test-clients: $(BIN)/metering $(CLIENTS_VENV)/bin/python \
 		tests/clients/node/node_modules/.package-lock.json postgres
-	METERING_CLIENT_MATRIX=1 $(BIN)/pytest -q -n $(CLIENT_WORKERS) --dist loadscope tests/clients
+	METERING_CLIENT_MATRIX=1 $(BIN)/pytest -q -n $(CLIENT_WORKERS) --dist load tests/clients
 
 # The client matrix's Python lock, from tests/clients/requirements.in (as `lock` does the
 # project's); the Node lock is npm's (`npm install` in tests/clients/node).

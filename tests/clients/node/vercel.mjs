@@ -23,6 +23,7 @@ await serve({
     for await (const part of result.textStream) text += part;
     if (failure) throw failure;
     const response = await result.response;
-    return { text, model: response.modelId, usage: counts(await result.usage) };
+    const u = await result.usage;
+    return { text, model: response.modelId, usage: counts(u), extra: { usage: u, metadata: await result.providerMetadata } };
   },
 });

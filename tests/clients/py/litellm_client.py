@@ -39,6 +39,7 @@ def stream(step) -> dict:
         "text": "".join(parts),
         "model": model,
         "usage": u and usage(u.prompt_tokens, u.completion_tokens, u.total_tokens),
+        "extra": u and u.model_dump(),
     }
 
 
