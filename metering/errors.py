@@ -2,6 +2,7 @@
 FastAPI's own validation and HTTP errors) into OpenAI-shaped JSON: {"error": {...}}."""
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,6 +45,8 @@ class InvalidText(ValueError):
 class MeteringError(Exception):
     status = 400
     code = "invalid_request"
+    # Whether the same request may succeed later: None, as its status says (retry_headers).
+    should_retry: bool | None = None
 
     def __init__(
         self,
@@ -88,9 +91,51 @@ class TooLarge(MeteringError):
     status, code = 413, "request_too_large"
 
 
+def retry_after(seconds: float) -> dict[str, str]:
+    """`retry-after` in whole seconds and `retry-after-ms` (which the openai SDKs read first) in
+    milliseconds, each rounded up and at least 1: a client that waits either finds the wait
+    over."""
+    micros = max(1, round(seconds * 1_000_000))
+    return {
+        "retry-after": str(-(-micros // 1_000_000)),
+        "retry-after-ms": str(-(-micros // 1000)),
+    }
+
+
+# Statuses of a refusal that the same request may get past later (a deadline missed, a limit
+# whose wait ends); every other 4xx answers the same request the same way until something else
+# changes (the credential, the allow-list, the budget, the request).
+_RETRIABLE_4XX = frozenset({408, 429})
+NO_RETRY = {"x-should-retry": "false"}
+
+
+def retry_headers(
+    status: int, headers: Mapping[str, str] | None = None, should_retry: bool | None = None
+) -> dict[str, str]:
+    """An error answer's headers, with what clients' retry logic reads (docs/api/errors.md):
+    `x-should-retry: false` on a refusal that waiting cannot change (a 4xx but 408 and 429, or
+    `should_retry` False: a 429 whose wait never ends), honoured by the openai SDKs before
+    anything else; `retry-after-ms` beside a `retry-after` of whole seconds."""
+    out = dict(headers) if headers else {}
+    if should_retry is None:
+        should_retry = not 400 <= status < 500 or status in _RETRIABLE_4XX
+    if not should_retry:
+        out.update(NO_RETRY)
+        return out
+    seconds = out.get("retry-after")
+    if seconds is not None and "retry-after-ms" not in out and _whole(seconds):
+        out["retry-after-ms"] = str(int(seconds) * 1000)
+    return out
+
+
+def _whole(text: str) -> bool:
+    """Whole seconds as retry-after writes them (not an HTTP date), within a day's reach."""
+    return 0 < len(text) <= 9 and text.isascii() and text.isdigit()
+
+
 # A request refused because the database cannot be reached (a restart, a failover) may be sent
 # again after this many seconds: what the official SDKs wait before their retry.
-LEDGER_RETRY_AFTER = {"retry-after": "1"}
+LEDGER_RETRY_AFTER = retry_after(1)
 
 
 class LedgerUnavailable(MeteringError):
@@ -123,7 +168,8 @@ ERROR_DESCRIPTIONS = {
     409: "Conflicts with what exists",
     413: "The request body is too large",
     415: "The request body's encoding is not supported",
-    429: "Too many attempts: retry after the retry-after header's seconds",
+    429: "Too many attempts: retry after retry-after-ms (retry-after in whole seconds); "
+    "x-should-retry: false when no wait helps",
     502: "The upstream failed",
     503: "The ledger database cannot be reached; retry later",
     504: "The upstream did not answer in time",
@@ -178,9 +224,20 @@ def error_body(status: int, code: str, message: str, param: str | None = None) -
 
 
 def error_response(
-    status: int, code: str, message: str, param: str | None = None, headers=None
+    status: int,
+    code: str,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    should_retry: bool | None = None,
 ) -> JSONResponse:
-    return JSONResponse(error_body(status, code, message, param), status, headers=headers)
+    """Every error answer of the service: the OpenAI shape, and the retry headers of its status
+    (retry_headers)."""
+    return JSONResponse(
+        error_body(status, code, message, param),
+        status,
+        headers=retry_headers(status, headers, should_retry),
+    )
 
 
 # pydantic's own words ahead of a validator's message: not for the person reading it.
@@ -242,7 +299,18 @@ HEADERS: dict[str, dict[str, Any]] = {
     "x-request-id": _header(
         "This request's id: a proxied request's ledger event, refusal and logs carry it"
     ),
-    "retry-after": _header("Seconds to wait before retrying", pattern="^[0-9]+$"),
+    "retry-after": _header(
+        "Whole seconds to wait before retrying, rounded up (a wait that ends)", pattern="^[0-9]+$"
+    ),
+    "retry-after-ms": _header(
+        "The same wait in milliseconds, rounded up (the openai SDKs read it first)",
+        pattern="^[0-9]+$",
+    ),
+    "x-should-retry": _header(
+        "false: the same request gets the same refusal until something else changes (the "
+        "credential, its limits or allow-list, the budget, the request): do not retry it",
+        enum=["false"],
+    ),
     "x-budget-scope": _header(
         "The budget that refused the request",
         enum=["token", "user", "team", "run", "end_user"],
@@ -260,9 +328,14 @@ HEADERS: dict[str, dict[str, Any]] = {
 }
 # Beside x-request-id: the headers each status carries.
 STATUS_HEADERS: dict[str, tuple[str, ...]] = {
-    "402": ("x-budget-scope", "x-budget-resets-at"),
-    "429": ("retry-after", *_RATE_HEADERS),
-    "503": ("retry-after",),
+    **{
+        str(status): ("x-should-retry",)
+        for status in ERROR_DESCRIPTIONS
+        if 400 <= status < 500 and status not in _RETRIABLE_4XX
+    },
+    "402": ("x-budget-scope", "x-budget-resets-at", "x-should-retry"),
+    "429": ("retry-after", "retry-after-ms", "x-should-retry", *_RATE_HEADERS),
+    "503": ("retry-after", "retry-after-ms"),
 }
 
 
@@ -350,7 +423,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(MeteringError)
     async def _metering(_: Request, exc: MeteringError) -> JSONResponse:
-        return error_response(exc.status, exc.code, exc.message, exc.param, exc.headers)
+        return error_response(
+            exc.status, exc.code, exc.message, exc.param, exc.headers, exc.should_retry
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

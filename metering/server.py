@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
-from metering.errors import error_body
+from metering.errors import error_body, retry_headers
 from metering.settings import Settings
 
 PROTOCOL = "metering.server:GuardedProtocol"
@@ -96,8 +96,8 @@ def answer(status: int, code: str, message: str, retry_after: int | None = None)
         (b"content-length", str(len(body)).encode()),
         (b"connection", b"close"),
     ]
-    if retry_after is not None:
-        headers.append((b"retry-after", str(retry_after).encode()))
+    waits = {"retry-after": str(retry_after)} if retry_after is not None else None
+    headers += [(k.encode(), v.encode()) for k, v in retry_headers(status, waits).items()]
 
     async def app(scope, receive, send) -> None:
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable
 
-from metering.errors import MeteringError
+from metering.errors import MeteringError, retry_after
 
 WINDOW_S = 60.0
 
@@ -37,7 +37,7 @@ class FailedCredentials:
             retry = max(1, math.ceil(self.window_start + WINDOW_S - now))
             raise CredentialsThrottled(
                 f"too many failed credentials from this address: retry in {retry} s",
-                headers={"retry-after": str(retry)},
+                headers=retry_after(self.window_start + WINDOW_S - now),
             )
 
     def failed(self, address: str) -> None:

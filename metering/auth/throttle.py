@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from metering.auth.tokens import digest
 from metering.db import Database
-from metering.errors import MeteringError
+from metering.errors import MeteringError, retry_after
 from metering.models import LoginThrottle
 
 log = logging.getLogger("metering.auth")
@@ -63,7 +63,7 @@ def count_attempt(
         retry = max(1, math.ceil((locked_until - now).total_seconds()))
         raise LoginThrottled(
             f"too many failed logins for this email: retry in {retry} s",
-            headers={"retry-after": str(retry)},
+            headers=retry_after((locked_until - now).total_seconds()),
         )
     if last_failure_at is None or now - last_failure_at >= timedelta(seconds=FORGET_AFTER_S):
         failures = 0

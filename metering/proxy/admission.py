@@ -11,7 +11,7 @@ from metering.budgets.rates import RateClaim, RateLimited
 from metering.budgets.refusals import Refused
 from metering.budgets.reserve import HoldSpec, Reservation, reserve
 from metering.db import utcnow, write_in_doubt
-from metering.errors import MeteringError
+from metering.errors import MeteringError, retry_after
 from metering.limits import Limits
 from metering.proxy.runtime import ProxyServices
 from metering.proxy.tracing import RequestTrace
@@ -65,7 +65,9 @@ def rate_limited(exc: RateLimited) -> RateLimitExceeded:
     headers = {"x-limit-scope": refusal.scope}
     wait = refusal.retry_after_s(now)
     if wait is not None:
-        headers["retry-after"] = str(wait)
+        # A minute's end to the millisecond; a parallel slot, at a guess, in a second.
+        left = 1.0 if refusal.resets_at is None else (refusal.resets_at - now).total_seconds()
+        headers.update(retry_after(max(left, 0.0)))
     if refusal.kind != "parallel":
         suffix = KIND_NAMES[refusal.kind]
         headers[f"x-ratelimit-limit-{suffix}"] = str(refusal.limit)
@@ -74,6 +76,8 @@ def rate_limited(exc: RateLimited) -> RateLimitExceeded:
             left = (refusal.resets_at - now).total_seconds()
             headers[f"x-ratelimit-reset-{suffix}"] = rates.duration(max(left, 0))
     error = RateLimitExceeded(rates.explain(refusal, now), headers=headers)
+    if wait is None:  # a limit of 0, or a request larger than the limit: no wait helps
+        error.should_retry = False
     error.refused = Refused(refusal.kind, refusal.scope, refusal.subject_id)
     return error
 

@@ -16,7 +16,7 @@ import httpx
 from starlette.responses import Response
 
 from metering import metrics
-from metering.errors import MeteringError, error_body
+from metering.errors import MeteringError, error_body, retry_headers
 from metering.ledger.outcome import Outcome
 from metering.proxy.answer_bounds import (
     RESPONSE_TOO_LARGE,
@@ -196,6 +196,8 @@ def error_answer(attempt: Attempt, upstream: httpx.Response, raw: bytes) -> Resp
     message, code = attempt.dialect.error_message(status, raw)
     # The provider refusing our own key is the operator's problem, not the client's credential.
     if 400 <= status < 500 and status not in (401, 403):
+        # What a client's retry logic reads: a refusal no retry changes says so.
+        headers = retry_headers(status, headers)
         if attempt.dialect.is_openai_error(raw):
             answer = Response(raw, status, headers=headers, media_type="application/json")
         else:
@@ -208,7 +210,10 @@ def error_answer(attempt: Attempt, upstream: httpx.Response, raw: bytes) -> Resp
         return answer
     body = error_body(502, "upstream_error", f"provider {attempt.provider.name}: {message}")
     answer = Response(
-        json.dumps(body).encode(), 502, headers=headers, media_type="application/json"
+        json.dumps(body).encode(),
+        502,
+        headers=retry_headers(502, headers),
+        media_type="application/json",
     )
     if status >= 500:
         raise FailedBeforeAnswer(answer)

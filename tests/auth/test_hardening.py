@@ -150,7 +150,7 @@ def test_the_count_starts_again_each_minute():
     failures.failed("a")
     with pytest.raises(Exception, match="retry in 60 s") as refused:
         failures.check("a")
-    assert refused.value.headers == {"retry-after": "60"}
+    assert refused.value.headers == {"retry-after": "60", "retry-after-ms": "60000"}
     failures.check("b")
     now[0] += 59.5
     with pytest.raises(Exception, match="retry in 1 s"):

@@ -36,7 +36,7 @@ def test_the_fifth_failure_locks_and_a_locked_email_is_refused_without_counting(
     with pytest.raises(LoginThrottled) as refused:
         count_attempt(failures, last, locked, T0 + timedelta(seconds=10))
     assert refused.value.status == 429
-    assert refused.value.headers == {"retry-after": "24"}
+    assert refused.value.headers == {"retry-after": "24", "retry-after-ms": "24000"}
     # Once the lock has passed, one more attempt is let through and counted.
     after = count_attempt(failures, last, locked, locked)
     assert after.failures == 6
