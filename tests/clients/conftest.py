@@ -112,13 +112,26 @@ def proxy(api, sim):
         yield own
 
 
+# The clients with a Responses API model (tests/clients/test_responses.py).
+RESPONSES_CLIENTS = ("openai-agents", "vercel-ai")
+
+
+def started(name: str, proxy, tmp_path_factory):
+    home = tmp_path_factory.mktemp(f"client-{name}")
+    (home / "extra-openai-models.yaml").write_text(llm_config(proxy.url))
+    one = Client(name, proxy.url, home)
+    yield one
+    one.close()
+
+
 @pytest.fixture(scope="module", params=list(CLIENTS))
 def client(request, proxy, tmp_path_factory):
-    home = tmp_path_factory.mktemp(f"client-{request.param}")
-    (home / "extra-openai-models.yaml").write_text(llm_config(proxy.url))
-    started = Client(request.param, proxy.url, home)
-    yield started
-    started.close()
+    yield from started(request.param, proxy, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=RESPONSES_CLIENTS)
+def responses_client(request, proxy, tmp_path_factory):
+    yield from started(request.param, proxy, tmp_path_factory)
 
 
 def refusals(api, token: dict) -> list[dict]:

@@ -4,10 +4,14 @@ import { createOpenAI } from "@ai-sdk/openai";
 import { generateText, streamText } from "ai";
 import { BASE_URL, serve, usage } from "./protocol.mjs";
 
-const model = (step) => createOpenAI({ baseURL: `${BASE_URL}/v1`, apiKey: step.token }).chat(step.model);
+// The chat-completions model; with step.responses, the Responses API's (openai(model) alone).
+const model = (step) => {
+  const provider = createOpenAI({ baseURL: `${BASE_URL}/v1`, apiKey: step.token });
+  return step.responses ? provider.responses(step.model) : provider.chat(step.model);
+};
 const counts = (u) => usage(u?.inputTokens, u?.outputTokens, u?.totalTokens);
 
-await serve({
+const ops = {
   async text(step) {
     const result = await generateText({ model: model(step), prompt: step.prompt });
     return { text: result.text, model: result.response.modelId, usage: counts(result.usage) };
@@ -26,4 +30,7 @@ await serve({
     const u = await result.usage;
     return { text, model: response.modelId, usage: counts(u), extra: { usage: u, metadata: await result.providerMetadata } };
   },
-});
+};
+ops.responses_text = (step) => ops.text({ ...step, responses: true });
+ops.responses_stream = (step) => ops.stream({ ...step, responses: true });
+await serve(ops);

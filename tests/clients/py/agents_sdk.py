@@ -6,6 +6,7 @@ from agents import (
     Agent,
     ModelSettings,
     OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
     Runner,
     set_tracing_disabled,
 )
@@ -15,12 +16,15 @@ from protocol import BASE_URL, serve, usage
 set_tracing_disabled(True)
 
 
-def agent(step) -> Agent:
+def agent(step, responses: bool = False) -> Agent:
+    """The chat-completions model, or (responses) the Responses API's, whose usage comes with
+    every response.completed (include_usage is for chat completions)."""
     client = AsyncOpenAI(base_url=f"{BASE_URL}/v1", api_key=step["token"])
+    kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
     return Agent(
         name="assistant",
         instructions="You are a helpful assistant.",
-        model=OpenAIChatCompletionsModel(model=step["model"], openai_client=client),
+        model=kind(model=step["model"], openai_client=client),
         model_settings=ModelSettings(include_usage=True),
     )
 
@@ -35,15 +39,22 @@ def answer(result) -> dict:
     }
 
 
-async def text(step) -> dict:
-    return answer(await Runner.run(agent(step), step["prompt"]))
+async def text(step, responses: bool = False) -> dict:
+    return answer(await Runner.run(agent(step, responses), step["prompt"]))
 
 
-async def stream(step) -> dict:
-    result = Runner.run_streamed(agent(step), step["prompt"])
+async def stream(step, responses: bool = False) -> dict:
+    result = Runner.run_streamed(agent(step, responses), step["prompt"])
     async for _ in result.stream_events():
         pass
     return answer(result)
 
 
-serve({"text": text, "stream": stream})
+serve(
+    {
+        "text": text,
+        "stream": stream,
+        "responses_text": lambda step: text(step, responses=True),
+        "responses_stream": lambda step: stream(step, responses=True),
+    }
+)
