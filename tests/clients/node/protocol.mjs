@@ -25,10 +25,12 @@ export async function serve(ops) {
       out = { ok: true, ...(await ops[step.op](step)) };
     } catch (error) {
       const cause = error.lastError ?? error;
+      // The AI SDK names its errors (AI_...); the openai package's are known by their class.
+      const name = (e) => (e.name && e.name !== "Error" ? e.name : e.constructor?.name);
       out = {
         ok: false,
-        error: error.name ?? error.constructor?.name,
-        cause: cause.name ?? cause.constructor?.name,
+        error: name(error),
+        cause: name(cause),
         status: error.status ?? error.statusCode ?? cause.status ?? cause.statusCode ?? null,
         attempts: error.errors?.length ?? null,
         message: String(error.message).slice(0, 2000),
