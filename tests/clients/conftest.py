@@ -57,11 +57,13 @@ def matrix_catalog(sim) -> dict:
     return {"providers": providers, "models": models}
 
 
-def llm_config(base_url: str) -> str:
-    """extra-openai-models.yaml as a user writes it: one `metering-<model>` per model."""
+def llm_config(base_url: str, requested_url: str) -> str:
+    """extra-openai-models.yaml as a user writes it: one `metering-<model>` per model, and
+    `metering-requested-<model>` on the server that names models as they were requested."""
     return "".join(
-        f"- model_id: metering-{name}\n  model_name: {name}\n  api_base: {base_url}/v1\n"
+        f"- model_id: metering-{prefix}{name}\n  model_name: {name}\n  api_base: {url}/v1\n"
         f"  api_key_name: metering\n"
+        for prefix, url in (("", base_url), ("requested-", requested_url))
         for name in DIALECTS
     )
 
@@ -87,10 +89,10 @@ class Client:
         ready = self.process.stdout.readline()
         assert ready and json.loads(ready) == {"ready": True}, f"{name} did not start: {ready!r}"
 
-    def ask(self, op: str, token: dict, model: str, prompt: str | None = None) -> dict:
+    def ask(self, op: str, token: dict, model: str, base_url: str | None = None) -> dict:
         step = {"op": op, "token": token["token"], "model": model}
-        if prompt is not None:
-            step["prompt"] = prompt
+        if base_url is not None:
+            step["base_url"] = base_url
         self.process.stdin.write(json.dumps(step) + "\n")
         self.process.stdin.flush()
         line = self.process.stdout.readline()
@@ -112,26 +114,34 @@ def proxy(api, sim):
         yield own
 
 
+@pytest.fixture(scope="module")
+def requested_proxy(api, sim):
+    """A server whose catalog says response_model = "requested": answers name the model as the
+    client asked for it, not as the upstream calls it."""
+    with serving(api, {**matrix_catalog(sim), "response_model": "requested"}) as own:
+        yield own
+
+
 # The clients with a Responses API model (tests/clients/test_responses.py).
 RESPONSES_CLIENTS = ("openai-agents", "vercel-ai")
 
 
-def started(name: str, proxy, tmp_path_factory):
+def started(name: str, proxy, requested_proxy, tmp_path_factory):
     home = tmp_path_factory.mktemp(f"client-{name}")
-    (home / "extra-openai-models.yaml").write_text(llm_config(proxy.url))
+    (home / "extra-openai-models.yaml").write_text(llm_config(proxy.url, requested_proxy.url))
     one = Client(name, proxy.url, home)
     yield one
     one.close()
 
 
 @pytest.fixture(scope="module", params=list(CLIENTS))
-def client(request, proxy, tmp_path_factory):
-    yield from started(request.param, proxy, tmp_path_factory)
+def client(request, proxy, requested_proxy, tmp_path_factory):
+    yield from started(request.param, proxy, requested_proxy, tmp_path_factory)
 
 
 @pytest.fixture(scope="module", params=RESPONSES_CLIENTS)
-def responses_client(request, proxy, tmp_path_factory):
-    yield from started(request.param, proxy, tmp_path_factory)
+def responses_client(request, proxy, requested_proxy, tmp_path_factory):
+    yield from started(request.param, proxy, requested_proxy, tmp_path_factory)
 
 
 def refusals(api, token: dict) -> list[dict]:

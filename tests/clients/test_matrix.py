@@ -1,7 +1,8 @@
 """The clients users bring, each as its users configure it, against a live server on the
 simulator's four dialects (issue 40): an answer and a stream (the client asking for stream
 usage its own way) whose usage, as the client reports it, is the ledger event's; every request
-metered once; a 402 the client raises as its own error without retrying (one refusal row); a
+metered once; the model name each shows, the upstream's or (response_model = "requested") the
+one it asked for; a 402 the client raises as its own error without retrying (one refusal row); a
 429 that clears, retried after its retry-after and then served; a refusal that waiting cannot
 fix (rpm_limit 0), tried once."""
 
@@ -130,3 +131,26 @@ def test_a_429_that_clears_is_retried_after_retry_after_and_served(api, proxy, c
     # Exactly one refusal: the client waited what retry-after said before its one retry.
     rows = refusals_after_marker(api, proxy, token, PLAIN)
     assert [(r["http_status"], r["reason"]) for r in rows] == [(429, "rpm")], rows
+
+
+# The clients that show the answer's model (the Agents SDK's result does not).
+SHOWS_MODEL = ("openai-python", "langchain-openai", "litellm", "llm", "openai-node", "vercel-ai")
+
+
+@pytest.mark.parametrize("op", ["text", "stream"])
+def test_the_model_a_client_shows_is_the_upstreams_or_the_one_it_asked_for(
+    api, proxy, requested_proxy, client, op
+):
+    if client.name not in SHOWS_MODEL:
+        pytest.skip(f"{client.name} does not show the answer's model")
+    upstream = DIALECTS[PLAIN][2]
+    token = api.principal()[2]
+    # LiteLLM's stream names its chunks with the model it was asked for, whatever they say.
+    shown = PLAIN if (client.name, op) == ("litellm", "stream") else upstream
+    assert client.ask(op, token, PLAIN)["model"] == shown
+    asked = client.ask(op, token, PLAIN, base_url=requested_proxy.url)
+    assert asked["ok"], asked
+    assert asked["model"] == PLAIN, asked
+    # The ledger keeps the upstream's name either way.
+    events = wait_events(api, token["id"], 2)
+    assert [(e["model"], e["upstream_model"]) for e in events] == [(PLAIN, upstream)] * 2

@@ -1,8 +1,8 @@
 // The `openai` Node SDK: stream usage with stream_options: { include_usage: true }.
 import OpenAI from "openai";
-import { BASE_URL, serve, usage } from "./protocol.mjs";
+import { serve, usage } from "./protocol.mjs";
 
-const client = (step) => new OpenAI({ baseURL: `${BASE_URL}/v1`, apiKey: step.token });
+const client = (step) => new OpenAI({ baseURL: `${step.base_url}/v1`, apiKey: step.token });
 const messages = (step) => [{ role: "user", content: step.prompt }];
 
 await serve({

@@ -1,7 +1,7 @@
 // The loop every Node client script runs (spawned by tests/clients/ as the Python ones are):
 // one JSON line on stdin per request, one JSON line on stdout per answer; {"ready": true} first.
-// METERING_BASE_URL is the server's URL (without /v1); a request's token and model default to
-// METERING_TOKEN and METERING_MODEL.
+// A request's token, model and base_url (the server's URL, without /v1) default to
+// METERING_TOKEN, METERING_MODEL and METERING_BASE_URL.
 import { createInterface } from "node:readline";
 
 export const BASE_URL = process.env.METERING_BASE_URL.replace(/\/$/, "");
@@ -19,6 +19,7 @@ export async function serve(ops) {
     const step = JSON.parse(line);
     step.token ??= process.env.METERING_TOKEN;
     step.model ??= process.env.METERING_MODEL;
+    step.base_url ??= BASE_URL;
     step.prompt ??= "Say hello. sim:tokens=12";
     let out;
     try {

@@ -2,11 +2,11 @@
 // it asks for usage on every stream.
 import { createOpenAI } from "@ai-sdk/openai";
 import { generateText, streamText } from "ai";
-import { BASE_URL, serve, usage } from "./protocol.mjs";
+import { serve, usage } from "./protocol.mjs";
 
 // The chat-completions model; with step.responses, the Responses API's (openai(model) alone).
 const model = (step) => {
-  const provider = createOpenAI({ baseURL: `${BASE_URL}/v1`, apiKey: step.token });
+  const provider = createOpenAI({ baseURL: `${step.base_url}/v1`, apiKey: step.token });
   return step.responses ? provider.responses(step.model) : provider.chat(step.model);
 };
 const counts = (u) => usage(u?.inputTokens, u?.outputTokens, u?.totalTokens);

@@ -11,7 +11,7 @@ from agents import (
     set_tracing_disabled,
 )
 from openai import AsyncOpenAI
-from protocol import BASE_URL, serve, usage
+from protocol import serve, usage
 
 set_tracing_disabled(True)
 
@@ -19,7 +19,7 @@ set_tracing_disabled(True)
 def agent(step, responses: bool = False) -> Agent:
     """The chat-completions model, or (responses) the Responses API's, whose usage comes with
     every response.completed (include_usage is for chat completions)."""
-    client = AsyncOpenAI(base_url=f"{BASE_URL}/v1", api_key=step["token"])
+    client = AsyncOpenAI(base_url=f"{step['base_url']}/v1", api_key=step["token"])
     kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
     return Agent(
         name="assistant",

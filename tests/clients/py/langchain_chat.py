@@ -1,12 +1,15 @@
 """langchain-openai's ChatOpenAI: stream usage only with stream_usage=True."""
 
 from langchain_openai import ChatOpenAI
-from protocol import BASE_URL, serve, usage
+from protocol import serve, usage
 
 
 def chat(step) -> ChatOpenAI:
     return ChatOpenAI(
-        model=step["model"], base_url=f"{BASE_URL}/v1", api_key=step["token"], stream_usage=True
+        model=step["model"],
+        base_url=f"{step['base_url']}/v1",
+        api_key=step["token"],
+        stream_usage=True,
     )
 
 

@@ -2,7 +2,7 @@
 stream_options={"include_usage": True}."""
 
 import litellm
-from protocol import BASE_URL, serve, usage
+from protocol import serve, usage
 
 litellm.suppress_debug_info = True
 
@@ -10,7 +10,7 @@ litellm.suppress_debug_info = True
 def call(step, **kwargs):
     return litellm.completion(
         model=f"openai/{step['model']}",
-        api_base=f"{BASE_URL}/v1",
+        api_base=f"{step['base_url']}/v1",
         api_key=step["token"],
         messages=[{"role": "user", "content": step["prompt"]}],
         **kwargs,

@@ -1,11 +1,11 @@
 """The `openai` Python SDK: stream usage with stream_options={"include_usage": True}."""
 
 import openai
-from protocol import BASE_URL, serve, usage
+from protocol import serve, usage
 
 
 def client(step) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key=step["token"])
+    return openai.OpenAI(base_url=f"{step['base_url']}/v1", api_key=step["token"])
 
 
 def text(step) -> dict:

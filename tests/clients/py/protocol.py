@@ -3,8 +3,8 @@ own virtualenv, .venv-clients): one JSON line on stdin per request, one JSON lin
 answer; `{"ready": true}` first, once the client is imported and configured.
 
 A request: {"op": "text" | "stream", "token": ..., "model": ..., "prompt": ...} (token and
-model default to METERING_TOKEN and METERING_MODEL; METERING_BASE_URL is the server's URL,
-without /v1). An answer: {"ok": true, "text", "model", "usage": {"prompt_tokens",
+model default to METERING_TOKEN and METERING_MODEL, its base_url (the server's URL, without
+/v1) to METERING_BASE_URL). An answer: {"ok": true, "text", "model", "usage": {"prompt_tokens",
 "completion_tokens", "total_tokens"} | null, "extra"} or {"ok": false, "error": the client's
 exception class, "status": the HTTP status it carries, "message"}."""
 
@@ -43,6 +43,7 @@ def serve(ops: dict[str, Callable]) -> None:
         step = json.loads(line)
         step.setdefault("token", os.environ.get("METERING_TOKEN"))
         step.setdefault("model", os.environ.get("METERING_MODEL"))
+        step.setdefault("base_url", BASE_URL)
         step.setdefault("prompt", "Say hello. sim:tokens=12")
         try:
             answer = ops[step["op"]](step)
