@@ -143,7 +143,7 @@ test-faults: $(BIN)/metering postgres faketime
 # $(CLIENT_WORKERS) processes for a minute and a half): CI runs it as its own step.
 CLIENTS_VENV := .venv-clients
 CLIENT_WORKERS ?= 2
-$(CLIENTS_VENV)/bin/python: tests/clients/requirements.lock | $(BIN)/metering
+$(CLIENTS_VENV)/installed: tests/clients/requirements.lock | $(BIN)/metering
 	$(PYTHON) -m venv $(CLIENTS_VENV)
 	$(BIN)/uv pip install -q --python $(CLIENTS_VENV)/bin/python --require-hashes \
 		-r tests/clients/requirements.lock
@@ -152,7 +152,7 @@ $(CLIENTS_VENV)/bin/python: tests/clients/requirements.lock | $(BIN)/metering
 tests/clients/node/node_modules/.package-lock.json: tests/clients/node/package-lock.json
 	cd tests/clients/node && npm ci --no-audit --no-fund
 
-test-clients: $(BIN)/metering $(CLIENTS_VENV)/bin/python \
+test-clients: $(BIN)/metering $(CLIENTS_VENV)/installed \
 		tests/clients/node/node_modules/.package-lock.json postgres
 	METERING_CLIENT_MATRIX=1 $(BIN)/pytest -q -n $(CLIENT_WORKERS) --dist load tests/clients
 
