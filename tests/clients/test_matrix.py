@@ -154,3 +154,21 @@ def test_the_model_a_client_shows_is_the_upstreams_or_the_one_it_asked_for(
     # The ledger keeps the upstream's name either way.
     events = wait_events(api, token["id"], 2)
     assert [(e["model"], e["upstream_model"]) for e in events] == [(PLAIN, upstream)] * 2
+
+
+# The clients that can stream without asking for usage (the others always ask).
+ASKS_OR_NOT = ("openai-python", "langchain-openai", "openai-node")
+
+
+@pytest.mark.parametrize("model", list(DIALECTS))
+def test_a_stream_that_did_not_ask_for_usage_gets_none_and_is_metered_once(
+    api, proxy, client, model
+):
+    if client.name not in ASKS_OR_NOT:
+        pytest.skip(f"{client.name} asks for usage on every stream")
+    token = api.principal()[2]
+    answer = client.ask("stream_no_usage", token, model)
+    assert answer["ok"], answer
+    assert answer["text"] and answer["usage"] is None, answer
+    event = one_event(api, token)
+    assert (event["model"], event["status"], event["stream"]) == (model, "ok", True)

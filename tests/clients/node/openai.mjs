@@ -5,7 +5,7 @@ import { serve, usage } from "./protocol.mjs";
 const client = (step) => new OpenAI({ baseURL: `${step.base_url}/v1`, apiKey: step.token });
 const messages = (step) => [{ role: "user", content: step.prompt }];
 
-await serve({
+const ops = {
   async text(step) {
     const answer = await client(step).chat.completions.create({ model: step.model, messages: messages(step) });
     const u = answer.usage;
@@ -21,7 +21,7 @@ await serve({
       model: step.model,
       messages: messages(step),
       stream: true,
-      stream_options: { include_usage: true },
+      ...(step.no_usage ? {} : { stream_options: { include_usage: true } }),
     });
     let text = "", model = null, u = null;
     for await (const chunk of chunks) {
@@ -36,4 +36,6 @@ await serve({
       extra: u,
     };
   },
-});
+};
+ops.stream_no_usage = (step) => ops.stream({ ...step, no_usage: true });
+await serve(ops);

@@ -4,12 +4,12 @@ from langchain_openai import ChatOpenAI
 from protocol import serve, usage
 
 
-def chat(step) -> ChatOpenAI:
+def chat(step, stream_usage: bool = True) -> ChatOpenAI:
     return ChatOpenAI(
         model=step["model"],
         base_url=f"{step['base_url']}/v1",
         api_key=step["token"],
-        stream_usage=True,
+        stream_usage=stream_usage,
     )
 
 
@@ -26,11 +26,11 @@ def text(step) -> dict:
     return from_message(chat(step).invoke(step["prompt"]))
 
 
-def stream(step) -> dict:
+def stream(step, stream_usage: bool = True) -> dict:
     whole = None
-    for chunk in chat(step).stream(step["prompt"]):
+    for chunk in chat(step, stream_usage).stream(step["prompt"]):
         whole = chunk if whole is None else whole + chunk
     return from_message(whole)
 
 
-serve({"text": text, "stream": stream})
+serve({"text": text, "stream": stream, "stream_no_usage": lambda step: stream(step, False)})

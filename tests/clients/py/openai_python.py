@@ -21,12 +21,13 @@ def text(step) -> dict:
     }
 
 
-def stream(step) -> dict:
+def stream(step, include_usage: bool = True) -> dict:
+    asks = {"stream_options": {"include_usage": True}} if include_usage else {}
     chunks = client(step).chat.completions.create(
         model=step["model"],
         messages=[{"role": "user", "content": step["prompt"]}],
         stream=True,
-        stream_options={"include_usage": True},
+        **asks,
     )
     parts, model, u = [], None, None
     for chunk in chunks:
@@ -43,4 +44,4 @@ def stream(step) -> dict:
     }
 
 
-serve({"text": text, "stream": stream})
+serve({"text": text, "stream": stream, "stream_no_usage": lambda step: stream(step, False)})
