@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from metering.settings import CatalogError, parse_catalog
 from tests.proxy.conftest import data_of, provider_entry, serving, sim_log, user, wait_events
 
 # model: (provider, dialect, upstream model); `r-` providers take the catalog's global
@@ -63,9 +64,13 @@ def catalog(sim) -> dict:
     return {"response_model": "requested", "providers": providers, "models": models}
 
 
+# The longest SSE event taken from an upstream: small, so that one long chunk passes it.
+EVENT_BOUND = 2048
+
+
 @pytest.fixture(scope="module")
 def proxy(api, sim):
-    with serving(api, catalog(sim)) as own:
+    with serving(api, catalog(sim), max_sse_event_bytes=EVENT_BOUND) as own:
         yield own
 
 
@@ -184,6 +189,20 @@ def test_a_stream_cut_mid_way_sends_the_ledgers_usage_before_its_error(proxy, to
     assert usage_chunks(data) == [usage_chunk]
 
 
+def test_a_stream_cut_by_a_bound_sends_the_ledgers_usage_then_its_error_and_no_done(proxy, token):
+    body = stream_body("oa", "Long sim:tokens=2000 sim:chunks=2")
+    response = post(proxy, token, body)
+    assert response.status_code == 200
+    data = data_of(response.content)
+    assert json.loads(data[-1])["error"]["code"] == "upstream_event_too_large"
+    usage_chunk = json.loads(data[-2])
+    event = one_event(proxy, token)
+    assert event["status"] == "event_too_large"
+    assert usage_chunk["usage"] == ledger_usage(event)
+    assert usage_chunk["choices"] == [] and "[DONE]" not in data
+    assert usage_chunks(data) == [usage_chunk]
+
+
 def test_the_sdk_reads_the_usage_of_a_cut_stream_then_raises(proxy, token):
     stream = proxy.openai(token["token"]).chat.completions.create(
         model="tc",
@@ -287,3 +306,38 @@ def test_requested_model_reaches_the_sdk_and_the_estimated_usage_chunk(proxy, si
     assert record["received"]["model"] == "minimaxai/minimax-m2.5"
     completion = client.chat.completions.create(model="oa-r", messages=user("Again sim:tokens=3"))
     assert completion.model == "oa-r"
+
+
+# --- the setting -----------------------------------------------------------------------------
+
+
+def test_response_model_is_global_and_per_provider_and_defaults_to_upstream():
+    def providers(data: dict) -> dict[str, str]:
+        entry = {"base_url": "http://127.0.0.1:1/v1", "dialect": "openai"}
+        data = {**data, "providers": {"a": {**entry, **data.get("a", {})}, "b": entry}}
+        data.pop("a", None)
+        return {n: p.response_model for n, p in parse_catalog(data, environ={}).providers.items()}
+
+    assert providers({}) == {"a": "upstream", "b": "upstream"}
+    assert providers({"response_model": "requested"}) == {"a": "requested", "b": "requested"}
+    assert providers({"response_model": "requested", "a": {"response_model": "upstream"}}) == {
+        "a": "upstream",
+        "b": "requested",
+    }
+    assert providers({"a": {"response_model": "requested"}}) == {"a": "requested", "b": "upstream"}
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"response_model": "client"}, "^response_model must be one of upstream, requested$"),
+        ({"response_model": 1}, "^response_model must be"),
+        (
+            {"providers": {"a": {"base_url": "http://x/v1", "response_model": "x"}}},
+            "^providers.a.response_model must be one of upstream, requested$",
+        ),
+    ],
+)
+def test_response_model_takes_its_two_values_only(data, message):
+    with pytest.raises(CatalogError, match=message):
+        parse_catalog(data, environ={})
