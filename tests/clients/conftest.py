@@ -77,6 +77,9 @@ class Client:
         for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
             env.pop(proxy, None)
         env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+        # LiteLLM fetches its price list from GitHub when imported (seconds of retries offline):
+        # its bundled copy instead.
+        env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
         self.process = subprocess.Popen(
             CLIENTS[name],
             stdin=subprocess.PIPE,

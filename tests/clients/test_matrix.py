@@ -138,11 +138,10 @@ SHOWS_MODEL = ("openai-python", "langchain-openai", "litellm", "llm", "openai-no
 
 
 @pytest.mark.parametrize("op", ["text", "stream"])
+@pytest.mark.parametrize("client", SHOWS_MODEL, indirect=True)
 def test_the_model_a_client_shows_is_the_upstreams_or_the_one_it_asked_for(
     api, proxy, requested_proxy, client, op
 ):
-    if client.name not in SHOWS_MODEL:
-        pytest.skip(f"{client.name} does not show the answer's model")
     upstream = DIALECTS[PLAIN][2]
     token = api.principal()[2]
     # LiteLLM's stream names its chunks with the model it was asked for, whatever they say.
@@ -161,11 +160,10 @@ ASKS_OR_NOT = ("openai-python", "langchain-openai", "openai-node")
 
 
 @pytest.mark.parametrize("model", list(DIALECTS))
+@pytest.mark.parametrize("client", ASKS_OR_NOT, indirect=True)
 def test_a_stream_that_did_not_ask_for_usage_gets_none_and_is_metered_once(
     api, proxy, client, model
 ):
-    if client.name not in ASKS_OR_NOT:
-        pytest.skip(f"{client.name} asks for usage on every stream")
     token = api.principal()[2]
     answer = client.ask("stream_no_usage", token, model)
     assert answer["ok"], answer

@@ -47,6 +47,7 @@ def test_a_snippet_runs_as_printed(api, tmp_path, n):
         "LLM_USER_PATH": str(tmp_path),
         "PATH": f"{Path(CLIENTS['openai-python'][0]).parent}{os.pathsep}{os.environ['PATH']}",
         "NO_PROXY": "127.0.0.1,localhost",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
     }
     done = subprocess.run(
         RUNNERS[kind], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
