@@ -4,6 +4,7 @@ Node), driven one JSON line at a time (py/protocol.py, node/protocol.mjs say the
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -68,6 +69,10 @@ def llm_config(base_url: str, requested_url: str) -> str:
     )
 
 
+# The longest a client may take over one answer (its retries included).
+ANSWER_S = 120
+
+
 class Client:
     """A client's process: ask() sends one request line and returns its answer line."""
 
@@ -89,8 +94,8 @@ class Client:
             text=True,
             cwd=home,
         )
-        ready = self.process.stdout.readline()
-        assert ready and json.loads(ready) == {"ready": True}, f"{name} did not start: {ready!r}"
+        ready = self.line("ready")
+        assert json.loads(ready) == {"ready": True}, f"{name} did not start: {ready!r}"
 
     def ask(self, op: str, token: dict, model: str, base_url: str | None = None) -> dict:
         step = {"op": op, "token": token["token"], "model": model}
@@ -98,9 +103,18 @@ class Client:
             step["base_url"] = base_url
         self.process.stdin.write(json.dumps(step) + "\n")
         self.process.stdin.flush()
+        return json.loads(self.line(step["op"]))
+
+    def line(self, what: str) -> str:
+        """The next line the client writes; a client silent for ANSWER_S is killed: a hung
+        client fails its test, not the run."""
+        ready, _, _ = select.select([self.process.stdout], [], [], ANSWER_S)
+        if not ready:
+            self.process.kill()
+            pytest.fail(f"{self.name} did not answer {what} in {ANSWER_S} s")
         line = self.process.stdout.readline()
-        assert line, f"{self.name} ended without answering {step['op']}"
-        return json.loads(line)
+        assert line, f"{self.name} ended without answering {what}"
+        return line
 
     def close(self) -> None:
         self.process.stdin.close()
