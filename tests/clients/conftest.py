@@ -175,7 +175,7 @@ def refusals_after_marker(api, proxy, token: dict, model: str) -> list[dict]:
         json={"model": model, "messages": [{"role": "user", "content": "marker"}]},
         timeout=30,
     )
-    assert marker.status_code in (402, 429), marker.text
+    assert marker.status_code in (402, 403, 429), marker.text
     deadline = time.monotonic() + 10
     while True:
         rows = refusals(api, token)

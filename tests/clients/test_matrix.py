@@ -170,3 +170,26 @@ def test_a_stream_that_did_not_ask_for_usage_gets_none_and_is_metered_once(
     assert answer["text"] and answer["usage"] is None, answer
     event = one_event(api, token)
     assert (event["model"], event["status"], event["stream"]) == (model, "ok", True)
+
+
+# The error each client raises for a 403 (a model outside the credential's allow-list).
+FORBIDDEN = {
+    "openai-python": "openai.PermissionDeniedError",
+    "langchain-openai": "langchain_openai.chat_models.base.OpenAIPermissionDeniedError",
+    "litellm": "litellm.exceptions.APIError",
+    "openai-agents": "openai.PermissionDeniedError",
+    "llm": "openai.PermissionDeniedError",
+    "openai-node": "PermissionDeniedError",
+    "vercel-ai": "AI_APICallError",
+}
+
+
+def test_a_model_outside_the_allow_list_is_tried_once(api, proxy, client):
+    token = api.principal()[2]
+    api.ok("PATCH", f"/v1/tokens/{token['id']}", json={"allowed_models": ["other-*"]})
+    answer = client.ask("text", token, PLAIN)
+    assert not answer["ok"], answer
+    assert (answer["error"], answer["status"]) == (FORBIDDEN[client.name], 403), answer
+    rows = refusals_after_marker(api, proxy, token, PLAIN)
+    assert [(r["http_status"], r["reason"]) for r in rows] == [(403, "model")], rows
+    assert api.events(token_id=token["id"]) == []
