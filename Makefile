@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PG_VERSION := $(shell ls /etc/postgresql 2>/dev/null | head -n1)
 
-.PHONY: demo test test-fast test-faults test-pgbouncer fuzz lint bench postgres chromium prometheus kubectl java faketime pgbouncer lock reference docs docs-build
+.PHONY: demo test test-fast test-clients lock-clients test-faults test-pgbouncer fuzz lint bench postgres chromium prometheus kubectl java faketime pgbouncer lock reference docs docs-build
 
 # Installed from the lock by uv (at the version pinned below; a quarter of pip's time), every
 # version exact and every file checked against its hash; then the package alone, built by the
@@ -133,6 +133,36 @@ faketime:
 # figures land in test-output/faults.json.
 test-faults: $(BIN)/metering postgres faketime
 	METERING_FAULT_SUITE=1 $(BIN)/pytest -q -s -n 0 tests/faults
+
+# The client matrix (tests/clients/, docs/getting-started/clients.md): the Python and Node clients
+# users bring (openai, langchain-openai, litellm, openai-agents, llm; openai and the Vercel AI SDK
+# on Node), each spawned against a live server on the simulator's four dialects, on both
+# databases. The Python clients have a virtualenv of their own (.venv-clients, from
+# tests/clients/requirements.lock: their pins conflict with the server's, see that file), the
+# Node ones `npm ci` from tests/clients/node/package-lock.json. Not in `make test` (about
+# $(CLIENT_WORKERS) processes for a minute and a half): CI runs it as its own step.
+CLIENTS_VENV := .venv-clients
+CLIENT_WORKERS ?= 2
+$(CLIENTS_VENV)/installed: tests/clients/requirements.lock | $(BIN)/metering
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(BIN)/uv pip install -q --python $(CLIENTS_VENV)/bin/python --require-hashes \
+		-r tests/clients/requirements.lock
+	touch $@
+
+tests/clients/node/node_modules/.package-lock.json: tests/clients/node/package-lock.json
+	cd tests/clients/node && npm ci --no-audit --no-fund
+
+test-clients: $(BIN)/metering $(CLIENTS_VENV)/installed \
+		tests/clients/node/node_modules/.package-lock.json postgres
+	METERING_CLIENT_MATRIX=1 $(BIN)/pytest -q -n $(CLIENT_WORKERS) --dist load tests/clients
+
+# The client matrix's Python lock, from tests/clients/requirements.in (as `lock` does the
+# project's); the Node lock is npm's (`npm install` in tests/clients/node).
+lock-clients:
+	test -x $(BIN)/uv || $(MAKE) $(BIN)/metering
+	$(BIN)/uv pip compile tests/clients/requirements.in --universal --python-version 3.11 --generate-hashes \
+		--quiet --custom-compile-command "make lock-clients" $(LOCK_FLAGS) \
+		-o tests/clients/requirements.lock
 
 # Schemathesis over the whole API (tests/fuzz, docs/development/fuzzing.md) with a bigger budget
 # than CI's: more examples an operation, longer stateful scenarios, every coverage request on

@@ -86,6 +86,11 @@ def _listed(name: str) -> tuple[str, ...]:
 # the database, replicas with skewed clocks) runs on its own command, `make test-faults`, which
 # sets METERING_FAULT_SUITE=1; `make test` and any other run leave it out.
 collect_ignore = [] if os.environ.get("METERING_FAULT_SUITE") == "1" else ["faults"]
+# The client matrix (tests/clients/: the Python and Node clients users bring, each spawned against
+# a live server) runs with `make test-clients`, which installs the clients (.venv-clients,
+# tests/clients/node/node_modules) and sets METERING_CLIENT_MATRIX=1; `make test` leaves it out.
+if os.environ.get("METERING_CLIENT_MATRIX") != "1":
+    collect_ignore.append("clients")
 
 # Run apart from the rest of the suite (tests/serial.txt, tests/alone.txt say why).
 SERIAL = _listed("serial.txt")
