@@ -8,6 +8,7 @@ from agents import (
     OpenAIChatCompletionsModel,
     OpenAIResponsesModel,
     Runner,
+    function_tool,
     set_tracing_disabled,
 )
 from openai import AsyncOpenAI
@@ -50,8 +51,34 @@ async def stream(step, responses: bool = False) -> dict:
     return answer(result)
 
 
+@function_tool
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    return f"sunny in {city}"
+
+
+async def tool(step) -> dict:
+    """An agent with a function tool on the Responses API model: the model calls the tool (the
+    simulator calls the function its prompt names), the SDK runs it and sends its output back,
+    the model answers."""
+    client = AsyncOpenAI(base_url=f"{step['base_url']}/v1", api_key=step["token"])
+    weather = Agent(
+        name="weather",
+        instructions="Answer with the weather tool.",
+        tools=[get_weather],
+        model=OpenAIResponsesModel(model=step["model"], openai_client=client),
+    )
+    result = await Runner.run(weather, "Weather in Paris? sim:tool=get_weather sim:tokens=5")
+    out = answer(result)
+    out["extra"]["tool_outputs"] = [
+        item.output for item in result.new_items if item.type == "tool_call_output_item"
+    ]
+    return out
+
+
 serve(
     {
+        "responses_tool": tool,
         "text": text,
         "stream": stream,
         "responses_text": lambda step: text(step, responses=True),
