@@ -47,6 +47,7 @@ COLUMNS = {
     ],
     "Top tokens by spend": ["token", "spend_usd"],
     "Top end users by spend": ["end_user", "spend_usd"],
+    "Spend by endpoint": ["endpoint", "requests", "spend_usd"],
     "Tokens by kind": ["model", "prompt", "cached", "completion", "reasoning"],
     "Upstream latency": ["time", "metric", "p50_ms", "p95_ms"],
     "Recent requests": [
