@@ -4,11 +4,14 @@ On PostgreSQL the requests are spread over two `metering serve` replicas sharing
 on each backend a smaller run goes through the in-process test server.
 """
 
+import threading
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -221,3 +224,80 @@ def test_responses_never_overspend_across_two_postgres_replicas(two_replicas):
     scopes = {"token": token["id"], "user": user["id"], "team": team["id"]}
     _check_ledger(admin, statuses, scopes, "token")
     assert {e["endpoint"] for e in admin.events(token_id=token["id"])} == {"responses"}
+
+
+@pytest.mark.postgres
+def test_the_change_feed_gives_every_event_once_across_replicas_and_a_restart(two_replicas):
+    """Four long streams and twelve quick requests over two replicas, the feed polled every
+    100 ms through either; one replica restarted meanwhile: every event of the ledger comes
+    once, none twice, whatever order the events committed in."""
+    first, second = two_replicas
+    admin = first.api()
+    _, _, token = admin.principal()
+    oa = [
+        openai.OpenAI(base_url=f"{r.url}/v1", api_key=token["token"], max_retries=0)
+        for r in two_replicas
+    ]
+    seen: list[str] = []
+    stop = threading.Event()
+    ledger: set[str] = set()  # every event, once the requests are over
+
+    def poll() -> None:
+        cursor, turn, after_stop = None, 0, 0
+        while True:
+            done = stop.is_set()  # polls after the last request ended, until all came
+            after_stop += done
+            url = two_replicas[turn % 2].url
+            turn += 1
+            params = {"limit": 1000, **({"after": cursor} if cursor else {})}
+            try:
+                page = httpx.get(
+                    f"{url}/v1/usage/changes",
+                    params=params,
+                    headers={"authorization": f"Bearer {token['token']}"},
+                    timeout=10,
+                ).json()
+            except (httpx.HTTPError, ValueError):
+                continue  # the replica restarting: the other answers next
+            seen.extend(e["id"] for e in page["data"])
+            cursor = page["next"] or cursor
+            if done and not page["data"] and (ledger <= set(seen) or after_stop > 300):
+                return
+            time.sleep(0.1)
+
+    def long_stream(i: int) -> None:
+        text = f"long {i} sim:tokens=120 sim:chunks=40 sim:delay_ms=25"
+        with oa[0].chat.completions.create(
+            model="gpt-sim", messages=[{"role": "user", "content": text}], stream=True
+        ) as stream:
+            for _ in stream:
+                pass
+
+    def quick(i: int) -> None:
+        oa[i % 2].chat.completions.create(
+            model="gpt-sim", messages=[{"role": "user", "content": f"quick {i} sim:tokens=3"}]
+        )
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        streams = [pool.submit(long_stream, i) for i in range(4)]
+        quicks = [pool.submit(quick, i) for i in range(12)]
+        for job in quicks:
+            job.result()
+        second.stop()
+        second.start()
+        for job in [pool.submit(quick, 100 + i) for i in range(4)] + streams:
+            job.result()
+    # The last events' transactions are over once their answers ended; then one empty poll.
+    for _ in range(100):
+        ledger.update(e["id"] for e in admin.events(token_id=token["id"]))
+        if len(ledger) == 20:
+            break
+        time.sleep(0.05)
+    stop.set()
+    poller.join(timeout=60)
+    assert not poller.is_alive()
+    assert len(ledger) == 20
+    assert len(seen) == len(set(seen)), "an event came twice"
+    assert set(seen) == ledger
