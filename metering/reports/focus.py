@@ -42,7 +42,7 @@ from sqlalchemy import String, case, func, literal, or_, select, union_all
 
 from metering.db import Database, utcnow
 from metering.errors import InvalidRequest
-from metering.ledger.event import ADJUSTMENT
+from metering.ledger.event import ADJUSTMENT, CHAT
 from metering.ledger.prices import PriceBook
 from metering.ledger.rollup import floor_hour, hour_text, hour_value
 from metering.ledger.tables import LedgerEvent, LedgerEventArchive
@@ -59,7 +59,9 @@ from metering.timefmt import parse_rfc3339
 
 CHUNK = 5_000  # groups read, turned into rows and written at a time (one Parquet row group)
 KEYS = ["hour", "team_id", "user_id", "token_id", "model", "provider"]
-ATTRIBUTION = ("end_user", "tags")  # the ledger's columns a group is split by
+# The ledger's columns a group is split by: its end user, its tags, and the API it was asked
+# through (chat completions, the rollups' own, or the Responses API).
+ATTRIBUTION = ("end_user", "tags", "endpoint")
 NO_TAGS = "{}"
 DEFAULT_DAYS = 30
 # parse_range's whole hours as a JSON Schema pattern (the export's start and end): an RFC 3339
@@ -155,7 +157,8 @@ def parse_range(start: str | None, end: str | None) -> tuple[datetime, datetime]
 
 def focus_tags(g) -> str:
     """FOCUS Tags of a group: team_id, user_id and token_id, end_user when its requests had one,
-    and their tags, each as `tag:<key>`."""
+    endpoint when they were asked through the Responses API (`responses`; chat completions, the
+    rest, say none), and their tags, each as `tag:<key>`."""
     tags: dict[str, str | None] = {
         "team_id": g.team_id,
         "user_id": g.user_id or None,
@@ -163,6 +166,8 @@ def focus_tags(g) -> str:
     }
     if g.end_user is not None:
         tags["end_user"] = g.end_user
+    if g.endpoint != CHAT:
+        tags["endpoint"] = g.endpoint
     for key, value in sorted(json.loads(g.tags or NO_TAGS).items()):
         tags[f"tag:{key}"] = value
     return json.dumps(tags, separators=(",", ":"), ensure_ascii=False)
@@ -182,9 +187,13 @@ def _attributed(table, dialect: str, filters: dict, start: datetime, end: dateti
         t.c.provider,
     ]
     if sign > 0:
-        keys += [t.c.end_user, t.c.tags]
+        keys += [t.c.end_user, t.c.tags, t.c.endpoint]
     else:
-        keys += [literal(None, String).label("end_user"), literal(NO_TAGS).label("tags")]
+        keys += [
+            literal(None, String).label("end_user"),
+            literal(NO_TAGS).label("tags"),
+            literal(CHAT).label("endpoint"),
+        ]
     adjustment = t.c.kind == ADJUSTMENT
     figures = {
         "requests": func.sum(case((adjustment, 0), else_=1)),
@@ -201,7 +210,7 @@ def _attributed(table, dialect: str, filters: dict, start: datetime, end: dateti
         .where(
             t.c.created_at >= start,
             t.c.created_at < end,
-            or_(t.c.end_user.is_not(None), t.c.tags != NO_TAGS),
+            or_(t.c.end_user.is_not(None), t.c.tags != NO_TAGS, t.c.endpoint != CHAT),
             *(t.c[k] == v for k, v in filters.items()),
         )
         .group_by(*keys[:6], *(keys[6:] if sign > 0 else ()))
@@ -219,6 +228,7 @@ def focus_query(dialect: str, filters: dict, start: datetime, end: datetime):
         *(report.c[k] for k in KEYS),
         literal(None, String).label("end_user"),
         literal(NO_TAGS).label("tags"),
+        literal(CHAT).label("endpoint"),
         *(report.c[m] for m in METRICS),
     )
     parts = [unattributed]

@@ -4,7 +4,10 @@
 Every request that reaches an upstream is one ledger event whose counts are the answer's
 `usage`; every refusal comes before anything is held; stored responses are their owner's."""
 
+import csv
+import io
 import json
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import httpx
@@ -521,3 +524,28 @@ def test_the_simulators_responses_api_refuses_chat_shaped_tools(sim):
         headers={"authorization": "Bearer sim-key"},
     )
     assert chat.status_code == 400  # a Responses-shaped tool sent to chat, as a naive bridge would
+
+
+def test_focus_rows_say_the_responses_api_and_add_up(proxy, token):
+    oa = client(proxy, token)
+    oa.chat.completions.create(model="oa-m25", messages=[{"role": "user", "content": "a"}])
+    oa.responses.create(model="oa-m25", input="b sim:tokens=3", store=False)
+    team_id = proxy.ok("GET", f"/v1/users/{events(proxy, token)[0]['user_id']}")["team_id"]
+    now = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
+    params = {
+        "start": (now - timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "end": (now + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "team_id": team_id,
+        "format": "csv",
+    }
+    answer = proxy.request("GET", "/v1/exports/focus", params=params)
+    assert answer.status_code == 200, answer.text
+    rows = list(csv.DictReader(io.StringIO(answer.text)))
+    by_endpoint: dict[str, Decimal] = {}
+    for row in rows:
+        endpoint = json.loads(row["Tags"]).get("endpoint", "chat.completions")
+        by_endpoint[endpoint] = by_endpoint.get(endpoint, Decimal(0)) + Decimal(row["BilledCost"])
+    ledger: dict[str, Decimal] = {}
+    for e in events(proxy, token):
+        ledger[e["endpoint"]] = ledger.get(e["endpoint"], Decimal(0)) + Decimal(e["cost"])
+    assert by_endpoint == ledger and set(ledger) == {"chat.completions", "responses"}
