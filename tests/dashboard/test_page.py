@@ -147,6 +147,12 @@ def test_the_admin_sees_every_panel_drawn_from_the_api(dashboard, site):
         assert tab.chart("spend")["series"] == len(rows) >= 3
         assert tab.series_totals("spend") == by_key(rows, group)
         assert Decimal(tab.chart("spend")["total"]) == total
+    # By the API asked (chat completions or the Responses API): summed from the ledger itself.
+    tab.choose("#group", "endpoint")
+    rows = spend(site, start=start, group_by="endpoint")["rows"]
+    assert tab.chart("spend")["series"] == len(rows) >= 1
+    assert tab.series_totals("spend") == by_key(rows, "endpoint")
+    assert Decimal(tab.chart("spend")["total"]) == total
 
     tab.choose("#range", "7d")
     week = tab.chart("spend")
