@@ -549,3 +549,47 @@ def test_focus_rows_say_the_responses_api_and_add_up(proxy, token):
     for e in events(proxy, token):
         ledger[e["endpoint"]] = ledger.get(e["endpoint"], Decimal(0)) + Decimal(e["cost"])
     assert by_endpoint == ledger and set(ledger) == {"chat.completions", "responses"}
+
+
+def test_max_output_tokens_is_clamped_as_max_tokens_is(proxy, token):
+    proxy.ok("PATCH", f"/v1/tokens/{token['id']}", json={"credit_limit": "0.001"})
+    raw = client(proxy, token).responses.with_raw_response.create(
+        model="oa-m25", input="Fit sim:tokens=5", store=False
+    )
+    assert raw.parse().status == "completed"
+    clamped = int(raw.headers["x-max-tokens-clamped"])
+    assert 1 <= clamped < 16384
+    [event] = events(proxy, token)
+    assert event["max_tokens_clamped"] == clamped
+
+
+def test_a_streamed_function_call(proxy, token):
+    answer = httpx.post(
+        f"{proxy.url}/v1/responses",
+        json={
+            "model": "oa-m25",
+            "input": "Weather? sim:tool=get_weather",
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                }
+            ],
+            "stream": True,
+            "store": False,
+        },
+        headers={"authorization": f"Bearer {token['token']}"},
+        timeout=30,
+    )
+    stream = sse(answer.content)
+    kinds = [data["type"] for _, data in stream]
+    assert "response.function_call_arguments.delta" in kinds
+    assert kinds[-1] == "response.completed"
+    [call] = stream[-1][1]["response"]["output"]
+    assert call["type"] == "function_call" and call["id"].startswith("fc_")
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "sim"}
+    assert call["call_id"].startswith("call_")
+    done = [d["item"] for _, d in stream if d["type"] == "response.output_item.done"]
+    assert done == [call]
+    assert len(events(proxy, token)) == 1
