@@ -137,8 +137,13 @@ def test_the_migrated_tables_have_the_declared_columns(api):
     and its archive with exactly the declared columns, types, lengths and nullability."""
     for name in ("ledger_events", "ledger_events_archive"):
         table = reflect(api.settings.database_url, name)
-        assert {c.name for c in table.columns} == set(NAMES), name
+        # The change feed's transaction id (migration 0026), on PostgreSQL's ledger only: set by
+        # the database, declared by no statement (metering.reports.changes).
+        feed = {"txid"} if name == "ledger_events" and api.backend == "postgresql" else set()
+        assert {c.name for c in table.columns} == set(NAMES) | feed, name
         for column in table.columns:
+            if column.name in feed:
+                continue
             spec = SPECS[column.name]
             declared = type(spec.sql).__name__
             if declared == "UTCDateTime":

@@ -49,6 +49,7 @@ EVENT_FIELDS = {
     "run_id",
     "end_user",
     "tags",
+    "endpoint",
 }
 DETAIL_FIELDS = (
     "text_tokens",
@@ -96,6 +97,7 @@ CSV_HEADER = [
     "run_id",
     "end_user",
     "tags",
+    "endpoint",
 ]
 RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
 
