@@ -13,9 +13,8 @@ from metering.responses import store
 
 router = APIRouter(prefix="/v1")
 
-ResponseId = Annotated[
-    str, Path(min_length=1, max_length=64, description="the response's id (`resp_...`)")
-]
+# Any text: an id no response has (too long included) is a 404, as an unknown one is.
+ResponseId = Annotated[str, Path(min_length=1, description="the response's id (`resp_...`)")]
 ERRORS = error_responses(404, *RULE_ERRORS["self"])
 
 

@@ -291,6 +291,10 @@ BAD = [
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text"),
     ({"input": "x", "reasoning": {"effort": "huge"}}, "reasoning"),
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"input": "x", "reasoning": {"effort": {"a": 1}}}, "reasoning"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input"),
+    ({"input": [{"type": {"x": 1}}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input"),
 ]
 
 

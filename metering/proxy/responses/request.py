@@ -138,7 +138,7 @@ def _text_of(
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise _bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}", f"{where}.role")
     images: list[dict[str, Any]] | None = [] if role == "user" else None
     content = _text_of(item.get("content"), f"{where}.content", images)
@@ -287,7 +287,7 @@ def _reasoning(reasoning: Any) -> str | None:
         if key not in ("effort", "summary", "generate_summary"):
             raise _bad(f"reasoning.{key} cannot be bridged", f"reasoning.{key}")
     effort = reasoning.get("effort")
-    if effort is not None and effort not in EFFORTS:
+    if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
         raise _bad(f"reasoning.effort must be one of {', '.join(sorted(EFFORTS))}", "reasoning")
     return effort
 
