@@ -42,7 +42,8 @@ class StreamRelay:
     """One pass over an upstream stream. `run(pass_on)` hands `pass_on` the raw bytes of the
     events a client gets (a usage chunk the client did not ask for held back, `[DONE]` kept
     for the end; with `rename`, a JSON string, each event's `model` replaced by it:
-    metering.proxy.rename); `on_chunk`, if given, sees every parsed chunk."""
+    metering.proxy.rename); `on_chunk`, if given, sees every parsed chunk; `on_data` every
+    event's data, as text."""
 
     __slots__ = (
         "attempt",
@@ -50,6 +51,7 @@ class StreamRelay:
         "observer",
         "withhold_usage",
         "on_chunk",
+        "on_data",
         "rename",
         "done",
         "limit",
@@ -64,12 +66,16 @@ class StreamRelay:
         withhold_usage: bool = False,
         on_chunk: Callable[[dict[str, Any]], None] | None = None,
         rename: bytes | None = None,
+        on_data: Callable[[str], None] | None = None,
     ) -> None:
         self.attempt, self.upstream = attempt, upstream
         # Every event is read when it comes only for a caller that is handed each one.
         self.observer = StreamObserver(lazy=on_chunk is None)
         self.withhold_usage = withhold_usage
         self.on_chunk = on_chunk
+        # Handed every event's data as text (the observer may leave it unparsed): a caller that
+        # reads each event its own way (metering.proxy.responses.answer).
+        self.on_data = on_data
         self.rename = rename
         self.done: bytes | None = None  # the raw [DONE] event, once it came
         self.limit: AnswerBound | None = None  # the bound the answer passed, if any
@@ -119,6 +125,8 @@ class StreamRelay:
                     self.done = event.raw
                     break
                 obj = observer.observe(data)
+                if self.on_data is not None:
+                    self.on_data(data)
                 if observer.finished:
                     # A Responses stream's last event (metering.proxy.responses.native): kept
                     # for the end, as [DONE] is.

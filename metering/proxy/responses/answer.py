@@ -111,7 +111,9 @@ class ResponsesStream(MeteredStream):
         super().__init__(attempt, upstream)
         self.bridge = bridge
         self.writer = EventWriter(bridge.face)
-        self.relay = StreamRelay(attempt, upstream, on_chunk=self.writer.chunk)
+        # The observer reads each event only where it must (usage, an error, the finish), as on
+        # chat; the writer parses each one itself, once.
+        self.relay = StreamRelay(attempt, upstream, on_data=self.writer.data)
         self.raw_headers = [
             (k, b"text/event-stream; charset=utf-8" if k == b"content-type" else v)
             for k, v in self.raw_headers

@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from metering.ledger.event import Event
+from metering.proxy.reported import parse_json_object
 from metering.proxy.responses.request import Bridged
 
 
@@ -218,6 +219,12 @@ class EventWriter:
         return self.take()
 
     # -- chunks ------------------------------------------------------------------------------
+
+    def data(self, data: str) -> None:
+        """One stream event's data, as the upstream sent it (bounded by the event size limit)."""
+        obj = parse_json_object(data)
+        if obj is not None:  # not a JSON object: the observer judges it, nothing to write
+            self.chunk(obj)
 
     def chunk(self, obj: dict[str, Any]) -> None:
         if isinstance(obj.get("model"), str) and obj["model"]:
