@@ -6,6 +6,7 @@ Ids are ours (`resp_`, and `rs_`, `msg_`, `fc_` for the items), never the upstre
 `call_id`, which the client sends back with the call's output. `usage` is the ledger event's,
 in Responses terms, so the client reads what was charged."""
 
+import json
 import os
 import time
 from typing import Any
@@ -189,6 +190,27 @@ def _call_item(fc_id: str, call_id: str, name: str, arguments: str, status: str)
     }
 
 
+def _json(value: Any) -> bytes:
+    """JSON of what is written to the client; a lone surrogate (which an upstream's escapes can
+    spell, and orjson refuses) is written escaped, as the standard library writes it."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+
+_TEXT_DELTA = (
+    b"event: response.output_text.delta\ndata: "
+    b'{"type":"response.output_text.delta","sequence_number":%d,"item_id":"%s",'
+    b'"output_index":%d,"content_index":0,"delta":%s,"logprobs":[]}\n\n'
+)
+_REASONING_DELTA = (
+    b"event: response.reasoning_text.delta\ndata: "
+    b'{"type":"response.reasoning_text.delta","sequence_number":%d,"item_id":"%s",'
+    b'"output_index":%d,"content_index":0,"delta":%s}\n\n'
+)
+
+
 class EventWriter:
     """A chat stream's chunks as Responses events: `event:` lines naming each data's type,
     `sequence_number` from 0 up. Items open as their first delta comes and close in order."""
@@ -206,7 +228,7 @@ class EventWriter:
     def emit(self, kind: str, **data: Any) -> None:
         payload = {"type": kind, "sequence_number": self.seq, **data}
         self.seq += 1
-        self.out.append(b"event: %s\ndata: %s\n\n" % (kind.encode(), orjson.dumps(payload)))
+        self.out.append(b"event: %s\ndata: %s\n\n" % (kind.encode(), _json(payload)))
 
     def take(self) -> bytes:
         out, self.out = b"".join(self.out), []
@@ -222,8 +244,11 @@ class EventWriter:
 
     def data(self, data: str) -> None:
         """One stream event's data, as the upstream sent it (bounded by the event size limit)."""
-        obj = parse_json_object(data)
-        if obj is not None:  # not a JSON object: the observer judges it, nothing to write
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            obj = parse_json_object(data)  # the lenient reading, for what orjson refuses
+        if isinstance(obj, dict):  # else not a JSON object: the observer judges it
             self.chunk(obj)
 
     def chunk(self, obj: dict[str, Any]) -> None:
@@ -279,13 +304,10 @@ class EventWriter:
             self.open = [kind, rid, [], index]
         kind_, rid, texts, index = self.open
         texts.append(text)
-        name = (
-            "response.reasoning_text.delta"
-            if kind_ == "reasoning"
-            else "response.output_text.delta"
-        )
-        extra: dict[str, Any] = {} if kind_ == "reasoning" else {"logprobs": []}
-        self.emit(name, item_id=rid, output_index=index, content_index=0, delta=text, **extra)
+        # The one event of every chunk, written from its template (the keys in emit's order).
+        template = _REASONING_DELTA if kind_ == "reasoning" else _TEXT_DELTA
+        self.out.append(template % (self.seq, rid.encode(), index, _json(text)))
+        self.seq += 1
 
     def _close_text(self) -> None:
         if self.open is None:
